@@ -1,0 +1,88 @@
+"""Awaiting a ``concurrent.futures.Future`` from asyncio (uvloop too) or trio.
+
+One interface, one implementation per event loop, chosen by the loop that is running.
+The future's done-callback runs in the pool's supervisor thread; it only schedules a
+wake-up in the waiting loop (``call_soon_threadsafe`` / ``run_sync_soon``), never blocks,
+and tolerates a loop that has gone away in the meantime.
+
+Cancelling the await does not cancel the future: whether a job stops when its waiter
+goes away is the scheduler's decision (other callers may be waiting on the same job).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import sys
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def current_library() -> str:
+    """'asyncio' or 'trio': the async library running the current task."""
+    try:
+        import asyncio
+
+        asyncio.get_running_loop()
+        return "asyncio"
+    except RuntimeError:
+        pass
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        try:
+            trio.lowlevel.current_task()
+            return "trio"
+        except RuntimeError:
+            pass
+    raise RuntimeError("aiocompile must be awaited from a running asyncio or trio event loop")
+
+
+async def wait(future: cf.Future[T]) -> T:
+    """The result of ``future``, waiting without blocking the event loop."""
+    if not future.done():
+        if current_library() == "asyncio":
+            await _wait_asyncio(future)
+        else:
+            await _wait_trio(future)
+    exc = future.exception()
+    if exc is not None:
+        # The same exception object reaches every caller that shared the job; start its
+        # traceback afresh here, or each raise would pile its frames onto the last one's.
+        raise exc.with_traceback(None)
+    return future.result()
+
+
+async def _wait_asyncio(future: cf.Future[Any]) -> None:
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+
+    def wake(waiter: asyncio.Future[None]) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    def on_done(_: cf.Future[Any]) -> None:
+        try:
+            loop.call_soon_threadsafe(wake, waiter)
+        except RuntimeError:
+            pass  # the loop is closed: nobody is waiting any more
+
+    future.add_done_callback(on_done)
+    await waiter
+
+
+async def _wait_trio(future: cf.Future[Any]) -> None:
+    import trio
+
+    token = trio.lowlevel.current_trio_token()
+    event = trio.Event()
+
+    def on_done(_: cf.Future[Any]) -> None:
+        try:
+            token.run_sync_soon(event.set)
+        except trio.RunFinishedError:
+            pass
+
+    future.add_done_callback(on_done)
+    await event.wait()

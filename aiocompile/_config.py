@@ -1,0 +1,100 @@
+"""The scheduler's configuration: one immutable object, built from arguments.
+
+Environment variables are read here and nowhere else (``SchedulerConfig.from_env``), and
+only for the default scheduler; a ``Scheduler(...)`` made by hand takes its arguments.
+
+=========================  ============================================================
+AIOCOMPILE_WORKERS         worker processes (default: the CPUs this process may use, at
+                           most 16)
+AIOCOMPILE_TIMEOUT         default per-job timeout in seconds (default: none)
+AIOCOMPILE_MAX_CRASHES     crashes after which a job fails (default: 2)
+AIOCOMPILE_START_METHOD    forkserver, spawn or fork (default: forkserver on Linux)
+=========================  ============================================================
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping
+
+_MAX_DEFAULT_WORKERS = 16
+TRITON_PRELOAD = "aiocompile.backends._triton_worker:prepare_process"
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on: its affinity mask, capped by a cgroup CPU quota."""
+    try:
+        count = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        count = os.cpu_count() or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()
+        if quota != "max":
+            count = min(count, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, count)
+
+
+def default_workers() -> int:
+    return min(available_cpus(), _MAX_DEFAULT_WORKERS)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How a :class:`~aiocompile.Scheduler` behaves. Frozen: make a new one to change it."""
+
+    workers: int = field(default_factory=default_workers)
+    """Worker processes at most; started on demand, or all at once by ``warm()``."""
+    timeout: float | None = None
+    """Default per-job timeout in seconds, counted from when a worker starts the job."""
+    max_crashes: int = 2
+    """A job that kills this many workers fails with ``WorkerCrashedError``."""
+    start_method: str | None = None
+    """'forkserver', 'spawn' or 'fork'; None picks forkserver where it works."""
+    preload: tuple[str, ...] = (TRITON_PRELOAD,)
+    """Modules (``module`` or ``module:function``) the fork server loads before forking."""
+    cache_entries: int = 4096
+    """Compiled results kept in memory, least recently used dropped first."""
+    close_grace: float = 5.0
+    """Seconds running jobs get to finish in ``aclose()`` before their workers are killed."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 1:
+            raise ValueError(f"workers must be a positive integer, got {self.workers!r}")
+        if self.timeout is not None and not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds or None, got {self.timeout!r}")
+        if not isinstance(self.max_crashes, int) or self.max_crashes < 1:
+            raise ValueError(f"max_crashes must be at least 1, got {self.max_crashes!r}")
+        if self.start_method not in (None, "forkserver", "spawn", "fork"):
+            raise ValueError(f"start_method must be 'forkserver', 'spawn', 'fork' or None, got {self.start_method!r}")
+        if self.cache_entries < 0:
+            raise ValueError(f"cache_entries must be >= 0, got {self.cache_entries!r}")
+        if self.close_grace < 0:
+            raise ValueError(f"close_grace must be >= 0, got {self.close_grace!r}")
+
+    def with_changes(self, **changes: Any) -> SchedulerConfig:
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> SchedulerConfig:
+        """The configuration the environment asks for (see the module docstring)."""
+        changes: dict[str, Any] = {}
+
+        def number(name: str, kind: type) -> Any:
+            text = environ.get(name, "").strip()
+            if not text:
+                return None
+            try:
+                return kind(text)
+            except ValueError:
+                raise ValueError(f"{name}={text!r} is not a valid {kind.__name__}") from None
+
+        changes["workers"] = number("AIOCOMPILE_WORKERS", int)
+        changes["timeout"] = number("AIOCOMPILE_TIMEOUT", float)
+        changes["max_crashes"] = number("AIOCOMPILE_MAX_CRASHES", int)
+        changes["start_method"] = environ.get("AIOCOMPILE_START_METHOD", "").strip() or None
+        return cls().with_changes(**changes)

@@ -1,0 +1,143 @@
+"""The exceptions aiocompile raises, all under one root.
+
+::
+
+    AiocompileError                 anything aiocompile raises on its own account
+     ├── CompileError               the kernel did not compile (your kernel's fault)
+     │    ├── CompileTimeout        ... within its timeout; also a TimeoutError
+     │    └── WorkerCrashedError    ... because it killed its worker max_crashes times
+     └── SchedulerClosed            the scheduler was used after aclose() (your program's fault)
+
+Bad input (a malformed signature, an unknown target, a wrong option type) is not in
+this tree: it raises ``ValueError`` or ``TypeError`` in the caller, at once, before any
+worker is involved. A job run with :meth:`Scheduler.run` that raises re-raises its own
+exception in the caller, with the worker's traceback attached as ``__cause__``.
+
+Every class pickles, so an error raised in one process can be re-raised in another.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "AiocompileError",
+    "CompileError",
+    "CompileTimeout",
+    "SchedulerClosed",
+    "WorkerCrashedError",
+]
+
+
+class AiocompileError(Exception):
+    """Root of every error aiocompile raises on its own account."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Exceptions pickle as ``cls(*self.args)``, which loses keyword-only fields; rebuild
+        # from the instance dict instead so that every field survives the trip between
+        # processes.
+        return (_rebuild, (type(self), self.args, self.__dict__))
+
+
+def _rebuild(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> BaseException:
+    exc = cls.__new__(cls)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc
+
+
+class CompileError(AiocompileError):
+    """The kernel did not compile. Whose fault: the kernel's (or the compiler's).
+
+    ``message`` is the compiler's own message, ``kernel_name`` and ``key`` say which
+    kernel, ``target`` which architecture, and ``output`` holds the tail of what the
+    compile printed, if anything.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        kernel_name: str | None = None,
+        key: str | None = None,
+        target: str | None = None,
+        output: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.kernel_name = kernel_name
+        self.key = key
+        self.target = target
+        self.output = output
+
+    def __str__(self) -> str:
+        where = []
+        if self.kernel_name:
+            where.append(f"kernel {self.kernel_name!r}")
+        if self.target:
+            where.append(f"target {self.target}")
+        head = f"{', '.join(where)}: " if where else ""
+        return f"{head}{self.message}"
+
+
+class CompileTimeout(CompileError, TimeoutError):
+    """The compile did not finish within its timeout. Whose fault: the kernel's, or a
+    timeout too short for it. The worker that ran it was killed and replaced; no other
+    job was touched.
+    """
+
+    def __init__(self, message: str, *, timeout: float | None = None, **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.timeout = timeout
+
+
+class WorkerCrashedError(CompileError):
+    """The job killed its worker process ``attempts`` times (segfault in the compiler,
+    OOM kill, ``os._exit``), each time on a fresh worker. Whose fault: the job's; the
+    jobs that ran beside it were not affected.
+
+    ``exitcode`` is the worker's exit status (negative for a signal, as in
+    ``subprocess``), ``signal_name`` the signal's name where there was one, and
+    ``output`` the tail of what the worker printed before it died.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        exitcode: int | None = None,
+        attempts: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(message, **kwargs)
+        self.exitcode = exitcode
+        self.attempts = attempts
+
+    @property
+    def signal_name(self) -> str | None:
+        if self.exitcode is None or self.exitcode >= 0:
+            return None
+        import signal
+
+        try:
+            return signal.Signals(-self.exitcode).name
+        except ValueError:
+            return None
+
+
+class SchedulerClosed(AiocompileError):
+    """The scheduler was closed (``aclose()``, interpreter exit, or it belongs to the
+    parent of a forked process) before or while this request was served. Whose fault:
+    the program's.
+    """
+
+
+class RemoteTraceback(Exception):
+    """Carries a worker's formatted traceback as the ``__cause__`` of a re-raised error."""
+
+    def __init__(self, tb: str) -> None:
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return f"\n\nTraceback in the worker process:\n{self.tb}"

@@ -1,0 +1,457 @@
+"""Starting, killing and reaping worker processes: the three start methods.
+
+- ``forkserver`` (default on Linux): workers are forked from a private zygote process that
+  has preloaded the compiler (see ``_zygote``). Starting a worker costs a few milliseconds.
+- ``spawn``: each worker is a fresh interpreter that preloads for itself. Slower to start,
+  available everywhere ``fork`` is not wanted.
+- ``fork``: workers are forked from this process. Only when asked: forking a process with
+  threads (ours has at least the supervisor) or an initialised CUDA context is unsafe.
+
+None of them imports the parent's ``__main__`` in the worker.
+
+Every worker gets three descriptors: its job socket, the read end of an "alive" pipe whose
+only writer is this process (the worker dies when it closes, see
+``_worker.die_with_parent``), and a capture file for its stdout and stderr. A launcher is
+used by the pool's supervisor thread only.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Protocol
+
+_OUTPUT_TAIL = 8192
+
+
+@dataclass(eq=False)
+class WorkerProcess:
+    """The parent's handle on one worker process."""
+
+    pid: int
+    conn: Connection
+    alive_w: int
+    output_fd: int
+    started_at: float = field(default_factory=time.monotonic)
+    exitcode: int | None = None
+
+    def fileno(self) -> int:
+        return self.conn.fileno()
+
+    def output_tail(self, limit: int = _OUTPUT_TAIL) -> str:
+        """The last ``limit`` bytes the worker printed during its current (or last) job."""
+        try:
+            size = os.fstat(self.output_fd).st_size
+            data = os.pread(self.output_fd, limit, max(0, size - limit))
+        except OSError:
+            return ""
+        return data.decode("utf-8", "replace")
+
+    def close(self) -> None:
+        for close in (self.conn.close, lambda: os.close(self.alive_w), lambda: os.close(self.output_fd)):
+            try:
+                close()
+            except OSError:
+                pass
+
+
+class Launcher(Protocol):
+    name: str
+
+    def launch(self) -> WorkerProcess: ...
+
+    def kill(self, worker: WorkerProcess) -> None: ...
+
+    def wait_exit(self, worker: WorkerProcess, timeout: float) -> int | None: ...
+
+    def fileno(self) -> int | None: ...
+
+    def on_readable(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    def forget(self) -> None:
+        """In a forked child: drop this process's copies of descriptors, touching nothing."""
+
+
+def _worker_descriptors() -> tuple[socket.socket, socket.socket, int, int, int]:
+    """A job socket pair, an alive pipe and a capture file, as the two sides need them."""
+    parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    alive_r, alive_w = os.pipe()
+    output_fd = _capture_file()
+    return parent_sock, child_sock, alive_r, alive_w, output_fd
+
+
+def _capture_file() -> int:
+    # Unlinked at once: nothing is left on disk whatever happens to either process.
+    with tempfile.TemporaryFile(prefix="aiocompile-worker-") as f:
+        return os.dup(f.fileno())
+
+
+def _close_all(*fds: int) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _package_root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _child_env() -> dict[str, str]:
+    # The child must find this package even when it was put on sys.path by hand.
+    env = dict(os.environ)
+    root = _package_root()
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+class LauncherError(RuntimeError):
+    """The worker machinery itself failed to start (not a job's fault)."""
+
+
+class ZygoteLauncher:
+    """Workers forked from a private, preloaded zygote process."""
+
+    name = "forkserver"
+
+    def __init__(self, preload: tuple[str, ...], start_timeout: float = 120.0) -> None:
+        self._preload = list(preload)
+        self._start_timeout = start_timeout
+        self._ctrl: socket.socket | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._output_fd: int | None = None
+        self._exits: dict[int, int] = {}
+        self._forked: dict[int, int] = {}
+        self._request_ids = 0
+        self.problems: list[str] = []
+
+    # -- the zygote itself ---------------------------------------------------------------
+
+    def _ensure_zygote(self) -> socket.socket:
+        if self._ctrl is not None and self._proc is not None and self._proc.poll() is None:
+            return self._ctrl
+        self._stop_zygote()
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._output_fd = _capture_file()
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "aiocompile._zygote", str(child.fileno())],
+                pass_fds=(child.fileno(),),
+                stdin=subprocess.DEVNULL,
+                stdout=self._output_fd,
+                stderr=self._output_fd,
+                env=_child_env(),
+                # Its own session: a Ctrl-C meant for the application does not reach it.
+                start_new_session=True,
+            )
+        finally:
+            child.close()
+        self._ctrl = parent
+        parent.send(pickle.dumps(("init", list(sys.path), os.getcwd(), self._preload)))
+        deadline = time.monotonic() + self._start_timeout
+        while True:
+            message = self._recv(deadline)
+            if message is None:
+                tail = self._zygote_output()
+                self._stop_zygote()
+                raise LauncherError(f"the worker fork server did not start:\n{tail}")
+            if message[0] == "ready":
+                self.problems = list(message[2])
+                return parent
+            self._note(message)
+
+    def _zygote_output(self) -> str:
+        if self._output_fd is None:
+            return ""
+        try:
+            size = os.fstat(self._output_fd).st_size
+            return os.pread(self._output_fd, _OUTPUT_TAIL, max(0, size - _OUTPUT_TAIL)).decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    def _recv(self, deadline: float | None) -> tuple[object, ...] | None:
+        """One control message; None when the deadline passed or the zygote is gone (then
+        ``self._ctrl`` is None afterwards)."""
+        if self._ctrl is None:
+            return None
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        self._ctrl.settimeout(timeout)
+        try:
+            data = self._ctrl.recv(1 << 20)
+        except (TimeoutError, socket.timeout):
+            return None
+        except OSError:
+            data = b""
+        finally:
+            if self._ctrl is not None:
+                self._ctrl.settimeout(None)
+        if not data:
+            # The zygote died; its workers die with it (PR_SET_PDEATHSIG) and the next
+            # launch starts a new one.
+            self._ctrl.close()
+            self._ctrl = None
+            return None
+        message: tuple[object, ...] = pickle.loads(data)
+        return message
+
+    def _note(self, message: tuple[object, ...]) -> None:
+        if message[0] == "exit":
+            pid, code = message[1], message[2]
+            assert isinstance(pid, int) and isinstance(code, int)
+            self._exits[pid] = code
+        elif message[0] == "forked":
+            request_id, pid = message[1], message[2]
+            assert isinstance(request_id, int) and isinstance(pid, int)
+            self._forked[request_id] = pid
+
+    def _stop_zygote(self) -> None:
+        if self._ctrl is not None:
+            self._ctrl.close()
+            self._ctrl = None
+        if self._proc is not None:
+            # Closing the control socket makes the zygote kill its workers and exit.
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._proc = None
+        if self._output_fd is not None:
+            _close_all(self._output_fd)
+            self._output_fd = None
+
+    # -- the Launcher interface ----------------------------------------------------------
+
+    def launch(self) -> WorkerProcess:
+        ctrl = self._ensure_zygote()
+        parent_sock, child_sock, alive_r, alive_w, output_fd = _worker_descriptors()
+        self._request_ids += 1
+        request_id = self._request_ids
+        try:
+            socket.send_fds(ctrl, [pickle.dumps(("fork", request_id))], [child_sock.fileno(), alive_r, output_fd])
+        except OSError as exc:
+            parent_sock.close()
+            child_sock.close()
+            _close_all(alive_r, alive_w, output_fd)
+            raise LauncherError(f"the worker fork server is gone: {exc}") from exc
+        finally:
+            child_sock.close()
+            _close_all(alive_r)
+        deadline = time.monotonic() + 30
+        while request_id not in self._forked:
+            message = self._recv(deadline)
+            if message is None:
+                parent_sock.close()
+                _close_all(alive_w, output_fd)
+                raise LauncherError(f"the worker fork server did not answer:\n{self._zygote_output()}")
+            self._note(message)
+        pid = self._forked.pop(request_id)
+        return WorkerProcess(pid, Connection(parent_sock.detach()), alive_w, output_fd)
+
+    def kill(self, worker: WorkerProcess) -> None:
+        # The zygote kills only children it has not reaped yet, so a recycled pid is safe.
+        if self._ctrl is None:
+            return
+        try:
+            self._ctrl.send(pickle.dumps(("kill", worker.pid, signal.SIGKILL)))
+        except OSError:
+            pass
+
+    def wait_exit(self, worker: WorkerProcess, timeout: float) -> int | None:
+        deadline = time.monotonic() + timeout
+        while worker.pid not in self._exits:
+            if self._ctrl is None:
+                return None
+            message = self._recv(deadline)
+            if message is None:
+                return None
+            self._note(message)
+        return self._exits.pop(worker.pid)
+
+    def fileno(self) -> int | None:
+        return None if self._ctrl is None else self._ctrl.fileno()
+
+    def on_readable(self) -> None:
+        # Exit reports arrive on their own; keep them until the worker's socket closes.
+        message = self._recv(time.monotonic())
+        if message is not None:
+            self._note(message)
+
+    def close(self) -> None:
+        self._stop_zygote()
+
+    def forget(self) -> None:
+        if self._ctrl is not None:
+            self._ctrl.close()
+            self._ctrl = None
+        if self._output_fd is not None:
+            _close_all(self._output_fd)
+            self._output_fd = None
+        self._proc = None
+
+
+class SpawnLauncher:
+    """Each worker a fresh interpreter, a direct child of this process."""
+
+    name = "spawn"
+
+    def __init__(self, preload: tuple[str, ...]) -> None:
+        self._preload = ",".join(preload)
+        self._procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.problems: list[str] = []
+
+    def launch(self) -> WorkerProcess:
+        parent_sock, child_sock, alive_r, alive_w, output_fd = _worker_descriptors()
+        fds = (child_sock.fileno(), alive_r, output_fd)
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", "from aiocompile._worker import spawn_main; spawn_main()",
+                 *(str(fd) for fd in fds), self._preload],
+                pass_fds=fds,
+                stdin=subprocess.DEVNULL,
+                stdout=output_fd,
+                stderr=output_fd,
+                env=_child_env(),
+                cwd=os.getcwd(),
+                start_new_session=True,
+            )
+        except OSError as exc:
+            parent_sock.close()
+            _close_all(alive_w, output_fd)
+            raise LauncherError(f"could not start a worker: {exc}") from exc
+        finally:
+            child_sock.close()
+            _close_all(alive_r)
+        self._procs[proc.pid] = proc
+        return WorkerProcess(proc.pid, Connection(parent_sock.detach()), alive_w, output_fd)
+
+    def kill(self, worker: WorkerProcess) -> None:
+        proc = self._procs.get(worker.pid)
+        if proc is not None and proc.returncode is None:
+            proc.kill()
+
+    def wait_exit(self, worker: WorkerProcess, timeout: float) -> int | None:
+        proc = self._procs.get(worker.pid)
+        if proc is None:
+            return None
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        del self._procs[worker.pid]
+        return code
+
+    def fileno(self) -> int | None:
+        return None
+
+    def on_readable(self) -> None:
+        pass
+
+    def close(self) -> None:
+        for proc in self._procs.values():
+            if proc.returncode is None:
+                proc.kill()
+        for proc in self._procs.values():
+            proc.wait()
+        self._procs.clear()
+
+    def forget(self) -> None:
+        self._procs.clear()
+
+
+class ForkLauncher:
+    """Workers forked straight from this process (only when asked for)."""
+
+    name = "fork"
+
+    def __init__(self, preload: tuple[str, ...]) -> None:
+        from aiocompile._zygote import preload_modules
+
+        self.problems = preload_modules(list(preload), warm=False)
+        self._pids: set[int] = set()
+
+    def launch(self) -> WorkerProcess:
+        parent_sock, child_sock, alive_r, alive_w, output_fd = _worker_descriptors()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child's side is exercised through the pool
+            try:
+                # Keep only our three descriptors: a copy of a sibling's alive pipe would
+                # keep that sibling alive after the parent died.
+                keep = sorted({0, 1, 2, child_sock.fileno(), alive_r, output_fd})
+                for low, high in zip(keep, keep[1:] + [os.sysconf("SC_OPEN_MAX")]):
+                    os.closerange(low + 1, high)
+                from aiocompile import _worker
+
+                _worker.start(child_sock.detach(), alive_r, output_fd)
+            finally:
+                os._exit(72)
+        child_sock.close()
+        _close_all(alive_r)
+        self._pids.add(pid)
+        return WorkerProcess(pid, Connection(parent_sock.detach()), alive_w, output_fd)
+
+    def kill(self, worker: WorkerProcess) -> None:
+        if worker.pid in self._pids:
+            try:
+                os.kill(worker.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def wait_exit(self, worker: WorkerProcess, timeout: float) -> int | None:
+        if worker.pid not in self._pids:
+            return None
+        deadline = time.monotonic() + timeout
+        while True:
+            pid, status = os.waitpid(worker.pid, os.WNOHANG)
+            if pid:
+                self._pids.discard(worker.pid)
+                return os.waitstatus_to_exitcode(status)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.001)
+
+    def fileno(self) -> int | None:
+        return None
+
+    def on_readable(self) -> None:
+        pass
+
+    def close(self) -> None:
+        for pid in list(self._pids):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+        self._pids.clear()
+
+    def forget(self) -> None:
+        self._pids.clear()
+
+
+def default_start_method() -> str:
+    if sys.platform.startswith("linux") and hasattr(socket, "SOCK_SEQPACKET") and hasattr(socket, "send_fds"):
+        return "forkserver"
+    return "spawn"
+
+
+def make_launcher(start_method: str | None, preload: tuple[str, ...]) -> Launcher:
+    method = start_method or default_start_method()
+    if method == "forkserver":
+        return ZygoteLauncher(preload)
+    if method == "spawn":
+        return SpawnLauncher(preload)
+    if method == "fork":
+        return ForkLauncher(preload)
+    raise ValueError(f"unknown start method {start_method!r}; expected 'forkserver', 'spawn' or 'fork'")

@@ -1,0 +1,660 @@
+"""WorkerPool: a ``concurrent.futures.Executor`` that supervises one job per worker process.
+
+Each worker holds at most one job, sent over its own socket, so the parent always knows
+which job a worker holds. That is what makes the rest exact:
+
+- a worker that dies (segfault, OOM kill, ``os._exit``) takes exactly one job with it; that
+  job is retried on another worker, and fails with ``WorkerCrashedError`` once it has killed
+  ``max_crashes`` workers. Jobs in other workers never notice.
+- a job past its timeout is stopped by killing its worker only (``CompileTimeout``).
+- a queued job can be cancelled; a running one can be killed without touching the others.
+
+One supervisor thread owns all the processes. It waits on every worker socket, the
+launcher's control socket and a wake-up pipe at once (``multiprocessing.connection.wait``),
+so a death is noticed the moment the socket closes, not by polling. Other threads talk to
+it only through ``_commands`` and the wake-up pipe.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import concurrent.futures as cf
+import itertools
+import os
+import pickle
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait as wait_for_any
+from typing import Any, Callable
+
+from aiocompile import _serialize
+from aiocompile._errors import (
+    CompileTimeout,
+    RemoteTraceback,
+    SchedulerClosed,
+    WorkerCrashedError,
+)
+from aiocompile._launch import Launcher, LauncherError, WorkerProcess, make_launcher
+from aiocompile._worker import _Failure, job_env
+
+# How long a worker that closed its socket may take to be reaped before we stop waiting.
+_REAP_TIMEOUT = 5.0
+# Consecutive worker start failures after which queued jobs fail instead of waiting for a
+# worker that will never come.
+_MAX_START_FAILURES = 3
+
+
+@dataclass(eq=False)
+class Job:
+    """One unit of work and everything measured about it. Fields are written by the
+    supervisor thread and are final once ``future`` is done."""
+
+    id: int
+    payload: bytes
+    future: cf.Future[Any]
+    timeout: float | None
+    max_crashes: int
+    name: str | None
+    key: str | None
+    env: dict[str, str]
+    sys_path: list[str]
+    warm_only: bool = False
+    submitted_at: float = field(default_factory=time.monotonic)
+    started_at: float | None = None
+    finished_at: float | None = None
+    run_time: float | None = None
+    attempts: int = 0
+    crashes: int = 0
+    worker_pid: int | None = None
+    worker_max_rss: int = 0
+    output_size: int = 0
+    last_exitcode: int | None = None
+    last_output: str = ""
+    kill_reason: str | None = None
+
+    @property
+    def queue_wait(self) -> float | None:
+        if self.started_at is None:
+            return None
+        return self.started_at - self.submitted_at
+
+
+@dataclass(eq=False)
+class _Worker:
+    proc: WorkerProcess
+    state: str = "starting"  # starting -> idle <-> busy -> (gone)
+    job: Job | None = None
+    deadline: float | None = None
+    warmed: bool = False
+    jobs_run: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class PoolCounters:
+    workers_started: int = 0
+    worker_crashes: int = 0
+    retries: int = 0
+    timeouts: int = 0
+    killed: int = 0
+    queue_depth_max: int = 0
+
+
+def _signal_name(code: int | None) -> str:
+    if code is None:
+        return "an unknown status"
+    if code < 0:
+        import signal
+
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+class WorkerPool(cf.Executor):
+    """A supervised pool of worker processes, one job per worker at a time.
+
+    ``submit()`` follows the ``Executor`` contract; ``submit_job()`` also takes a timeout,
+    a crash budget and a name for error messages, and returns the :class:`Job` with its
+    timings.
+    """
+
+    def __init__(
+        self,
+        max_workers: int,
+        *,
+        start_method: str | None = None,
+        preload: tuple[str, ...] = (),
+        max_crashes: int = 2,
+    ) -> None:
+        if max_workers < 1:
+            raise ValueError(f"max_workers must be at least 1, got {max_workers}")
+        if max_crashes < 1:
+            raise ValueError(f"max_crashes must be at least 1, got {max_crashes}")
+        self.max_workers = max_workers
+        self.max_crashes = max_crashes
+        self.start_method = start_method
+        self._preload = preload
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._commands: collections.deque[tuple[str, Any]] = collections.deque()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        os.set_blocking(self._wake_r, False)
+        self._ids = itertools.count(1)
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.counters = PoolCounters()
+        # Owned by the supervisor thread:
+        self._launcher: Launcher | None = None
+        self._workers: list[_Worker] = []
+        self._pending: collections.deque[Job] = collections.deque()
+        self._warm_pending: collections.deque[Job] = collections.deque()
+        self._start_failures = 0
+        self._last_start_error: str = ""
+        self._shutdown_deadline: float | None = None
+        self._stopping = False
+        _live_pools.add(self)
+
+    # -- submission (any thread) -------------------------------------------------------
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> cf.Future[Any]:  # type: ignore[override]
+        return self.submit_job(fn, args, kwargs).future
+
+    def submit_job(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
+        max_crashes: int | None = None,
+        name: str | None = None,
+        key: str | None = None,
+        warm_only: bool = False,
+    ) -> Job:
+        """Queue ``fn(*args, **kwargs)``; raises ``TypeError`` at once if it cannot be sent."""
+        self._check_usable()
+        payload = _serialize.dumps((fn, args, kwargs or {}))
+        job = Job(
+            id=next(self._ids),
+            payload=payload,
+            future=cf.Future(),
+            timeout=timeout,
+            max_crashes=max_crashes or self.max_crashes,
+            name=name,
+            key=key,
+            env=job_env(),
+            sys_path=list(sys.path),
+            warm_only=warm_only,
+        )
+        self._command("submit", job)
+        return job
+
+    def kill(self, job: Job, reason: str = "cancelled") -> None:
+        """Stop a job: cancel it if queued, kill its worker if running."""
+        if not job.future.cancel():
+            self._command("kill", (job, reason))
+        else:
+            self._wake()
+
+    def warm(self, fn: Callable[..., Any], args: tuple[Any, ...] = ()) -> list[Job]:
+        """Start every worker and run ``fn(*args)`` once in each worker not yet warmed."""
+        return [self.submit_job(fn, args, warm_only=True, name="warm-up") for _ in range(self.max_workers)]
+
+    def _command(self, kind: str, value: Any) -> None:
+        with self._lock:
+            if self._closed and kind == "submit":
+                raise SchedulerClosed("the worker pool is shut down")
+            self._commands.append((kind, value))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._supervise, name="aiocompile-supervisor", daemon=True)
+                self._thread.start()
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass  # a full pipe already means "wake up"
+
+    def _check_usable(self) -> None:
+        if os.getpid() != self._pid:
+            raise SchedulerClosed("this worker pool belongs to the parent of a forked process; create a new one here")
+        if self._closed:
+            raise SchedulerClosed("the worker pool is shut down")
+
+    # -- introspection (any thread) -------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def snapshot(self) -> dict[str, int]:
+        """Workers by state and queue depth now (a racy read, good for metrics)."""
+        workers = list(self._workers)
+        return {
+            "workers": len(workers),
+            "busy_workers": sum(1 for w in workers if w.state == "busy"),
+            "idle_workers": sum(1 for w in workers if w.state == "idle"),
+            "queue_depth": len(self._pending),
+        }
+
+    def worker_pids(self) -> list[int]:
+        return [w.proc.pid for w in list(self._workers)]
+
+    # -- shutdown ---------------------------------------------------------------------------
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False, grace: float | None = None) -> None:
+        """Stop accepting work. Queued jobs run unless ``cancel_futures``; running jobs get
+        ``grace`` seconds (None: as long as they need) before their workers are killed.
+        Every job still unfinished then fails with ``SchedulerClosed``."""
+        if os.getpid() != self._pid:
+            self._forget_after_fork()
+            return
+        with self._lock:
+            first = not self._closed
+            self._closed = True
+            thread = self._thread
+            if first:
+                self._commands.append(("shutdown", (cancel_futures, grace)))
+        if thread is None:
+            self._close_fds()
+            return
+        self._wake()
+        if wait:
+            thread.join()
+
+    def _forget_after_fork(self) -> None:
+        # In a forked child: the processes belong to the parent. Drop our copies of the
+        # descriptors without telling anyone anything.
+        self._closed = True
+        for worker in self._workers:
+            worker.proc.close()
+        self._workers = []
+        if self._launcher is not None:
+            self._launcher.forget()
+            self._launcher = None
+        self._close_fds()
+
+    def _close_fds(self) -> None:
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._wake_r = self._wake_w = -1
+
+    # -- the supervisor thread ----------------------------------------------------------
+
+    def _supervise(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # pragma: no cover - a bug here must not hang callers
+            self._fail_everything(RuntimeError(f"the aiocompile supervisor failed: {exc!r}"))
+            raise
+        finally:
+            self._teardown()
+
+    def _loop(self) -> None:
+        while True:
+            self._run_commands()
+            if self._stopping and self._finished_stopping():
+                return
+            self._dispatch()
+            waitables: list[Any] = [self._wake_r]
+            waitables.extend(w.proc.conn for w in self._workers)
+            if self._launcher is not None and (fd := self._launcher.fileno()) is not None:
+                waitables.append(fd)
+            ready = wait_for_any(waitables, self._next_timeout())
+            for obj in ready:
+                if isinstance(obj, int):
+                    if obj == self._wake_r:
+                        self._drain_wake()
+                    elif self._launcher is not None:
+                        self._launcher.on_readable()
+                else:
+                    worker = next((w for w in self._workers if w.proc.conn is obj), None)
+                    if worker is not None:
+                        self._on_readable(worker)
+            self._check_deadlines()
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def _run_commands(self) -> None:
+        while True:
+            with self._lock:
+                if not self._commands:
+                    return
+                kind, value = self._commands.popleft()
+            if kind == "submit":
+                (self._warm_pending if value.warm_only else self._pending).append(value)
+                depth = len(self._pending)
+                if depth > self.counters.queue_depth_max:
+                    self.counters.queue_depth_max = depth
+            elif kind == "kill":
+                job, reason = value
+                self._kill_job(job, reason)
+            elif kind == "shutdown":
+                cancel_futures, grace = value
+                self._begin_shutdown(cancel_futures, grace)
+
+    def _next_timeout(self) -> float | None:
+        deadlines = [w.deadline for w in self._workers if w.deadline is not None]
+        if self._shutdown_deadline is not None:
+            deadlines.append(self._shutdown_deadline)
+        if not deadlines:
+            return None
+        return max(0.0, min(deadlines) - time.monotonic())
+
+    # -- starting work ----------------------------------------------------------------------
+
+    def _dispatch(self) -> None:
+        self._drop_cancelled()
+        # Warm-up jobs go only to workers that have not been warmed, one each; once every
+        # slot holds a warmed worker, the ones left have nothing to do.
+        while self._warm_pending:
+            worker = self._idle_worker(lambda w: not w.warmed)
+            if worker is None:
+                if len(self._workers) >= self.max_workers and all(w.warmed for w in self._workers):
+                    self._finish_noop(self._warm_pending.popleft())
+                    continue
+                break
+            self._start_job(worker, self._warm_pending.popleft())
+        while self._pending:
+            worker = self._idle_worker(lambda w: True)
+            if worker is None:
+                break
+            self._start_job(worker, self._pending.popleft())
+        wanted = len(self._pending) + len(self._warm_pending)
+        starting = sum(1 for w in self._workers if w.state == "starting")
+        while wanted > starting and len(self._workers) < self.max_workers:
+            if not self._launch_worker():
+                break
+            starting += 1
+
+    def _drop_cancelled(self) -> None:
+        for queue in (self._pending, self._warm_pending):
+            if any(job.future.cancelled() for job in queue):
+                kept = [job for job in queue if not job.future.cancelled()]
+                queue.clear()
+                queue.extend(kept)
+
+    def _idle_worker(self, eligible: Callable[[_Worker], bool]) -> _Worker | None:
+        # Most recently used first: its caches (Triton's in-process ones, the page cache)
+        # are the warmest, and the others can then be left idle long enough to be stopped.
+        best = None
+        for worker in self._workers:
+            if worker.state == "idle" and eligible(worker) and (best is None or worker.last_used > best.last_used):
+                best = worker
+        return best
+
+    def _launch_worker(self) -> bool:
+        try:
+            if self._launcher is None:
+                self._launcher = make_launcher(self.start_method, self._preload)
+            proc = self._launcher.launch()
+        except (LauncherError, OSError) as exc:
+            self._start_failures += 1
+            self._last_start_error = str(exc)
+            if self._start_failures >= _MAX_START_FAILURES:
+                self._fail_queued(RuntimeError(f"aiocompile could not start worker processes: {exc}"))
+            return False
+        self._workers.append(_Worker(proc))
+        self.counters.workers_started += 1
+        return True
+
+    def _start_job(self, worker: _Worker, job: Job) -> None:
+        # A retried job's future is RUNNING already; a queued one may have been cancelled.
+        if not job.future.running() and not job.future.set_running_or_notify_cancel():
+            return
+        now = time.monotonic()
+        if job.started_at is None:
+            job.started_at = now
+        job.attempts += 1
+        job.worker_pid = worker.proc.pid
+        worker.state = "busy"
+        worker.job = job
+        worker.deadline = None if job.timeout is None else now + job.timeout
+        message = pickle.dumps(("run", job.id, job.env, job.sys_path, job.payload), protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            worker.proc.conn.send_bytes(message)
+        except OSError:
+            # The worker died before it could take the job: the job never ran, so this
+            # is no crash of its. The socket's end is seen by the wait loop.
+            job.kill_reason = "undelivered"
+
+    # -- results and deaths -----------------------------------------------------------------
+
+    def _on_readable(self, worker: _Worker) -> None:
+        try:
+            data = worker.proc.conn.recv_bytes()
+        except (EOFError, OSError):
+            self._on_death(worker)
+            return
+        message = pickle.loads(data)
+        if message[0] == "ready":
+            worker.state = "idle"
+            self._start_failures = 0
+        elif message[0] == "done":
+            self._on_done(worker, message)
+
+    def _on_done(self, worker: _Worker, message: tuple[Any, ...]) -> None:
+        _, job_id, ok, data, run_time, output_size, max_rss = message
+        job = worker.job
+        worker.state = "idle"
+        worker.job = None
+        worker.deadline = None
+        worker.jobs_run += 1
+        worker.last_used = time.monotonic()
+        if job is None or job.id != job_id:  # pragma: no cover - protocol invariant
+            return
+        if job.warm_only:
+            worker.warmed = True
+        job.finished_at = worker.last_used
+        job.run_time = run_time
+        job.output_size = output_size
+        job.worker_max_rss = max_rss
+        if job.kill_reason is not None and job.kill_reason != "undelivered":
+            # It finished just as we decided to kill it; the result stands.
+            job.kill_reason = None
+        if ok:
+            try:
+                result = pickle.loads(data)
+            except Exception as exc:
+                self._set_exception(job, TypeError(f"the job's result could not be unpickled here: {exc!r}"))
+                return
+            self._set_result(job, result)
+        else:
+            if output_size:
+                job.last_output = worker.proc.output_tail()
+            self._set_exception(job, self._rebuild_failure(job, pickle.loads(data)))
+
+    def _rebuild_failure(self, job: Job, failure: _Failure) -> BaseException:
+        exc = failure.exc
+        if exc is None:
+            exc = RuntimeError(f"{failure.type_name}: {failure.message} (the exception itself could not be pickled)")
+        if not getattr(exc, "output", None) and job.last_output and hasattr(exc, "output"):
+            exc.output = job.last_output
+        exc.__cause__ = RemoteTraceback(failure.traceback)
+        return exc
+
+    def _on_death(self, worker: _Worker) -> None:
+        assert self._launcher is not None
+        exitcode = self._launcher.wait_exit(worker.proc, _REAP_TIMEOUT)
+        worker.proc.exitcode = exitcode
+        tail = worker.proc.output_tail()
+        worker.proc.close()
+        self._workers.remove(worker)
+        job = worker.job
+        if worker.state == "starting":
+            self._start_failures += 1
+            self._last_start_error = f"a worker exited with {_signal_name(exitcode)} while starting:\n{tail}"
+            if self._start_failures >= _MAX_START_FAILURES:
+                self._fail_queued(RuntimeError(f"aiocompile could not start worker processes: {self._last_start_error}"))
+            return
+        if job is None:
+            if not self._stopping:
+                self.counters.worker_crashes += 1
+            return
+        reason = job.kill_reason
+        job.kill_reason = None
+        job.last_exitcode = exitcode
+        job.last_output = tail
+        job.finished_at = time.monotonic()
+        if reason == "undelivered":
+            job.attempts -= 1
+            self._pending.appendleft(job)
+            self._requeue(job)
+            return
+        if reason == "timeout":
+            self.counters.timeouts += 1
+            self._set_exception(job, CompileTimeout(
+                f"did not finish within {job.timeout:g} s; its worker was killed",
+                timeout=job.timeout, kernel_name=job.name, key=job.key, output=tail))
+            return
+        if reason is not None:
+            self.counters.killed += 1
+            self._set_exception(job, cf.CancelledError() if reason == "cancelled" else SchedulerClosed(reason))
+            return
+        self.counters.worker_crashes += 1
+        job.crashes += 1
+        if job.crashes >= job.max_crashes:
+            self._set_exception(job, WorkerCrashedError(
+                f"killed its worker {job.crashes} time(s), last with {_signal_name(exitcode)}",
+                exitcode=exitcode, attempts=job.attempts, kernel_name=job.name, key=job.key, output=tail))
+            return
+        self.counters.retries += 1
+        self._pending.appendleft(job)
+        self._requeue(job)
+
+    def _requeue(self, job: Job) -> None:
+        # The future is already RUNNING; it stays so while the job waits for a retry.
+        job.worker_pid = None
+
+    def _check_deadlines(self) -> None:
+        now = time.monotonic()
+        for worker in self._workers:
+            if worker.deadline is not None and worker.deadline <= now and worker.job is not None:
+                worker.deadline = None
+                worker.job.kill_reason = "timeout"
+                assert self._launcher is not None
+                self._launcher.kill(worker.proc)
+        if self._shutdown_deadline is not None and self._shutdown_deadline <= now:
+            self._shutdown_deadline = None
+            self._fail_queued(SchedulerClosed("the scheduler was closed before the job started"))
+            for worker in self._workers:
+                if worker.job is not None:
+                    worker.job.kill_reason = "the scheduler was closed while the job ran"
+                    assert self._launcher is not None
+                    self._launcher.kill(worker.proc)
+
+    def _kill_job(self, job: Job, reason: str) -> None:
+        if job.future.done():
+            return
+        for worker in self._workers:
+            if worker.job is job:
+                job.kill_reason = reason
+                assert self._launcher is not None
+                self._launcher.kill(worker.proc)
+                return
+        # Waiting for a retry: it is in the queue with a RUNNING future.
+        for queue in (self._pending, self._warm_pending):
+            if job in queue:
+                queue.remove(job)
+                self._set_exception(job, cf.CancelledError() if reason == "cancelled" else SchedulerClosed(reason))
+
+    def _set_result(self, job: Job, result: Any) -> None:
+        if not job.future.done():
+            job.future.set_result(result)
+
+    def _set_exception(self, job: Job, exc: BaseException) -> None:
+        if job.finished_at is None:
+            job.finished_at = time.monotonic()
+        if job.future.done():
+            return
+        if job.future.running() or job.future.set_running_or_notify_cancel():
+            job.future.set_exception(exc)
+
+    def _finish_noop(self, job: Job) -> None:
+        if job.future.set_running_or_notify_cancel():
+            job.finished_at = time.monotonic()
+            job.future.set_result(None)
+
+    def _fail_queued(self, exc: BaseException) -> None:
+        for queue in (self._pending, self._warm_pending):
+            while queue:
+                self._set_exception(queue.popleft(), exc)
+
+    def _fail_everything(self, exc: BaseException) -> None:
+        self._fail_queued(exc)
+        for worker in self._workers:
+            if worker.job is not None:
+                self._set_exception(worker.job, exc)
+        with self._lock:
+            self._closed = True
+            commands = list(self._commands)
+            self._commands.clear()
+        for kind, value in commands:
+            if kind == "submit":
+                self._set_exception(value, exc)
+
+    # -- shutdown (supervisor side) -------------------------------------------------------------
+
+    def _begin_shutdown(self, cancel_futures: bool, grace: float | None) -> None:
+        self._stopping = True
+        if cancel_futures:
+            self._fail_queued(SchedulerClosed("the scheduler was closed before the job started"))
+        if grace is not None:
+            self._shutdown_deadline = time.monotonic() + grace
+            self._check_deadlines()
+
+    def _finished_stopping(self) -> bool:
+        # Queued jobs (kept when not cancelled) still run before the pool stops.
+        if self._pending or self._warm_pending:
+            return False
+        return not any(w.state == "busy" for w in self._workers)
+
+    def _teardown(self) -> None:
+        closing = SchedulerClosed("the worker pool is shut down")
+        self._fail_everything(closing)
+        # Idle workers exit when their socket closes; the launcher kills any left.
+        for worker in self._workers:
+            worker.proc.close()
+        if self._launcher is not None:
+            for worker in self._workers:
+                self._launcher.kill(worker.proc)
+            for worker in self._workers:
+                self._launcher.wait_exit(worker.proc, _REAP_TIMEOUT)
+            self._launcher.close()
+        self._workers = []
+        self._close_fds()
+
+
+_live_pools: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
+
+
+def _shutdown_all_at_exit() -> None:
+    for pool in list(_live_pools):
+        pool.shutdown(wait=True, cancel_futures=True, grace=0)
+
+
+def _after_fork_in_child() -> None:
+    for pool in list(_live_pools):
+        pool._forget_after_fork()
+
+
+atexit.register(_shutdown_all_at_exit)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,405 @@
+"""Scheduler: the async front door.
+
+A request goes through four steps, in this order:
+
+1. the backend checks the arguments and builds a :class:`~aiocompile.backends.Request`
+   with its key (bad input raises here, before any worker is involved);
+2. the cache answers it, joins it to the job already compiling that key, or starts a job;
+3. the caller waits for the job without blocking its event loop (asyncio, uvloop or trio);
+4. the outcome is recorded.
+
+The scheduler is not tied to an event loop: its pool is driven by a thread, its cache and
+counters are thread-safe, and each await bridges to whichever loop is running. So one
+scheduler (the default one in particular) serves several ``asyncio.run()`` calls in a row,
+trio, and loops in several threads at once.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any, Callable
+
+import anyio
+
+from aiocompile import _bridge
+from aiocompile._cache import Entry, KernelCache
+from aiocompile._config import SchedulerConfig
+from aiocompile._errors import SchedulerClosed
+from aiocompile._metrics import JobRecord, Metrics, Statistics
+from aiocompile._pool import WorkerPool
+from aiocompile._progress import Progress
+from aiocompile._target import parse_target
+from aiocompile.backends import Request
+from aiocompile.backends import triton as triton_backend
+
+
+class _Context:
+    """What backends may ask of the scheduler (see ``BackendContext``)."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self._scheduler = scheduler
+
+    async def run_in_worker(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await self._scheduler.run(fn, *args)
+
+    async def to_thread(self, fn: Callable[[], Any]) -> Any:
+        return await anyio.to_thread.run_sync(fn)
+
+
+class Scheduler:
+    """Compiles kernels in a supervised pool of worker processes, from async code.
+
+    ``Scheduler(workers=8, timeout=120, max_crashes=2)``, or ``Scheduler(config=...)``.
+    Use it as ``async with Scheduler() as sched:``, or create it and call ``aclose()``
+    when done. Workers start on demand, or all at once with ``await sched.warm()``.
+    """
+
+    def __init__(
+        self,
+        workers: int | None = None,
+        *,
+        timeout: float | None = None,
+        max_crashes: int | None = None,
+        start_method: str | None = None,
+        config: SchedulerConfig | None = None,
+    ) -> None:
+        base = config or SchedulerConfig()
+        self.config = base.with_changes(
+            workers=workers, timeout=timeout, max_crashes=max_crashes, start_method=start_method
+        )
+        self._pool = WorkerPool(
+            self.config.workers,
+            start_method=self.config.start_method,
+            preload=self.config.preload,
+            max_crashes=self.config.max_crashes,
+        )
+        self._cache = KernelCache(self.config.cache_entries)
+        self._metrics = Metrics()
+        self._context = _Context(self)
+        self._pid = os.getpid()
+        self._closed = False
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Scheduler:
+        self._check_open()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed or self._pid != os.getpid() or self._pool.closed
+
+    async def aclose(self, grace: float | None = None) -> None:
+        """Stop accepting work and shut the pool down.
+
+        Queued jobs fail with ``SchedulerClosed``; running jobs get ``grace`` seconds
+        (default ``config.close_grace``) to finish, then their workers are killed and their
+        callers get ``SchedulerClosed``. Returns once every worker process has exited.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        grace = self.config.close_grace if grace is None else grace
+        await anyio.to_thread.run_sync(lambda: self._pool.shutdown(wait=True, cancel_futures=True, grace=grace))
+
+    def close(self, grace: float | None = None) -> None:
+        """Blocking counterpart of :meth:`aclose`, for code outside an event loop."""
+        self._closed = True
+        grace = self.config.close_grace if grace is None else grace
+        self._pool.shutdown(wait=True, cancel_futures=True, grace=grace)
+
+    def _check_open(self) -> None:
+        if self._pid != os.getpid():
+            raise SchedulerClosed("this scheduler belongs to the parent of a forked process; create a new one here")
+        if self._closed or self._pool.closed:
+            raise SchedulerClosed("the scheduler is closed")
+
+    async def warm(self, target: Any = "cuda:90") -> None:
+        """Start every worker now and run one tiny compile in each, so that the compiler's
+        per-process set-up is paid before the first real job.
+
+        Cancelling the await leaves the workers starting; they serve later jobs.
+        """
+        self._check_open()
+        parsed = parse_target(target) or parse_target("cuda:90")
+        assert parsed is not None
+        from aiocompile.backends import _triton_worker
+
+        jobs = self._pool.warm(_triton_worker.warm_up, ((parsed.backend, parsed.arch, parsed.warp_size),))
+        for job in jobs:
+            await _bridge.wait(job.future)
+
+    # -- introspection ----------------------------------------------------------------------
+
+    def statistics(self) -> Statistics:
+        """A frozen snapshot of what this scheduler has done (see ``Statistics``)."""
+        counters = self._pool.counters
+        pool = self._pool.snapshot()
+        return self._metrics.snapshot({
+            "worker_crashes": counters.worker_crashes,
+            "retries": counters.retries,
+            "timeouts": counters.timeouts,
+            "workers_started": counters.workers_started,
+            "workers": pool["workers"],
+            "busy_workers": pool["busy_workers"],
+            "queue_depth": pool["queue_depth"],
+            "queue_depth_max": counters.queue_depth_max,
+        })
+
+    def records(self) -> list[JobRecord]:
+        """The timing records of the most recent requests (up to 1000), oldest first."""
+        return list(self._metrics.records)
+
+    def worker_pids(self) -> list[int]:
+        return self._pool.worker_pids()
+
+    # -- the public coroutines ------------------------------------------------------------------
+
+    async def compile_triton(
+        self,
+        kernel: Any,
+        *,
+        signature: Mapping[str, Any],
+        constexprs: Mapping[str, Any] | None = None,
+        target: Any = None,
+        timeout: float | None = None,
+        attrs: Mapping[str, Any] | None = None,
+        **options: Any,
+    ) -> triton_backend.TritonKernel:
+        """Compile a Triton kernel in a worker process and return a ``TritonKernel``.
+
+        ``kernel`` is a ``@triton.jit`` function (importable, or defined in ``__main__`` or
+        a notebook cell) or an ``aiocompile.TritonSource``. ``signature`` maps each runtime
+        argument to its Triton type ("*fp32", "i32", ...), ``constexprs`` each constexpr
+        argument to its value. ``target`` is "cuda:90", "hip:gfx942", a ``GPUTarget`` or
+        None for the current GPU. Other keywords are Triton compile options (num_warps,
+        num_stages, ...); ``attrs`` maps arguments to specialisation hints such as
+        ``[("tt.divisibility", 16)]``.
+
+        Raises ``ValueError``/``TypeError`` at once for bad input, ``CompileError`` if the
+        kernel does not compile (the pool is unaffected), ``CompileTimeout`` if it takes
+        longer than ``timeout`` seconds of worker time (its worker is killed, no other), and
+        ``WorkerCrashedError`` if it killed ``max_crashes`` workers.
+
+        Concurrent requests for the same kernel share one compile; a compiled kernel is
+        kept in memory and returned at once the next time. Cancelling the await does not
+        stop a compile that already started (its result is kept for the next caller),
+        nor one that other callers are waiting for; a queued compile nobody waits for any
+        more is dropped.
+        """
+        request = await triton_backend.prepare(
+            self._context, kernel, signature=signature, constexprs=constexprs, target=target,
+            attrs=attrs, options=options,
+        )
+        result: triton_backend.TritonKernel = await self._execute(request, timeout)
+        return result
+
+    async def compile_many(
+        self,
+        specs: Iterable[Mapping[str, Any]],
+        *,
+        progress: bool = False,
+        return_exceptions: bool = False,
+    ) -> list[Any]:
+        """Compile many kernels concurrently; results in the order of ``specs``.
+
+        Each spec is a mapping of ``compile_triton``'s keyword arguments with the kernel
+        under ``"kernel"``. With ``return_exceptions`` a failed compile's exception takes
+        its place in the list; otherwise the first failure is raised once the compiles
+        that already started have been let go (they finish in the background and are
+        cached). ``progress=True`` shows a progress bar.
+        """
+        spec_list = [dict(spec) for spec in specs]
+        for index, spec in enumerate(spec_list):
+            if "kernel" not in spec:
+                raise TypeError(f"spec #{index} has no 'kernel'")
+        results: list[Any] = [None] * len(spec_list)
+        first_error: list[BaseException] = []
+        bar = Progress(len(spec_list), enabled=progress)
+
+        async def one(index: int, spec: dict[str, Any], scope: anyio.CancelScope) -> None:
+            kernel = spec.pop("kernel")
+            label = spec.pop("label", None) or getattr(kernel, "__name__", None) or getattr(kernel, "name", "kernel")
+            bar.started(label)
+            try:
+                results[index] = await self.compile_triton(kernel, **spec)
+            except Exception as exc:
+                bar.finished(label, ok=False)
+                if return_exceptions:
+                    results[index] = exc
+                    return
+                if not first_error:
+                    first_error.append(exc)
+                scope.cancel()
+                return
+            bar.finished(label, ok=True)
+
+        try:
+            async with anyio.create_task_group() as group:
+                for index, spec in enumerate(spec_list):
+                    group.start_soon(one, index, spec, group.cancel_scope)
+        finally:
+            bar.close()
+        if first_error:
+            raise first_error[0]
+        return results
+
+    async def run(self, fn: Callable[..., Any], *args: Any, key: str | None = None, timeout: float | None = None) -> Any:
+        """Run ``fn(*args)`` in a worker process and return its result.
+
+        ``fn`` and ``args`` must pickle (functions by reference; one defined in
+        ``__main__`` needs cloudpickle). Same pool, same crash, timeout and metrics
+        semantics as compiles. With a ``key``, concurrent calls with that key share one
+        run and the result is remembered. An exception ``fn`` raises is re-raised here with
+        the worker's traceback as its ``__cause__``.
+        """
+        name = getattr(fn, "__qualname__", None) or type(fn).__name__
+        request = Request(backend="python", key=key, name=name, target=None, fn=fn, args=args, finish=_identity)
+        return await self._execute(request, timeout)
+
+    # -- the request path ---------------------------------------------------------------------
+
+    async def _execute(self, request: Request, timeout: float | None) -> Any:
+        self._check_open()
+        arrived, wall = time.monotonic(), time.time()
+        self._metrics.submit()
+        if timeout is None:
+            timeout = self.config.timeout
+        try:
+            how, found = self._cache.join_or_start(request.key, lambda entry: self._start(entry, request, timeout))
+        except BaseException as exc:
+            self._record(request, "failed", wall, arrived, None, error=exc)
+            raise
+        if how == "hit":
+            self._record(request, "cache_hit", wall, arrived, None, result=found)
+            return found
+        entry: Entry = found
+        try:
+            result = await _bridge.wait(entry.future)
+        except BaseException as exc:
+            remaining = self._cache.leave(entry)
+            if isinstance(exc, anyio.get_cancelled_exc_class()):
+                if remaining == 0 and entry.job is not None and entry.job.started_at is None:
+                    # Nobody waits for a job that has not started: drop it from the queue.
+                    self._pool.kill(entry.job)
+                self._record(request, "cancelled", wall, arrived, entry)
+            else:
+                self._record(request, "failed" if how == "started" else "joined", wall, arrived, entry, error=exc)
+            raise
+        self._cache.leave(entry)
+        self._record(request, "compiled" if how == "started" else "joined", wall, arrived, entry, result=result)
+        return result
+
+    def _start(self, entry: Entry, request: Request, timeout: float | None) -> None:
+        job = self._pool.submit_job(
+            request.fn, request.args, timeout=timeout, name=request.name, key=request.key
+        )
+        entry.job = job
+
+        def finish(done: Any) -> None:
+            # Runs in the supervisor thread, as soon as the worker has answered.
+            try:
+                raw = done.result()
+                started = time.perf_counter()
+                result = request.finish(raw)
+                entry.load_time = time.perf_counter() - started
+            except BaseException as exc:
+                self._cache.discard(entry)
+                entry.future.set_exception(exc)
+                return
+            self._cache.complete(entry, result)
+            entry.future.set_result(result)
+
+        job.future.add_done_callback(finish)
+
+    def _record(
+        self,
+        request: Request,
+        outcome: str,
+        wall: float,
+        arrived: float,
+        entry: Entry | None,
+        *,
+        result: Any = None,
+        error: BaseException | None = None,
+    ) -> None:
+        job = entry.job if entry is not None else None
+        own_job = outcome in ("compiled", "failed") and job is not None
+        size = getattr(result, "size", None)
+        self._metrics.finish(JobRecord(
+            key=request.key,
+            name=request.name,
+            backend=request.backend,
+            target=request.target,
+            outcome=outcome,
+            error=None if error is None else f"{type(error).__name__}: {error}",
+            submitted_at=wall,
+            queue_wait=job.queue_wait if own_job and job is not None else None,
+            run_time=job.run_time if own_job and job is not None else None,
+            load_time=entry.load_time if own_job and entry is not None else None,
+            total_time=time.monotonic() - arrived,
+            attempts=job.attempts if own_job and job is not None else 0,
+            worker_pid=job.worker_pid if job is not None else None,
+            result_size=size if isinstance(size, int) else None,
+        ))
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+class _DefaultScheduler:
+    """The scheduler behind the module-level functions: created on first use, from the
+    environment's configuration, and created anew after ``aclose()`` or in a forked child."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._scheduler: Scheduler | None = None
+
+    def get(self) -> Scheduler:
+        scheduler = self._scheduler
+        if scheduler is not None and not scheduler.closed:
+            return scheduler
+        with self._lock:
+            if self._scheduler is None or self._scheduler.closed:
+                self._scheduler = Scheduler(config=SchedulerConfig.from_env())
+            return self._scheduler
+
+
+_default = _DefaultScheduler()
+
+
+def default_scheduler() -> Scheduler:
+    """The scheduler the module-level functions use (created on first use)."""
+    return _default.get()
+
+
+async def compile_triton(kernel: Any, **kwargs: Any) -> triton_backend.TritonKernel:
+    """``Scheduler.compile_triton`` on the default scheduler."""
+    return await _default.get().compile_triton(kernel, **kwargs)
+
+
+async def compile_many(specs: Iterable[Mapping[str, Any]], **kwargs: Any) -> list[Any]:
+    """``Scheduler.compile_many`` on the default scheduler."""
+    return await _default.get().compile_many(specs, **kwargs)
+
+
+async def run(fn: Callable[..., Any], *args: Any, key: str | None = None, timeout: float | None = None) -> Any:
+    """``Scheduler.run`` on the default scheduler."""
+    return await _default.get().run(fn, *args, key=key, timeout=timeout)
+
+
+async def warm(target: Any = "cuda:90") -> None:
+    """``Scheduler.warm`` on the default scheduler."""
+    await _default.get().warm(target)
+
+
+def statistics() -> Statistics:
+    """``Scheduler.statistics`` of the default scheduler."""
+    return _default.get().statistics()

@@ -1,0 +1,229 @@
+"""What runs inside a worker process: the job loop.
+
+A worker holds one job at a time. It reads a job from its socket, runs it, and writes back
+one ``done`` message; the parent therefore always knows which job each worker holds, and a
+worker that dies takes exactly one job with it.
+
+Protocol (pickled tuples over a ``multiprocessing.connection.Connection``):
+
+    worker -> parent   ("ready", pid)
+    parent -> worker   ("run", job_id, env, sys_path, payload)      payload = pickled (fn, args, kwargs)
+    worker -> parent   ("done", job_id, ok, data, run_time, output_size, max_rss)
+                         ok=True:  data = pickled result
+                         ok=False: data = pickled _Failure
+
+The worker's stdout and stderr (fds 1 and 2, so that LLVM and ptxas output is caught too)
+go to a file the parent also holds. The worker empties it at the start of every job, so
+after a crash the file holds what the dying job printed.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import NoReturn
+
+# Environment variables that belong to a job rather than to the worker: they are carried
+# from the parent with every job, as they were when the job was submitted.
+ENV_PREFIXES = ("TRITON_", "MLIR_", "LLVM_", "AMDGCN_", "NVPTX_")
+ENV_NAMES = frozenset(
+    {"DISABLE_LLVM_OPT", "DISABLE_PTXAS_OPT", "PTXAS_OPTIONS", "USE_IR_LOC", "CUDA_VISIBLE_DEVICES",
+     "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"}
+)
+
+
+def job_env(environ: os._Environ[str] | dict[str, str] = os.environ) -> dict[str, str]:
+    """The part of an environment that a job carries with it."""
+    return {k: v for k, v in environ.items() if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}
+
+
+@dataclass
+class _Failure:
+    """A job's exception, or a description of it when the exception itself won't pickle."""
+
+    exc: BaseException | None
+    type_name: str
+    message: str
+    traceback: str
+
+
+class _JobState:
+    """The worker's memory between jobs: the import path applied last."""
+
+    def __init__(self) -> None:
+        self.sys_path: list[str] | None = None
+
+    def apply(self, env: dict[str, str], sys_path: list[str] | None) -> None:
+        # A variable the job does not carry was unset in the parent when it was submitted:
+        # unset it here too, so that no job sees another's (or the worker's) settings.
+        for name in list(os.environ):
+            if (name.startswith(ENV_PREFIXES) or name in ENV_NAMES) and name not in env:
+                del os.environ[name]
+        os.environ.update(env)
+        if sys_path is not None and sys_path != self.sys_path:
+            sys.path[:] = sys_path
+            self.sys_path = list(sys_path)
+
+
+def redirect_output(output_fd: int) -> None:
+    """Send fds 1 and 2 to the capture file, so C-level output is caught as well."""
+    flags = fcntl.fcntl(output_fd, fcntl.F_GETFL)
+    fcntl.fcntl(output_fd, fcntl.F_SETFL, flags | os.O_APPEND)
+    for std in (sys.stdout, sys.stderr):
+        try:
+            if std is not None:
+                std.flush()
+        except (OSError, ValueError):
+            pass
+    os.dup2(output_fd, 1)
+    os.dup2(output_fd, 2)
+    if output_fd > 2:
+        os.close(output_fd)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+
+
+def die_with_parent(alive_fd: int) -> None:
+    """Arrange for the kernel to end this process when the parent dies.
+
+    The parent holds the only write end of the ``alive`` pipe. When it dies, the pipe's
+    last writer closes and, with O_ASYNC set, the kernel sends SIGIO, whose default action
+    ends the process. This needs no thread and no GIL, so it works while the worker is
+    deep inside a compiler call that holds the GIL, or hangs there.
+    """
+    signal.signal(signal.SIGIO, signal.SIG_DFL)
+    fcntl.fcntl(alive_fd, fcntl.F_SETOWN, os.getpid())
+    flags = fcntl.fcntl(alive_fd, fcntl.F_GETFL)
+    fcntl.fcntl(alive_fd, fcntl.F_SETFL, flags | os.O_ASYNC | os.O_NONBLOCK)
+    # The parent may have died before O_ASYNC was set; then no signal will come.
+    try:
+        if os.read(alive_fd, 1) == b"":
+            os._exit(70)
+    except BlockingIOError:
+        pass
+
+
+def _output_size(fd: int = 2) -> int:
+    try:
+        return os.fstat(fd).st_size
+    except OSError:
+        return 0
+
+
+def _truncate_output() -> None:
+    for std in (sys.stdout, sys.stderr):
+        try:
+            std.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    try:
+        os.ftruncate(2, 0)
+    except OSError:
+        pass
+
+
+def _max_rss() -> int:
+    try:
+        import resource
+
+        # ru_maxrss is in KiB on Linux.
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    except Exception:
+        return 0
+
+
+def _describe_failure(exc: BaseException) -> bytes:
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    name = f"{type(exc).__module__}.{type(exc).__qualname__}"
+    message = str(exc)
+    try:
+        # Tracebacks do not pickle; keep the cause chain's text in ``traceback`` instead.
+        exc.__traceback__ = None
+        data = pickle.dumps(_Failure(exc, name, message, tb), protocol=pickle.HIGHEST_PROTOCOL)
+        pickle.loads(data)  # an exception can pickle but fail to unpickle (bad __init__)
+        return data
+    except Exception:
+        return pickle.dumps(_Failure(None, name, message, tb), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def run_one(state: _JobState, env: dict[str, str], sys_path: list[str] | None, payload: bytes) -> tuple[bool, bytes, float]:
+    """Run one job; never raises (but may, of course, kill the process)."""
+    started = time.perf_counter()
+    try:
+        state.apply(env, sys_path)
+        fn, args, kwargs = pickle.loads(payload)
+        result = fn(*args, **kwargs)
+    except BaseException as exc:  # noqa: BLE001 - a job's failure, whatever it is, goes to its caller
+        run_time = time.perf_counter() - started
+        if isinstance(exc, (SystemExit, KeyboardInterrupt)):
+            # A job that calls sys.exit() must not take the worker's loop with it.
+            exc = RuntimeError(f"the job raised {type(exc).__name__}({exc})")
+        return False, _describe_failure(exc), run_time
+    run_time = time.perf_counter() - started
+    try:
+        return True, pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL), run_time
+    except BaseException as exc:  # noqa: BLE001
+        error = TypeError(f"the job's result ({type(result).__name__}) could not be pickled: {exc}")
+        return False, _describe_failure(error), run_time
+
+
+def serve(conn: Connection) -> NoReturn:
+    """The job loop: one job at a time until the parent closes the connection."""
+    state = _JobState()
+    conn.send_bytes(pickle.dumps(("ready", os.getpid())))
+    while True:
+        try:
+            message = conn.recv_bytes()
+        except (EOFError, OSError):
+            os._exit(0)
+        kind, job_id, env, sys_path, payload = pickle.loads(message)
+        if kind == "stop":
+            os._exit(0)
+        _truncate_output()
+        ok, data, run_time = run_one(state, env, sys_path, payload)
+        for std in (sys.stdout, sys.stderr):
+            try:
+                std.flush()
+            except (OSError, ValueError, AttributeError):
+                pass
+        reply = pickle.dumps(("done", job_id, ok, data, run_time, _output_size(), _max_rss()), protocol=pickle.HIGHEST_PROTOCOL)
+        del data
+        try:
+            conn.send_bytes(reply)
+        except (BrokenPipeError, OSError):
+            os._exit(0)
+
+
+def start(job_fd: int, alive_fd: int, output_fd: int) -> NoReturn:
+    """Become a worker on the given descriptors (after fork, or in a fresh interpreter)."""
+    for fd in (job_fd, alive_fd, output_fd):
+        # Keep our descriptors out of the compilers' own subprocesses.
+        os.set_inheritable(fd, False)
+    redirect_output(output_fd)
+    die_with_parent(alive_fd)
+    # Ctrl-C in a terminal goes to the whole foreground process group; the parent decides
+    # what happens to running jobs, not the signal.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        serve(Connection(job_fd))
+    except BaseException:
+        traceback.print_exc()
+        os._exit(71)
+
+
+def spawn_main() -> NoReturn:  # pragma: no cover - runs in a fresh interpreter
+    """Entry point of a worker started in a fresh interpreter (the "spawn" start method)."""
+    job_fd, alive_fd, output_fd = (int(a) for a in sys.argv[1:4])
+    preload = [m for m in sys.argv[4].split(",") if m] if len(sys.argv) > 4 else []
+    from aiocompile._zygote import preload_modules
+
+    preload_modules(preload, warm=False)
+    start(job_fd, alive_fd, output_fd)

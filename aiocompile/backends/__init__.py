@@ -1,0 +1,36 @@
+"""Compiler backends: one module per compiler behind one small interface.
+
+A backend turns the user's arguments into a :class:`Request`: the key that identifies the
+result, the module-level function a worker runs (and its picklable arguments), and how the
+parent turns what the worker returned into the user's result. The scheduler only ever
+sees requests, so it never branches on the language; adding a compiler is one new module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Protocol
+
+
+@dataclass(frozen=True)
+class Request:
+    """One compile (or other job), as the scheduler sees it."""
+
+    backend: str
+    key: str | None
+    name: str
+    target: str | None
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    finish: Callable[[Any], Any]
+
+
+class BackendContext(Protocol):
+    """What a backend may ask of the scheduler while it prepares a request."""
+
+    async def run_in_worker(self, fn: Callable[..., Any], *args: Any) -> Any: ...
+
+    async def to_thread(self, fn: Callable[[], Any]) -> Any: ...
+
+
+PrepareFn = Callable[..., Awaitable[Request]]

@@ -1,0 +1,147 @@
+"""The Triton backend's side inside a worker process.
+
+Importing this module does not import Triton, so the parent can name these functions in a
+job without paying for Triton itself.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from aiocompile._errors import CompileError
+from aiocompile.backends._triton_ship import Resolver
+
+_resolver = Resolver()
+_warm_kernels: dict[str, Any] = {}
+
+
+def _tiny_kernel() -> Any:
+    kernel = _warm_kernels.get("add")
+    if kernel is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def _aiocompile_warm_add(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+            offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            mask = offsets < n
+            x = tl.load(x_ptr + offsets, mask=mask)
+            y = tl.load(y_ptr + offsets, mask=mask)
+            tl.store(out_ptr + offsets, x + y, mask=mask)
+
+        kernel = _warm_kernels["add"] = _aiocompile_warm_add
+    return kernel
+
+
+def _compile_tiny(target: Any, block: int) -> float:
+    import triton
+    from triton.compiler import ASTSource
+
+    signature = {"x_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}
+    started = time.perf_counter()
+    triton.compile(ASTSource(_tiny_kernel(), signature, {"BLOCK": block}), target=target, options={"num_warps": 1})
+    return time.perf_counter() - started
+
+
+def prepare_process(*, warm: bool) -> None:
+    """Preload hook (see ``aiocompile._zygote``): import Triton and compute its expensive
+    one-time state before workers are forked from this process.
+
+    ``triton_key()`` hashes all of Triton's sources and its shared library (about 0.4 s)
+    and is memoised per process; computed here, every forked worker inherits it. With
+    ``warm`` a throw-away compile also loads MLIR and LLVM. It runs single-threaded
+    (``MLIR_DISABLE_MULTITHREADING``) in a scratch cache directory, because forking a
+    process that has started threads is unsafe and the user's cache is not ours to fill.
+    """
+    import triton  # noqa: F401
+    from triton.runtime.cache import triton_key
+
+    triton_key()
+    if not warm:
+        return
+    from triton.backends.compiler import GPUTarget
+
+    saved = {name: os.environ.get(name) for name in ("MLIR_DISABLE_MULTITHREADING", "TRITON_CACHE_DIR")}
+    with tempfile.TemporaryDirectory(prefix="aiocompile-warm-") as scratch:
+        os.environ["MLIR_DISABLE_MULTITHREADING"] = "1"
+        os.environ["TRITON_CACHE_DIR"] = scratch
+        try:
+            for target in (GPUTarget("cuda", 90, 32), GPUTarget("hip", "gfx942", 64)):
+                try:
+                    _compile_tiny(target, 64)
+                except Exception:
+                    pass  # a backend this Triton build lacks only stays cold
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+
+def warm_up(target: tuple[str, Any, int]) -> float:
+    """One tiny real compile in this worker (``Scheduler.warm``), bypassing Triton's
+    cache so that the compiler's per-process set-up is really paid."""
+    from triton.backends.compiler import GPUTarget
+
+    os.environ["TRITON_ALWAYS_COMPILE"] = "1"
+    try:
+        return _compile_tiny(GPUTarget(*target), 128)
+    finally:
+        os.environ.pop("TRITON_ALWAYS_COMPILE", None)
+
+
+def detect_target() -> tuple[str, Any, int]:
+    """The current device's target, asked of the GPU driver here rather than in the
+    parent, so that the parent does not initialise the driver on our account."""
+    from triton.runtime import driver
+
+    target = driver.active.get_current_target()
+    return (target.backend, target.arch, target.warp_size)
+
+
+def _format_error(exc: BaseException) -> str:
+    text = str(exc).strip()
+    name = type(exc).__name__
+    if not text:
+        return name
+    return text if name in ("CompilationError",) or text.startswith(name) else f"{name}: {text}"
+
+
+def compile_kernel(spec: Any) -> dict[str, Any]:
+    """Compile one ``TritonSpec``; returns the artifact as plain data (text and bytes)."""
+    import triton
+    from triton.compiler import ASTSource
+
+    try:
+        fn = _resolver.resolve(spec.kernel)
+        arg_names = list(fn.arg_names)
+        if arg_names != list(spec.arg_names):
+            raise TypeError(
+                f"the kernel the worker loaded takes ({', '.join(arg_names)}), not "
+                f"({', '.join(spec.arg_names)}); was its module changed after it was imported?"
+            )
+        attrs = {(arg_names.index(name),): [list(a) for a in values] for name, values in spec.attrs}
+        src = ASTSource(fn, dict(spec.signature), dict(spec.constexprs), attrs)
+        started = time.perf_counter()
+        compiled = triton.compile(src, target=spec.target.to_gpu_target(), options=dict(spec.options))
+        compile_time = time.perf_counter() - started
+    except CompileError:
+        raise
+    except Exception as exc:
+        raise CompileError(_format_error(exc), kernel_name=spec.name, key=spec.key, target=str(spec.target)) from None
+    metadata_path = next(Path(p) for name, p in compiled.metadata_group.items() if name.endswith(".json"))
+    asm = {ext: value for ext, value in compiled.asm.items() if isinstance(value, (str, bytes))}
+    return {
+        "name": compiled.name,
+        "hash": compiled.hash,
+        "metadata_json": metadata_path.read_text(),
+        "asm": asm,
+        "compile_time": compile_time,
+        "fn_cache_key": fn.cache_key,
+        "triton_version": triton.__version__,
+    }
