@@ -30,7 +30,9 @@ __all__ = [
 
 
 class AiocompileError(Exception):
-    """Root of every error aiocompile raises on its own account."""
+    """Root of every error aiocompile raises on its own account; each subclass says
+    whose fault it is (the kernel's, the program's), so callers can tell "your kernel
+    failed" from "aiocompile could not do its job"."""
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Exceptions pickle as ``cls(*self.args)``, which loses keyword-only fields; rebuild
@@ -125,7 +127,7 @@ class WorkerCrashedError(CompileError):
             return None
 
 
-class SchedulerClosed(AiocompileError):
+class SchedulerClosed(AiocompileError, RuntimeError):
     """The scheduler was closed (``aclose()``, interpreter exit, or it belongs to the
     parent of a forked process) before or while this request was served. Whose fault:
     the program's.

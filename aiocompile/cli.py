@@ -1,0 +1,193 @@
+"""The ``aiocompile`` command.
+
+``aiocompile build KERNELS --target cuda:90 --target hip:gfx942 --out DIR`` pre-builds a
+kernel set for several GPU architectures at once (no GPU needed), shows progress, writes
+every artifact to DIR with a ``manifest.json``, and prints a summary with timings.
+
+KERNELS is a Python file or module whose ``KERNELS`` list holds ``compile_triton``'s
+keyword arguments per kernel, the kernel itself under ``"kernel"`` and a ``"label"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import importlib.util
+import json
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from aiocompile._config import SchedulerConfig
+from aiocompile._errors import CompileError
+from aiocompile._scheduler import Scheduler
+from aiocompile._target import parse_target
+
+
+def _load_kernel_set(spec: str) -> list[dict[str, Any]]:
+    path = Path(spec)
+    if path.suffix == ".py" or path.is_file():
+        if not path.is_file():
+            raise SystemExit(f"aiocompile: no such file: {spec}")
+        module = _import_path(path.resolve())
+    else:
+        try:
+            module = importlib.import_module(spec)
+        except ImportError as exc:
+            raise SystemExit(f"aiocompile: cannot import {spec!r}: {exc}") from None
+    kernels = getattr(module, "KERNELS", None)
+    if not isinstance(kernels, Sequence) or not all(isinstance(k, Mapping) and "kernel" in k for k in kernels):
+        raise SystemExit(f"aiocompile: {spec} must define KERNELS, a list of dicts each with a 'kernel'")
+    return [dict(k) for k in kernels]
+
+
+def _import_path(path: Path) -> Any:
+    # Import the file under its own name when that name finds this very file (workers can
+    # then import the kernels by reference); otherwise under a private name (workers are
+    # then sent the kernels' source).
+    directory, stem = str(path.parent), path.stem
+    if stem.isidentifier() and stem not in sys.modules:
+        sys.path.insert(0, directory)
+        found = importlib.util.find_spec(stem)
+        if found is not None and found.origin and Path(found.origin).resolve() == path:
+            return importlib.import_module(stem)
+        sys.path.remove(directory)
+    name = f"aiocompile_kernels_{abs(hash(str(path)))}"
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def _target_dir(target: str) -> str:
+    return target.replace(":", "-")
+
+
+def _fmt_size(n: int) -> str:
+    return f"{n / 1024:.1f} KiB" if n < 1024 * 1024 else f"{n / 1024 / 1024:.1f} MiB"
+
+
+async def _build(args: argparse.Namespace) -> int:
+    kernels = _load_kernel_set(args.kernels)
+    targets = []
+    for text in args.target:
+        for part in text.split(","):
+            if part.strip():
+                try:
+                    target = parse_target(part)
+                except ValueError as exc:
+                    raise SystemExit(f"aiocompile: {exc}") from None
+                targets.append(str(target))
+    targets = list(dict.fromkeys(targets))
+    out = Path(args.out)
+    config = SchedulerConfig.from_env().with_changes(workers=args.workers, timeout=args.timeout,
+                                                     start_method=args.start_method)
+    specs = []
+    for target in targets:
+        for entry in kernels:
+            spec = dict(entry)
+            spec["target"] = target
+            label = spec.pop("label", None) or getattr(spec["kernel"], "__name__", "kernel")
+            spec["label"] = f"{label}@{target}"
+            specs.append((label, target, spec))
+
+    print(f"aiocompile: building {len(kernels)} kernels for {len(targets)} target(s) "
+          f"({', '.join(targets)}) with {config.workers} workers", file=sys.stderr)
+    started = time.perf_counter()
+    async with Scheduler(config=config) as sched:
+        results = await sched.compile_many([spec for _, _, spec in specs], progress=not args.no_progress,
+                                           return_exceptions=True)
+        wall = time.perf_counter() - started
+        stats = sched.statistics()
+
+    rows, failures, manifest = [], [], []
+    for (label, target, _), result in zip(specs, results):
+        if isinstance(result, BaseException):
+            failures.append((label, target, result))
+            continue
+        directory = out / _target_dir(target)
+        directory.mkdir(parents=True, exist_ok=True)
+        artifact = directory / f"{label}.aiok"
+        _write_atomic(artifact, result.to_bytes())
+        binary = directory / f"{label}.{result.binary_ext}"
+        _write_atomic(binary, result.binary)
+        meta = result.metadata
+        manifest.append({
+            "label": label, "kernel": result.name, "target": target, "key": result.key,
+            "file": str(artifact.relative_to(out)), "binary": str(binary.relative_to(out)),
+            "size": result.size, "binary_size": len(result.binary), "compile_time": round(result.compile_time, 6),
+            "num_warps": meta.get("num_warps"), "num_stages": meta.get("num_stages"), "shared": meta.get("shared"),
+            "triton": result.triton_version,
+        })
+        rows.append((label, target, result))
+
+    from aiocompile import __version__
+
+    out.mkdir(parents=True, exist_ok=True)
+    _write_atomic(out / "manifest.json", json.dumps({
+        "aiocompile": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "targets": targets, "kernels": manifest, "statistics": stats.to_dict(),
+        "wall_time": round(wall, 6),
+        "failures": [{"label": label, "target": target, "error": str(exc)} for label, target, exc in failures],
+    }, indent=2).encode())
+
+    _print_summary(rows, failures, wall, stats, config.workers, out)
+    return 1 if failures else 0
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _print_summary(rows: list[Any], failures: list[Any], wall: float, stats: Any, workers: int, out: Path) -> None:
+    width = max([len(label) for label, _, _ in rows] + [len("kernel")])
+    print(f"\n{'kernel':<{width}}  {'target':<11} {'compile':>9} {'binary':>10} {'warps':>5} {'stages':>6} {'smem':>7}")
+    for label, target, kernel in rows:
+        meta = kernel.metadata
+        print(f"{label:<{width}}  {target:<11} {kernel.compile_time * 1000:7.0f}ms {_fmt_size(len(kernel.binary)):>10} "
+              f"{meta.get('num_warps', ''):>5} {meta.get('num_stages', ''):>6} {meta.get('shared', ''):>7}")
+    for label, target, exc in failures:
+        first_line = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        kind = type(exc).__name__ if not isinstance(exc, CompileError) else "CompileError"
+        print(f"{label:<{width}}  {target:<11} FAILED   {kind}: {first_line}")
+    total = sum(kernel.compile_time for _, _, kernel in rows)
+    print(f"\n{len(rows)} compiled, {len(failures)} failed in {wall:.2f} s wall with {workers} workers; "
+          f"sum of compile times {total:.2f} s ({total / wall if wall else 0:.1f}x parallel)")
+    q, r = stats.queue_wait, stats.run_time
+    print(f"queue wait p50 {q.p50 * 1000:.0f} ms, p95 {q.p95 * 1000:.0f} ms; "
+          f"worker run time p50 {r.p50 * 1000:.0f} ms, p95 {r.p95 * 1000:.0f} ms, max {r.max * 1000:.0f} ms; "
+          f"workers started {stats.workers_started}, crashes {stats.worker_crashes}")
+    print(f"artifacts and manifest.json in {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from aiocompile import __version__
+
+    parser = argparse.ArgumentParser(prog="aiocompile", description="Compile GPU kernels in a supervised worker pool.")
+    parser.add_argument("--version", action="version", version=f"aiocompile {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    build = commands.add_parser("build", help="pre-build a kernel set for one or more targets")
+    build.add_argument("kernels", help="a Python file or module defining KERNELS")
+    build.add_argument("--target", "-t", action="append", required=True,
+                       help="target such as cuda:80, cuda:90, hip:gfx942 (repeat, or comma-separate)")
+    build.add_argument("--out", "-o", default="build/kernels", help="output directory (default: build/kernels)")
+    build.add_argument("--workers", "-j", type=int, default=None, help="worker processes (default: CPUs)")
+    build.add_argument("--timeout", type=float, default=None, help="per-kernel timeout in seconds")
+    build.add_argument("--start-method", choices=["forkserver", "spawn", "fork"], default=None)
+    build.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    if args.command == "build":
+        return asyncio.run(_build(args))
+    return 2  # pragma: no cover - argparse requires a command
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""Shared test set-up.
+
+Every ``async def`` test runs twice: under asyncio, driven by pytest-asyncio, and under
+trio, driven by anyio's pytest plugin. The test ids say which (``[asyncio]``/``[trio]``).
+Tests therefore use no async fixtures; a test that needs a scheduler gets the
+session-wide one (a ``Scheduler`` is not tied to an event loop) or makes its own.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+# Compiles in tests must really compile: give Triton an empty cache for this session.
+os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="aiocompile-tests-triton-"))
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+try:
+    import pytest_asyncio  # noqa: F401
+
+    _RUNNERS = ["asyncio", "trio"]
+except ImportError:  # pragma: no cover - machines without pytest-asyncio run the trio half
+    _RUNNERS = ["trio"]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pycollect_makeitem(collector: pytest.Collector, name: str, obj: object) -> None:
+    # Request anyio_backend from every async test, so that it stays in the test's fixture
+    # closure whatever else the test is parametrized with.
+    if collector.istestfunction(obj, name) and inspect.iscoroutinefunction(obj):
+        pytest.mark.usefixtures("anyio_backend")(obj)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if not inspect.iscoroutinefunction(metafunc.function):
+        return
+    # Parametrizing anyio_backend itself (rather than a fixture of our own) keeps it in the
+    # item's fixture closure: anyio's plugin runs the items where it is set, and
+    # pytest-asyncio the ones marked asyncio, where it is None.
+    if "anyio_backend" not in metafunc.fixturenames:
+        metafunc.fixturenames.append("anyio_backend")
+    params = []
+    for runner in _RUNNERS:
+        if runner == "asyncio":
+            params.append(pytest.param(None, marks=pytest.mark.asyncio, id="asyncio"))
+        else:
+            params.append(pytest.param("trio", marks=pytest.mark.anyio, id="trio"))
+    metafunc.parametrize("anyio_backend", params)
+
+
+@pytest.fixture
+def anyio_backend() -> str | None:
+    # Overrides anyio's parametrized fixture; each async test parametrizes it directly.
+    return None
+
+
+@pytest.fixture
+def async_runner(anyio_backend: str | None) -> str:
+    """Which event loop runs this test: "asyncio" or "trio"."""
+    return anyio_backend or "asyncio"
+
+
+@pytest.fixture(scope="session")
+def scheduler():
+    """One scheduler for the whole session, shared by asyncio and trio tests."""
+    import aiocompile
+
+    sched = aiocompile.Scheduler(workers=2)
+    yield sched
+    sched.close(grace=0)
+
+
+def child_pids(pid: int | None = None) -> set[int]:
+    """Live (non-zombie) descendants of ``pid`` (default: this process)."""
+    pid = os.getpid() if pid is None else pid
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        if fields[0] == "Z":
+            continue
+        parents[int(entry)] = int(fields[1])
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found

@@ -1,0 +1,80 @@
+"""Bad input raises ValueError/TypeError in the caller, at once, before any worker is involved."""
+
+import pytest
+from conftest import child_pids
+from kernels import ADD_SIGNATURE, add_kernel
+
+import aiocompile
+
+BAD_CALLS = [
+    # (what is wrong, keyword arguments, expected exception)
+    ("signature is not a mapping", dict(signature=["*fp32"]), TypeError),
+    ("unknown argument in signature", dict(signature={**ADD_SIGNATURE, "z_ptr": "*fp32"}), ValueError),
+    ("missing argument type", dict(signature={"x_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*fp32"}), ValueError),
+    ("unknown type string", dict(signature={**ADD_SIGNATURE, "n": "int32"}), ValueError),
+    ("type that is not a string", dict(signature={**ADD_SIGNATURE, "n": 32}), TypeError),
+    ("constexpr without a value", dict(signature={**ADD_SIGNATURE, "BLOCK": "constexpr"}, constexprs=None), ValueError),
+    ("unknown constexpr", dict(constexprs={"BLOCK": 64, "OTHER": 1}), ValueError),
+    ("unknown target string", dict(target="cuda:9x"), ValueError),
+    ("unknown target backend", dict(target="metal:3"), ValueError),
+    ("target of the wrong type", dict(target=90), TypeError),
+    ("unknown option", dict(num_warp=4), TypeError),
+    ("option of the wrong type", dict(num_warps="4"), TypeError),
+    ("bool given for an int option", dict(num_stages=True), TypeError),
+    ("num_warps not a power of two", dict(num_warps=3), ValueError),
+    ("CUDA option for an AMD target", dict(target="hip:gfx942", maxnreg=128), TypeError),
+    ("attrs for an unknown argument", dict(attrs={"q": [("tt.divisibility", 16)]}), ValueError),
+    ("malformed attrs", dict(attrs={"x_ptr": ["tt.divisibility"]}), TypeError),
+    ("unpicklable constexpr", dict(constexprs={"BLOCK": lambda: 1}), TypeError),
+]
+
+
+@pytest.mark.parametrize(("what", "kwargs", "exc"), BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+async def test_bad_input_raises_before_any_worker(what, kwargs, exc):
+    call = {"signature": ADD_SIGNATURE, "constexprs": {"BLOCK": 64}, "target": "cuda:80", **kwargs}
+    sched = aiocompile.Scheduler(workers=1)
+    try:
+        with pytest.raises(exc):
+            await sched.compile_triton(add_kernel, **call)
+        assert sched.statistics().workers_started == 0
+        assert child_pids() == set()
+    finally:
+        await sched.aclose()
+
+
+async def test_not_a_kernel():
+    sched = aiocompile.Scheduler(workers=1)
+    try:
+        with pytest.raises(TypeError):
+            await sched.compile_triton(lambda x: x, signature={"x": "i32"}, target="cuda:80")
+        with pytest.raises(TypeError):
+            await sched.compile_triton("add_kernel", signature={"x": "i32"}, target="cuda:80")
+        assert sched.statistics().workers_started == 0
+    finally:
+        await sched.aclose()
+
+
+def test_triton_source_is_checked_when_made():
+    with pytest.raises(ValueError):
+        aiocompile.TritonSource("def broken(:\n", "broken")
+    with pytest.raises(ValueError):
+        aiocompile.TritonSource("import triton\n", "missing")
+    with pytest.raises(ValueError):
+        aiocompile.TritonSource("def k(x): pass\n", "not an identifier")
+    with pytest.raises(TypeError):
+        aiocompile.TritonSource(b"def k(x): pass\n", "k")
+
+
+def test_config_rejects_nonsense():
+    for bad in (dict(workers=0), dict(timeout=-1), dict(max_crashes=0), dict(start_method="thread")):
+        with pytest.raises(ValueError):
+            aiocompile.SchedulerConfig(**bad)
+
+
+def test_config_from_env():
+    env = {"AIOCOMPILE_WORKERS": "3", "AIOCOMPILE_TIMEOUT": "7.5", "AIOCOMPILE_MAX_CRASHES": "4",
+           "AIOCOMPILE_START_METHOD": "spawn"}
+    config = aiocompile.SchedulerConfig.from_env(env)
+    assert (config.workers, config.timeout, config.max_crashes, config.start_method) == (3, 7.5, 4, "spawn")
+    with pytest.raises(ValueError):
+        aiocompile.SchedulerConfig.from_env({"AIOCOMPILE_WORKERS": "many"})
