@@ -100,3 +100,19 @@ def child_pids(pid: int | None = None) -> set[int]:
         frontier = {child for child, parent in parents.items() if parent in frontier} - found
         found |= frontier
     return found
+
+
+def example_spec(label: str) -> dict:
+    """One entry of examples/kernels.py's KERNELS (compile_triton's keyword arguments)."""
+    import importlib.util
+
+    name = "aiocompile_example_kernels"
+    module = sys.modules.get(name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / "kernels.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    entry = dict(next(k for k in module.KERNELS if k["label"] == label))
+    entry.pop("label")
+    return entry

@@ -2,7 +2,7 @@
 
 import pytest
 from conftest import child_pids
-from kernels import ADD_SIGNATURE, add_kernel
+from triton_kernels import ADD_SIGNATURE, add_kernel
 
 import aiocompile
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import ast
 import hashlib
 import importlib
-import importlib.util
 import inspect
 import linecache
 import pickle
@@ -105,13 +104,32 @@ def _importable(module_name: str, qualname: str, obj: object) -> bool:
         target = getattr(target, part, None)
     if target is not obj:
         return False
-    try:
-        spec = importlib.util.find_spec(module_name)
-    except (ImportError, ValueError):
-        return False
     # A module loaded from a path under a made-up name is in sys.modules here, but a
     # worker importing that name would not find it (or would find a different file).
+    spec = _find_spec_on_path(module_name)
     return spec is not None and getattr(spec, "origin", None) == getattr(module.__spec__, "origin", None)
+
+
+def _find_spec_on_path(name: str) -> Any:
+    """What a fresh interpreter's import system would find for ``name``: the meta path
+    finders asked directly (``importlib.util.find_spec`` answers from ``sys.modules``)."""
+    parent, _, _ = name.rpartition(".")
+    path = None
+    if parent:
+        path = getattr(sys.modules.get(parent), "__path__", None)
+        if path is None:
+            return None
+    for finder in sys.meta_path:
+        find_spec = getattr(finder, "find_spec", None)
+        if find_spec is None:
+            continue
+        try:
+            spec = find_spec(name, path)
+        except Exception:  # noqa: BLE001 - a finder that breaks just does not find it
+            continue
+        if spec is not None:
+            return spec
+    return None
 
 
 def ship(fn: Any) -> KernelRef:
