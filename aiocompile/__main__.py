@@ -1,0 +1,5 @@
+import sys
+
+from aiocompile.cli import main
+
+sys.exit(main())

@@ -1,0 +1,63 @@
+"""The `aiocompile build` command, run as a user runs it."""
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import ROOT
+
+import aiocompile
+
+
+def _aiocompile(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "aiocompile", *args], capture_output=True, text=True, cwd=cwd,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
+
+
+def test_build_the_example_set_for_two_targets(tmp_path):
+    out = tmp_path / "kernels"
+    proc = _aiocompile("build", "examples/kernels.py", "--target", "cuda:80", "-t", "hip:gfx942", "--out", str(out),
+                       "--no-progress", "-j", "2")
+    assert proc.returncode == 0, proc.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["targets"] == ["cuda:80", "hip:gfx942"]
+    entries = manifest["kernels"]
+    assert len(entries) == 22 and not manifest["failures"]
+    assert {e["label"] for e in entries} >= {"add_fp32", "softmax_1024", "matmul_fp16_128x128x64", "layer_norm_4096"}
+    for entry in entries:
+        kernel = aiocompile.TritonKernel.from_bytes((out / entry["file"]).read_bytes())
+        assert kernel.key == entry["key"] and kernel.target == entry["target"]
+        assert (out / entry["binary"]).read_bytes() == kernel.binary
+    stats = manifest["statistics"]
+    assert stats["compiled"] == 22 and stats["failed"] == 0 and stats["workers_started"] == 2
+    # The summary a person reads: one row per kernel and target, then the totals.
+    assert "matmul_fp16_128x128x64" in proc.stdout and "hip:gfx942" in proc.stdout
+    assert "22 compiled, 0 failed" in proc.stdout
+
+
+def test_a_kernel_that_fails_is_reported_and_the_rest_are_built(tmp_path):
+    kernel_set = tmp_path / "broken_set.py"
+    kernel_set.write_text(
+        "import triton\nimport triton.language as tl\n\n"
+        "@triton.jit\ndef good(x_ptr):\n    tl.store(x_ptr, 1.0)\n\n"
+        "@triton.jit\ndef bad(x_ptr):\n    tl.store(x_ptr, undefined_name)\n\n"
+        "KERNELS = [\n"
+        "    {'label': 'good', 'kernel': good, 'signature': {'x_ptr': '*fp32'}},\n"
+        "    {'label': 'bad', 'kernel': bad, 'signature': {'x_ptr': '*fp32'}},\n"
+        "]\n"
+    )
+    out = tmp_path / "out"
+    proc = _aiocompile("build", str(kernel_set), "-t", "cuda:90", "--out", str(out), "--no-progress", "-j", "1")
+    assert proc.returncode == 1
+    assert "FAILED" in proc.stdout and "undefined_name" in proc.stdout
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert [e["label"] for e in manifest["kernels"]] == ["good"]
+    assert manifest["failures"][0]["label"] == "bad"
+
+
+def test_bad_arguments_are_refused(tmp_path):
+    proc = _aiocompile("build", "examples/kernels.py", "-t", "cuda:9x", "--out", str(tmp_path))
+    assert proc.returncode != 0 and "cuda:9x" in proc.stderr
+    proc = _aiocompile("build", str(tmp_path / "missing.py"), "-t", "cuda:90")
+    assert proc.returncode != 0 and "no such file" in proc.stderr

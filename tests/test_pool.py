@@ -1,0 +1,220 @@
+"""The worker pool: Executor contract, start methods, warm-up, output capture, faults."""
+
+import concurrent.futures as cf
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jobs
+import pytest
+from conftest import ROOT, child_pids
+
+import aiocompile
+from aiocompile import WorkerPool
+
+START_METHODS = ["forkserver", "spawn", "fork"]
+
+
+@pytest.mark.parametrize("start_method", START_METHODS)
+def test_executor_contract(start_method):
+    with WorkerPool(2, start_method=start_method, preload=()) as pool:
+        assert pool.submit(jobs.echo, 41).result(timeout=60) == 41
+        assert list(pool.map(jobs.echo, range(10))) == list(range(10))
+        worker_pid = pool.submit(jobs.pid).result(timeout=60)
+        assert worker_pid != os.getpid()
+        assert worker_pid in child_pids()
+        if start_method == "forkserver":
+            # Workers are children of the fork server, not of this process.
+            assert worker_pid not in {int(p) for p in _direct_children()}
+    assert pool.closed
+    with pytest.raises(aiocompile.SchedulerClosed):
+        pool.submit(jobs.echo, 1)
+    assert child_pids() == set()
+
+
+def _direct_children():
+    return [p for p in child_pids() if _ppid(p) == os.getpid()]
+
+
+def _ppid(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        stat = f.read()
+    return int(stat[stat.rfind(")") + 2:].split()[1])
+
+
+def test_many_jobs_are_spread_over_all_workers():
+    with WorkerPool(2, preload=()) as pool:
+        futures = [pool.submit(jobs.sleep_then, 0.05, i) for i in range(8)]
+        assert [f.result(timeout=60) for f in futures] == list(range(8))
+        assert pool.counters.workers_started == 2
+        assert pool.counters.queue_depth_max >= 6
+
+
+async def test_warm_starts_every_worker_and_compiles_once_in_each():
+    async with aiocompile.Scheduler(workers=2) as sched:
+        await sched.warm("cuda:80")
+        assert sched.statistics().workers_started == 2
+        assert len(sched.worker_pids()) == 2
+        await sched.warm("cuda:80")  # idempotent: every slot holds a warmed worker
+        assert sched.statistics().workers_started == 2
+
+
+def test_warm_jobs_go_one_to_each_worker():
+    with WorkerPool(3, preload=()) as pool:
+        warm = pool.warm(jobs.pid)
+        pids = [job.future.result(timeout=60) for job in warm]
+        assert len(set(pids)) == 3
+
+
+def test_unpicklable_job_is_refused_at_submit():
+    with WorkerPool(1, preload=()) as pool:
+        with pytest.raises(TypeError, match="cannot be sent"):
+            pool.submit(jobs.echo, lambda: None)
+        main_function = _function_from_main()
+        try:
+            import cloudpickle  # noqa: F401
+        except ImportError:
+            with pytest.raises(TypeError, match="__main__"):
+                pool.submit(main_function, 1)
+        else:  # pragma: no cover - depends on what is installed
+            assert pool.submit(main_function, 1).result(timeout=60) == 2
+        assert pool.counters.workers_started == 0
+
+
+def _function_from_main():
+    namespace = {"__name__": "__main__"}
+    exec("def plus_one(x):\n    return x + 1\n", namespace)
+    return namespace["plus_one"]
+
+
+def test_bad_results_and_exceptions_come_back_as_clear_errors():
+    with WorkerPool(1, preload=()) as pool:
+        with pytest.raises(TypeError, match="could not be pickled"):
+            pool.submit(_returns_a_lambda).result(timeout=60)
+        with pytest.raises(RuntimeError, match="UnpicklableError.*could not be pickled"):
+            pool.submit(_raises_unpicklable).result(timeout=60)
+        with pytest.raises(RuntimeError, match="SystemExit"):
+            pool.submit(sys.exit, 3).result(timeout=60)
+        big = pool.submit(jobs.echo, b"x" * (100 * 1024 * 1024)).result(timeout=120)
+        assert len(big) == 100 * 1024 * 1024
+        # None of that cost the worker its life.
+        assert pool.counters.workers_started == 1 and pool.counters.worker_crashes == 0
+
+
+def _returns_a_lambda():
+    return lambda: None
+
+
+class UnpicklableError(Exception):
+    def __init__(self):
+        super().__init__("no pickling")
+        self.lock = __import__("threading").Lock()
+
+
+def _raises_unpicklable():
+    raise UnpicklableError()
+
+
+@pytest.mark.parametrize(
+    ("job", "args", "exitcode"),
+    [(jobs.exit_now, (3,), 3), (jobs.kill_self, (), -signal.SIGKILL), (jobs.segfault, (), -signal.SIGSEGV)],
+    ids=["os._exit", "SIGKILL", "SIGSEGV"],
+)
+def test_a_crash_costs_only_the_crashing_job(job, args, exitcode):
+    with WorkerPool(2, preload=(), max_crashes=2) as pool:
+        innocent = [pool.submit(jobs.sleep_then, 0.3, i) for i in range(2)]
+        poison = pool.submit_job(job, args, name="poison", key="k1")
+        with pytest.raises(aiocompile.WorkerCrashedError) as info:
+            poison.future.result(timeout=60)
+        assert [f.result(timeout=60) for f in innocent] == [0, 1]
+        error = info.value
+        assert error.exitcode == exitcode and error.attempts == 2
+        assert error.kernel_name == "poison" and error.key == "k1"
+        assert pool.counters.worker_crashes == 2 and pool.counters.retries == 1
+        # The pool carries on.
+        assert pool.submit(jobs.echo, "still here").result(timeout=60) == "still here"
+
+
+def test_the_tail_of_what_a_dying_worker_printed_is_kept():
+    with WorkerPool(1, preload=(), max_crashes=1) as pool:
+        with pytest.raises(aiocompile.WorkerCrashedError) as info:
+            pool.submit(jobs.print_then_exit, "last words of the job", 9).result(timeout=60)
+    assert "last words of the job" in info.value.output
+    assert "native write before death" in info.value.output
+    assert info.value.exitcode == 9
+
+
+def test_a_timeout_kills_only_that_job_s_worker():
+    with WorkerPool(2, preload=()) as pool:
+        slow = pool.submit_job(jobs.hang, timeout=0.5, name="slow")
+        other = pool.submit(jobs.sleep_then, 1.0, "other")
+        assert pool.submit(jobs.pid).result(timeout=60)
+        started = time.monotonic()
+        with pytest.raises(aiocompile.CompileTimeout) as info:
+            slow.future.result(timeout=60)
+        assert time.monotonic() - started < 5
+        assert isinstance(info.value, TimeoutError) and info.value.timeout == 0.5
+        assert other.result(timeout=60) == "other"
+        assert slow.worker_pid not in child_pids()
+        assert pool.counters.timeouts == 1 and pool.counters.worker_crashes == 0
+        assert pool.submit(jobs.echo, 1).result(timeout=60) == 1
+
+
+def test_cancelling_a_queued_job_removes_it():
+    with WorkerPool(1, preload=()) as pool:
+        blocker = pool.submit(jobs.sleep_then, 0.5, "first")
+        queued = pool.submit(jobs.echo, "never")
+        assert queued.cancel()
+        assert blocker.result(timeout=60) == "first"
+        assert pool.submit(jobs.echo, "next").result(timeout=60) == "next"
+        with pytest.raises(cf.CancelledError):
+            queued.result()
+
+
+PARENT_DIES = textwrap.dedent('''
+    import sys, time
+    sys.path.insert(0, sys.argv[1])
+    import jobs
+    from aiocompile import WorkerPool
+
+    pool = WorkerPool(2, preload=(), start_method=sys.argv[2])
+    busy = pool.submit(jobs.hang)           # this worker is inside a job when the parent dies
+    idle = pool.submit(jobs.pid).result()   # this one is idle
+    print("ready", flush=True)
+    time.sleep(60)
+''')
+
+
+@pytest.mark.parametrize("start_method", START_METHODS)
+def test_workers_exit_when_the_parent_is_killed(start_method):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PARENT_DIES, str(ROOT / "tests"), start_method],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        descendants = child_pids(proc.pid)
+        assert len(descendants) >= 2
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline and _alive(descendants):
+        time.sleep(0.02)
+    assert not _alive(descendants), f"still running 2 s after the parent died: {_alive(descendants)}"
+
+
+def _alive(pids):
+    alive = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if stat[stat.rfind(")") + 2] != "Z":
+            alive.add(pid)
+    return alive
