@@ -1,0 +1,108 @@
+"""On a GPU: compile through the pool, launch, and compare with torch.
+
+Run with ``pytest -m gpu``; skipped where torch or a CUDA device is missing. The tests
+are plain functions around ``asyncio.run`` so they need no async plugin.
+"""
+
+import asyncio
+
+import pytest
+from conftest import example_spec
+
+import aiocompile
+
+torch = pytest.importorskip("torch")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.fixture(scope="module")
+def sched():
+    scheduler = aiocompile.Scheduler(workers=4)
+    yield scheduler
+    scheduler.close()
+
+
+def compile_example(sched, label, **overrides):
+    spec = {**example_spec(label), **overrides}
+    return asyncio.run(sched.compile_triton(**spec))
+
+
+def test_current_device_target(sched):
+    # target=None: the parent has not touched CUDA yet, so a worker asks the driver.
+    kernel = compile_example(sched, "add_fp32")
+    major, minor = torch.cuda.get_device_capability()
+    assert kernel.target == f"cuda:{major * 10 + minor}"
+
+
+@pytest.mark.parametrize(("label", "dtype"), [("add_fp32", torch.float32), ("add_fp16", torch.float16)])
+def test_add(sched, label, dtype):
+    kernel = compile_example(sched, label)
+    n = 98_432
+    x = torch.rand(n, device="cuda", dtype=dtype)
+    y = torch.rand(n, device="cuda", dtype=dtype)
+    out = torch.empty_like(x)
+    kernel[lambda meta: (triton_cdiv(n, meta["BLOCK"]),)](x, y, out, n)
+    torch.testing.assert_close(out, x + y)
+
+
+def triton_cdiv(a, b):
+    return (a + b - 1) // b
+
+
+@pytest.mark.parametrize(("label", "n_cols"), [("softmax_1024", 781), ("softmax_4096", 4096)])
+def test_softmax(sched, label, n_cols):
+    kernel = compile_example(sched, label)
+    x = torch.randn(1823, n_cols, device="cuda", dtype=torch.float32)
+    y = torch.empty_like(x)
+    kernel[(x.shape[0],)](y, x, x.stride(0), y.stride(0), n_cols)
+    torch.testing.assert_close(y, torch.softmax(x, dim=1))
+
+
+@pytest.mark.parametrize(
+    ("label", "dtype", "tolerance"),
+    [
+        ("matmul_fp16_128x128x64", torch.float16, 1e-2),
+        ("matmul_fp16_128x64x32", torch.float16, 1e-2),
+        ("matmul_fp16_64x128x32", torch.float16, 1e-2),
+        ("matmul_fp16_64x64x32", torch.float16, 1e-2),
+        # fp32 inputs go through tf32 tensor cores by default, as torch does with TF32 on.
+        ("matmul_fp32_64x64x32", torch.float32, 2e-2),
+    ],
+)
+def test_matmul(sched, label, dtype, tolerance):
+    kernel = compile_example(sched, label)
+    M, N, K = 512, 384, 320
+    a = torch.randn(M, K, device="cuda", dtype=dtype)
+    b = torch.randn(K, N, device="cuda", dtype=dtype)
+    c = torch.empty(M, N, device="cuda", dtype=dtype)
+    grid = lambda meta: (triton_cdiv(M, meta["BLOCK_M"]) * triton_cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+    kernel[grid](a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
+    expected = (a.float() @ b.float()).to(dtype)
+    torch.testing.assert_close(c, expected, rtol=tolerance, atol=tolerance * K ** 0.5)
+
+
+@pytest.mark.parametrize(("label", "n_cols"), [("layer_norm_1024", 1000), ("layer_norm_4096", 4096)])
+def test_layer_norm(sched, label, n_cols):
+    kernel = compile_example(sched, label)
+    x = torch.randn(512, n_cols, device="cuda", dtype=torch.float16)
+    w = torch.rand(n_cols, device="cuda", dtype=torch.float16)
+    b = torch.rand(n_cols, device="cuda", dtype=torch.float16)
+    y = torch.empty_like(x)
+    kernel[(x.shape[0],)](x, y, w, b, x.stride(0), n_cols, 1e-5)
+    expected = torch.nn.functional.layer_norm(x.float(), (n_cols,), w.float(), b.float(), 1e-5).half()
+    torch.testing.assert_close(y, expected, rtol=1e-2, atol=1e-2)
+
+
+def test_load_ahead_and_launch_a_kernel_read_back_from_bytes(sched):
+    built = compile_example(sched, "add_fp16")
+    kernel = aiocompile.TritonKernel.from_bytes(built.to_bytes())
+    assert not kernel.loaded
+    asyncio.run(kernel.load())
+    assert kernel.loaded
+    x = torch.rand(4096, device="cuda", dtype=torch.float16)
+    out = torch.empty_like(x)
+    kernel[(4,)](x_ptr=x, y_ptr=x, out_ptr=out, n=4096)
+    torch.testing.assert_close(out, x + x)
