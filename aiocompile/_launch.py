@@ -189,7 +189,8 @@ class ZygoteLauncher:
         self._ctrl.settimeout(timeout)
         try:
             data = self._ctrl.recv(1 << 20)
-        except (TimeoutError, socket.timeout):
+        except (TimeoutError, socket.timeout, BlockingIOError, InterruptedError):
+            # Nothing there (a zero timeout makes the socket non-blocking): not an end.
             return None
         except OSError:
             data = b""

@@ -78,6 +78,12 @@ def scheduler():
     sched.close(grace=0)
 
 
+def subprocess_env(**extra: str) -> dict:
+    """This environment, with the checkout first on PYTHONPATH, for scripts the tests run."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 def child_pids(pid: int | None = None) -> set[int]:
     """Live (non-zombie) descendants of ``pid`` (default: this process)."""
     pid = os.getpid() if pid is None else pid

@@ -5,14 +5,14 @@ import os
 import subprocess
 import sys
 
-from conftest import ROOT
+from conftest import ROOT, subprocess_env
 
 import aiocompile
 
 
 def _aiocompile(*args, cwd=ROOT):
     return subprocess.run([sys.executable, "-m", "aiocompile", *args], capture_output=True, text=True, cwd=cwd,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
+                          env=subprocess_env(), timeout=600)
 
 
 def test_build_the_example_set_for_two_targets(tmp_path):

@@ -8,7 +8,7 @@ import textwrap
 import time
 
 import pytest
-from conftest import ROOT, child_pids
+from conftest import ROOT, child_pids, subprocess_env
 from test_pool import _alive
 from triton_kernels import ADD_SIGNATURE, add_kernel
 
@@ -86,7 +86,7 @@ LOOPS = textwrap.dedent('''
 
 def test_default_scheduler_serves_any_event_loop_and_leaves_nothing_at_exit(tmp_path):
     proc = subprocess.run([sys.executable, "-c", LOOPS, str(ROOT / "tests")], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "AIOCOMPILE_WORKERS": "2"}, timeout=240)
+                          env=subprocess_env(AIOCOMPILE_WORKERS="2"), timeout=240)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     keys = result["keys"]
@@ -138,7 +138,7 @@ FORK = textwrap.dedent('''
 
 def test_a_forked_child_gets_a_fresh_default_scheduler():
     proc = subprocess.run([sys.executable, "-c", FORK, str(ROOT / "tests")], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "AIOCOMPILE_WORKERS": "1"}, timeout=240)
+                          env=subprocess_env(AIOCOMPILE_WORKERS="1"), timeout=240)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["child"] == {"parent_scheduler": "SchedulerClosed", "fresh": True, "compiled": "add_kernel",

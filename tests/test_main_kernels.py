@@ -10,7 +10,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, subprocess_env
 
 SCRIPT = textwrap.dedent('''
     import asyncio, json, os, sys
@@ -114,7 +114,7 @@ def _run(tmp_path, source, start_method):
     script = tmp_path / "script.py"
     script.write_text(source)
     marker = tmp_path / "marker"
-    env = {**__import__("os").environ, "MARKER": str(marker), "PYTHONPATH": str(ROOT)}
+    env = subprocess_env(MARKER=str(marker))
     proc = subprocess.run([sys.executable, str(script), start_method], capture_output=True, text=True, env=env,
                           timeout=240)
     assert proc.returncode == 0, proc.stderr
