@@ -62,10 +62,10 @@ class KernelCache:
             if key in self._results:
                 self._results.move_to_end(key)
                 return "hit", self._results[key]
-            entry = self._in_flight.get(key)
-            if entry is not None:
-                entry.waiters += 1
-                return "joined", entry
+            shared = self._in_flight.get(key)
+            if shared is not None:
+                shared.waiters += 1
+                return "joined", shared
             entry = self._in_flight[key] = Entry(key)
         try:
             start(entry)

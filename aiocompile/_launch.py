@@ -167,7 +167,8 @@ class ZygoteLauncher:
                 self._stop_zygote()
                 raise LauncherError(f"the worker fork server did not start:\n{tail}")
             if message[0] == "ready":
-                self.problems = list(message[2])
+                problems = message[2]
+                self.problems = list(problems) if isinstance(problems, list) else []
                 return parent
             self._note(message)
 
@@ -189,7 +190,7 @@ class ZygoteLauncher:
         self._ctrl.settimeout(timeout)
         try:
             data = self._ctrl.recv(1 << 20)
-        except (TimeoutError, socket.timeout, BlockingIOError, InterruptedError):
+        except (TimeoutError, BlockingIOError, InterruptedError):
             # Nothing there (a zero timeout makes the socket non-blocking): not an end.
             return None
         except OSError:

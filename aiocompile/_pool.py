@@ -164,7 +164,7 @@ class WorkerPool(cf.Executor):
 
     # -- submission (any thread) -------------------------------------------------------
 
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> cf.Future[Any]:  # type: ignore[override]
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> cf.Future[Any]:
         return self.submit_job(fn, args, kwargs).future
 
     def submit_job(
@@ -502,7 +502,8 @@ class WorkerPool(cf.Executor):
             self._start_failures += 1
             self._last_start_error = f"a worker exited with {_signal_name(exitcode)} while starting:\n{tail}"
             if self._start_failures >= _MAX_START_FAILURES:
-                self._fail_queued(RuntimeError(f"aiocompile could not start worker processes: {self._last_start_error}"))
+                error = f"aiocompile could not start worker processes: {self._last_start_error}"
+                self._fail_queued(RuntimeError(error))
             return
         if job is None:
             if not self._stopping:

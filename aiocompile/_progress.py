@@ -8,7 +8,9 @@ from typing import Any, TextIO
 
 
 class Progress:
-    def __init__(self, total: int, *, enabled: bool, description: str = "compiling", stream: TextIO | None = None) -> None:
+    def __init__(
+        self, total: int, *, enabled: bool, description: str = "compiling", stream: TextIO | None = None
+    ) -> None:
         self.total = total
         self.done = 0
         self.failed = 0

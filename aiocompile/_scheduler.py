@@ -225,7 +225,7 @@ class Scheduler:
 
         async def one(index: int, spec: dict[str, Any], scope: anyio.CancelScope) -> None:
             kernel = spec.pop("kernel")
-            label = spec.pop("label", None) or getattr(kernel, "__name__", None) or getattr(kernel, "name", "kernel")
+            label = str(spec.pop("label", None) or getattr(kernel, "__name__", None) or getattr(kernel, "name", "?"))
             bar.started(label)
             try:
                 results[index] = await self.compile_triton(kernel, **spec)
@@ -250,7 +250,9 @@ class Scheduler:
             raise first_error[0]
         return results
 
-    async def run(self, fn: Callable[..., Any], *args: Any, key: str | None = None, timeout: float | None = None) -> Any:
+    async def run(
+        self, fn: Callable[..., Any], *args: Any, key: str | None = None, timeout: float | None = None
+    ) -> Any:
         """Run ``fn(*args)`` in a worker process and return its result.
 
         ``fn`` and ``args`` must pickle (functions by reference; one defined in

@@ -154,7 +154,9 @@ def _describe_failure(exc: BaseException) -> bytes:
         return pickle.dumps(_Failure(None, name, message, tb), protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def run_one(state: _JobState, env: dict[str, str], sys_path: list[str] | None, payload: bytes) -> tuple[bool, bytes, float]:
+def run_one(
+    state: _JobState, env: dict[str, str], sys_path: list[str] | None, payload: bytes
+) -> tuple[bool, bytes, float]:
     """Run one job; never raises (but may, of course, kill the process)."""
     started = time.perf_counter()
     try:
@@ -194,7 +196,9 @@ def serve(conn: Connection) -> NoReturn:
                 std.flush()
             except (OSError, ValueError, AttributeError):
                 pass
-        reply = pickle.dumps(("done", job_id, ok, data, run_time, _output_size(), _max_rss()), protocol=pickle.HIGHEST_PROTOCOL)
+        reply = pickle.dumps(
+            ("done", job_id, ok, data, run_time, _output_size(), _max_rss()), protocol=pickle.HIGHEST_PROTOCOL
+        )
         del data
         try:
             conn.send_bytes(reply)

@@ -89,7 +89,7 @@ class _Zygote:
         try:
             while True:
                 try:
-                    readable, _, _ = select.select([self.ctrl, self.wake_r], [], [])
+                    readable, _, _ = select.select([self.ctrl.fileno(), self.wake_r], [], [])
                 except InterruptedError:
                     continue
                 if self.wake_r in readable:
@@ -98,7 +98,7 @@ class _Zygote:
                     except BlockingIOError:
                         pass
                     self.reap()
-                if self.ctrl in readable and not self.handle_request():
+                if self.ctrl.fileno() in readable and not self.handle_request():
                     break
         finally:
             self.shutdown()

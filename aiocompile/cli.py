@@ -80,10 +80,9 @@ async def _build(args: argparse.Namespace) -> int:
         for part in text.split(","):
             if part.strip():
                 try:
-                    target = parse_target(part)
+                    targets.append(str(parse_target(part)))
                 except ValueError as exc:
                     raise SystemExit(f"aiocompile: {exc}") from None
-                targets.append(str(target))
     targets = list(dict.fromkeys(targets))
     out = Path(args.out)
     config = SchedulerConfig.from_env().with_changes(workers=args.workers, timeout=args.timeout,

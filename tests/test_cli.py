@@ -1,7 +1,6 @@
 """The `aiocompile build` command, run as a user runs it."""
 
 import json
-import os
 import subprocess
 import sys
 

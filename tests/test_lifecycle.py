@@ -1,7 +1,6 @@
 """Event loops come and go; the scheduler and its processes must not care, nor leak."""
 
 import json
-import os
 import subprocess
 import sys
 import textwrap

@@ -10,7 +10,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import ROOT, subprocess_env
+from conftest import subprocess_env
 
 SCRIPT = textwrap.dedent('''
     import asyncio, json, os, sys

@@ -19,6 +19,5 @@ ADD_SIGNATURE = {"x_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*fp32", "n": "i
 @triton.jit
 def type_error_kernel(x_ptr, n, BLOCK: tl.constexpr):
     offsets = tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + offsets)
     # A pointer cannot be multiplied by a pointer: Triton rejects this at compile time.
     tl.store(x_ptr + offsets, x_ptr * x_ptr)

@@ -58,7 +58,8 @@ class Unit:
 
     module_name: str
     files: tuple[tuple[str, str], ...]  # (filename, text with each function at its own lines)
-    functions: tuple[tuple[str, str, str, tuple[tuple[str, Any], ...]], ...]  # (name, jit class module, class qualname, jit kwargs)
+    # (name, the JIT class's module, its qualified name, the @jit keyword arguments)
+    functions: tuple[tuple[str, str, str, tuple[tuple[str, Any], ...]], ...]
     globals: tuple[tuple[str, tuple[Any, ...]], ...]
 
 
@@ -242,7 +243,9 @@ class _BundleBuilder:
 
         if isinstance(value, types.ModuleType):
             if value.__name__ in ("__main__", "__mp_main__"):
-                raise ValueError(f"kernel {kernel!r} reads {ref_name!r}, the __main__ module, which workers cannot import")
+                raise ValueError(
+                    f"kernel {kernel!r} reads {ref_name!r}, the __main__ module, which workers cannot import"
+                )
             return ("module", value.__name__)
         if isinstance(value, JITFunction):
             if _importable(value.__module__, value.fn.__qualname__, value):

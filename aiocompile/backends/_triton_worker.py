@@ -26,7 +26,7 @@ def _tiny_kernel() -> Any:
         import triton.language as tl
 
         @triton.jit
-        def _aiocompile_warm_add(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        def _aiocompile_warm_add(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
             offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
             mask = offsets < n
             x = tl.load(x_ptr + offsets, mask=mask)

@@ -26,8 +26,7 @@ from typing import Any, Callable
 from aiocompile._errors import CompileError
 from aiocompile._target import Target, parse_target
 from aiocompile._worker import job_env
-from aiocompile.backends import BackendContext, Request
-from aiocompile.backends import _triton_worker
+from aiocompile.backends import BackendContext, Request, _triton_worker
 from aiocompile.backends._triton_ship import KernelRef, SourceModule, ship, unwrap_jit
 
 __all__ = ["TritonKernel", "TritonSource", "prepare"]
@@ -236,7 +235,8 @@ def _installed_triton_version() -> str:
         if "triton" in sys.modules:
             version = sys.modules["triton"].__version__
         else:
-            from importlib.metadata import PackageNotFoundError, version as dist_version
+            from importlib.metadata import PackageNotFoundError
+            from importlib.metadata import version as dist_version
 
             try:
                 version = dist_version("triton")
@@ -292,13 +292,18 @@ def _check_options(options: Mapping[str, Any], target: Target | None) -> None:
             raise ValueError(f"{name} must be {'non-negative' if name == 'num_stages' else 'at least 1'}, got {value}")
 
 
+_Signature = tuple[tuple[str, str], ...]
+_Constexprs = tuple[tuple[str, Any], ...]
+_Attrs = tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]
+
+
 def _normalize(
     name: str,
     arg_names: tuple[str, ...],
     signature: Any,
     constexprs: Any,
     attrs: Any,
-) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, Any], ...], tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]]:
+) -> tuple[_Signature, _Constexprs, _Attrs]:
     if not isinstance(signature, Mapping):
         raise TypeError(f"signature must be a mapping of argument name to type, got {type(signature).__name__}")
     if constexprs is not None and not isinstance(constexprs, Mapping):
@@ -341,7 +346,9 @@ def _normalize(
             pairs = []
             for pair in values:
                 if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], str)):
-                    raise TypeError(f"attrs[{arg!r}] must hold (attribute, value) pairs such as ('tt.divisibility', 16)")
+                    raise TypeError(
+                        f"attrs[{arg!r}] must hold (attribute, value) pairs such as ('tt.divisibility', 16)"
+                    )
                 pairs.append((pair[0], pair[1]))
             norm_attrs.append((arg, tuple(pairs)))
     ordered_constexprs = tuple((arg, constexprs[arg]) for arg in arg_names if arg in constexprs)
@@ -379,7 +386,9 @@ async def prepare(
         kernel_hash = f"source:{kernel.digest}:{kernel.name}"
     else:
         if "triton" not in sys.modules:
-            raise TypeError(f"kernel must be a @triton.jit function or aiocompile.TritonSource, got {type(kernel).__name__}")
+            raise TypeError(
+                f"kernel must be a @triton.jit function or aiocompile.TritonSource, got {type(kernel).__name__}"
+            )
         fn = unwrap_jit(kernel)
         name, arg_names = fn.__name__, tuple(fn.arg_names)
         shipped = _ship_cache.lookup(fn)
@@ -520,7 +529,8 @@ class TritonKernel:
         """The target as Triton's ``GPUTarget`` (imports Triton)."""
         target = parse_target(self.target)
         assert target is not None
-        return Target(target.backend, target.arch, int(self.metadata.get("warp_size", target.warp_size))).to_gpu_target()
+        warp_size = int(self.metadata.get("warp_size", target.warp_size))
+        return Target(target.backend, target.arch, warp_size).to_gpu_target()
 
     @property
     def size(self) -> int:
@@ -634,7 +644,9 @@ class TritonKernel:
     def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         runtime = [a for a in self.arg_names if a not in self.constexprs]
         if len(args) > len(runtime):
-            raise TypeError(f"{self.name} takes {len(runtime)} runtime arguments ({', '.join(runtime)}), got {len(args)}")
+            raise TypeError(
+                f"{self.name} takes {len(runtime)} runtime arguments ({', '.join(runtime)}), got {len(args)}"
+            )
         values = dict(zip(runtime, args))
         for arg, value in kwargs.items():
             if arg not in runtime:
