@@ -21,6 +21,7 @@ import atexit
 import collections
 import concurrent.futures as cf
 import itertools
+import logging
 import os
 import pickle
 import sys
@@ -40,6 +41,8 @@ from aiocompile._errors import (
 )
 from aiocompile._launch import Launcher, LauncherError, WorkerProcess, make_launcher
 from aiocompile._worker import _Failure, job_env
+
+logger = logging.getLogger("aiocompile")
 
 # How long a worker that closed its socket may take to be reaped before we stop waiting.
 _REAP_TIMEOUT = 5.0
@@ -157,7 +160,9 @@ class WorkerPool(cf.Executor):
         self._pending: collections.deque[Job] = collections.deque()
         self._warm_pending: collections.deque[Job] = collections.deque()
         self._start_failures = 0
+        self._retry_start_at: float | None = None
         self._last_start_error: str = ""
+        self._reported_problems: set[str] = set()
         self._shutdown_deadline: float | None = None
         self._stopping = False
         _live_pools.add(self)
@@ -199,10 +204,15 @@ class WorkerPool(cf.Executor):
 
     def kill(self, job: Job, reason: str = "cancelled") -> None:
         """Stop a job: cancel it if queued, kill its worker if running."""
-        if not job.future.cancel():
+        if not self.cancel(job):
             self._command("kill", (job, reason))
-        else:
+
+    def cancel(self, job: Job) -> bool:
+        """Drop a job that has not started; returns False (and does nothing) if it has."""
+        if job.future.cancel():
             self._wake()
+            return True
+        return False
 
     def warm(self, fn: Callable[..., Any], args: tuple[Any, ...] = ()) -> list[Job]:
         """Start every worker and run ``fn(*args)`` once in each worker not yet warmed."""
@@ -354,6 +364,8 @@ class WorkerPool(cf.Executor):
         deadlines = [w.deadline for w in self._workers if w.deadline is not None]
         if self._shutdown_deadline is not None:
             deadlines.append(self._shutdown_deadline)
+        if self._retry_start_at is not None and (self._pending or self._warm_pending):
+            deadlines.append(self._retry_start_at)
         if not deadlines:
             return None
         return max(0.0, min(deadlines) - time.monotonic())
@@ -379,6 +391,8 @@ class WorkerPool(cf.Executor):
             self._start_job(worker, self._pending.popleft())
         wanted = len(self._pending) + len(self._warm_pending)
         starting = sum(1 for w in self._workers if w.state == "starting")
+        if self._retry_start_at is not None and time.monotonic() < self._retry_start_at:
+            return
         while wanted > starting and len(self._workers) < self.max_workers:
             if not self._launch_worker():
                 break
@@ -400,16 +414,26 @@ class WorkerPool(cf.Executor):
                 best = worker
         return best
 
+    def _start_failed(self, error: str) -> None:
+        # Try again after a pause that grows with each failure in a row; after a few, fail
+        # what is queued rather than let it wait for a worker that will never come.
+        self._start_failures += 1
+        self._last_start_error = error
+        self._retry_start_at = time.monotonic() + min(2.0, 0.1 * 2 ** self._start_failures)
+        if self._start_failures >= _MAX_START_FAILURES:
+            self._fail_queued(RuntimeError(f"aiocompile could not start worker processes: {error}"))
+
     def _launch_worker(self) -> bool:
         try:
             if self._launcher is None:
                 self._launcher = make_launcher(self.start_method, self._preload)
             proc = self._launcher.launch()
+            for problem in getattr(self._launcher, "problems", ()):
+                if problem not in self._reported_problems:
+                    self._reported_problems.add(problem)
+                    logger.warning("aiocompile workers start without a preload: %s", problem)
         except (LauncherError, OSError) as exc:
-            self._start_failures += 1
-            self._last_start_error = str(exc)
-            if self._start_failures >= _MAX_START_FAILURES:
-                self._fail_queued(RuntimeError(f"aiocompile could not start worker processes: {exc}"))
+            self._start_failed(str(exc))
             return False
         self._workers.append(_Worker(proc))
         self.counters.workers_started += 1
@@ -447,6 +471,7 @@ class WorkerPool(cf.Executor):
         if message[0] == "ready":
             worker.state = "idle"
             self._start_failures = 0
+            self._retry_start_at = None
         elif message[0] == "done":
             self._on_done(worker, message)
 
@@ -499,11 +524,7 @@ class WorkerPool(cf.Executor):
         self._workers.remove(worker)
         job = worker.job
         if worker.state == "starting":
-            self._start_failures += 1
-            self._last_start_error = f"a worker exited with {_signal_name(exitcode)} while starting:\n{tail}"
-            if self._start_failures >= _MAX_START_FAILURES:
-                error = f"aiocompile could not start worker processes: {self._last_start_error}"
-                self._fail_queued(RuntimeError(error))
+            self._start_failed(f"a worker exited with {_signal_name(exitcode)} while starting:\n{tail}")
             return
         if job is None:
             if not self._stopping:

@@ -287,9 +287,10 @@ class Scheduler:
         except BaseException as exc:
             remaining = self._cache.leave(entry)
             if isinstance(exc, anyio.get_cancelled_exc_class()):
-                if remaining == 0 and entry.job is not None and entry.job.started_at is None:
-                    # Nobody waits for a job that has not started: drop it from the queue.
-                    self._pool.kill(entry.job)
+                if remaining == 0 and entry.job is not None:
+                    # Nobody waits for it any more: drop it if it has not started yet (a
+                    # started one runs on, and its result is kept for the next caller).
+                    self._pool.cancel(entry.job)
                 self._record(request, "cancelled", wall, arrived, entry)
             else:
                 self._record(request, "failed" if how == "started" else "joined", wall, arrived, entry, error=exc)

@@ -100,7 +100,8 @@ async def _build(args: argparse.Namespace) -> int:
           f"({', '.join(targets)}) with {config.workers} workers", file=sys.stderr)
     started = time.perf_counter()
     async with Scheduler(config=config) as sched:
-        results = await sched.compile_many([spec for _, _, spec in specs], progress=not args.no_progress,
+        show_progress = not args.no_progress and sys.stderr.isatty()
+        results = await sched.compile_many([spec for _, _, spec in specs], progress=show_progress,
                                            return_exceptions=True)
         wall = time.perf_counter() - started
         stats = sched.statistics()
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("--workers", "-j", type=int, default=None, help="worker processes (default: CPUs)")
     build.add_argument("--timeout", type=float, default=None, help="per-kernel timeout in seconds")
     build.add_argument("--start-method", choices=["forkserver", "spawn", "fork"], default=None)
-    build.add_argument("--no-progress", action="store_true", help="no progress bar")
+    build.add_argument("--no-progress", action="store_true", help="no progress bar (none unless on a terminal)")
     args = parser.parse_args(argv)
     if args.command == "build":
         return asyncio.run(_build(args))

@@ -46,3 +46,12 @@ def print_then_exit(text, code):
 def hang():
     while True:
         time.sleep(1)
+
+
+def die_in_preload(*, warm):
+    """A preload hook that kills the fork server while it starts."""
+    os._exit(5)
+
+
+def fail_in_preload(*, warm):
+    raise RuntimeError("this preload hook is broken")

@@ -181,6 +181,20 @@ def test_a_spurious_wake_up_of_the_fork_server_channel_is_harmless():
         launcher.close()
 
 
+def test_a_fork_server_that_cannot_start_fails_jobs_instead_of_hanging():
+    with WorkerPool(1, preload=("jobs:die_in_preload",)) as pool:
+        future = pool.submit(jobs.echo, 1)
+        with pytest.raises(RuntimeError, match="could not start worker processes"):
+            future.result(timeout=120)
+
+
+def test_a_broken_preload_is_reported_and_workers_still_run(caplog):
+    with caplog.at_level("WARNING", logger="aiocompile"):
+        with WorkerPool(1, preload=("jobs:fail_in_preload",)) as pool:
+            assert pool.submit(jobs.echo, 1).result(timeout=60) == 1
+    assert "this preload hook is broken" in caplog.text
+
+
 def test_cancelling_a_queued_job_removes_it():
     with WorkerPool(1, preload=()) as pool:
         blocker = pool.submit(jobs.sleep_then, 0.5, "first")

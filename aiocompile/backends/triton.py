@@ -487,6 +487,7 @@ class TritonKernel:
         self.triton_hash = triton_hash
         self._load_lock = threading.Lock()
         self._compiled: Any = None
+        self._size: int | None = None
 
     @classmethod
     def _from_artifact(cls, spec: TritonSpec, artifact: Mapping[str, Any]) -> TritonKernel:
@@ -535,7 +536,9 @@ class TritonKernel:
     @property
     def size(self) -> int:
         """Bytes of all the artifacts (binary and intermediate forms)."""
-        return sum(len(v) if isinstance(v, bytes) else len(v.encode()) for v in self.asm.values())
+        if self._size is None:
+            self._size = sum(len(v) if isinstance(v, bytes) else len(v.encode()) for v in self.asm.values())
+        return self._size
 
     # -- serialisation ------------------------------------------------------------------
 
