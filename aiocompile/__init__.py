@@ -3,32 +3,38 @@
 ``kernel = await aiocompile.compile_triton(add_kernel, signature=..., target="cuda:90")``
 compiles in a supervised pool of worker processes while the event loop keeps serving.
 
-Importing this package imports neither Triton nor torch.
+Importing this package imports neither Triton nor torch, nor anything else until a name is
+first used: worker processes import parts of this package, and must not pay for the rest.
 """
 
-from aiocompile._config import SchedulerConfig
-from aiocompile._errors import (
-    AiocompileError,
-    CompileError,
-    CompileTimeout,
-    SchedulerClosed,
-    WorkerCrashedError,
-)
-from aiocompile._metrics import JobRecord, Statistics, Summary
-from aiocompile._pool import WorkerPool
-from aiocompile._scheduler import (
-    Scheduler,
-    compile_many,
-    compile_triton,
-    default_scheduler,
-    run,
-    statistics,
-    warm,
-)
-from aiocompile._target import Target
-from aiocompile.backends.triton import TritonKernel, TritonSource
+import importlib as _importlib
+import typing as _typing
 
 __version__ = "0.1.0"
+
+# Public name -> the private module that defines it.
+_EXPORTS = {
+    "AiocompileError": "aiocompile._errors",
+    "CompileError": "aiocompile._errors",
+    "CompileTimeout": "aiocompile._errors",
+    "JobRecord": "aiocompile._metrics",
+    "Scheduler": "aiocompile._scheduler",
+    "SchedulerClosed": "aiocompile._errors",
+    "SchedulerConfig": "aiocompile._config",
+    "Statistics": "aiocompile._metrics",
+    "Summary": "aiocompile._metrics",
+    "Target": "aiocompile._target",
+    "TritonKernel": "aiocompile.backends.triton",
+    "TritonSource": "aiocompile.backends.triton",
+    "WorkerCrashedError": "aiocompile._errors",
+    "WorkerPool": "aiocompile._pool",
+    "compile_many": "aiocompile._scheduler",
+    "compile_triton": "aiocompile._scheduler",
+    "default_scheduler": "aiocompile._scheduler",
+    "run": "aiocompile._scheduler",
+    "statistics": "aiocompile._scheduler",
+    "warm": "aiocompile._scheduler",
+}
 
 __all__ = [
     "AiocompileError",
@@ -53,3 +59,40 @@ __all__ = [
     "statistics",
     "warm",
 ]
+
+
+def __getattr__(name: str) -> _typing.Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'aiocompile' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+if _typing.TYPE_CHECKING:
+    from aiocompile._config import SchedulerConfig
+    from aiocompile._errors import (
+        AiocompileError,
+        CompileError,
+        CompileTimeout,
+        SchedulerClosed,
+        WorkerCrashedError,
+    )
+    from aiocompile._metrics import JobRecord, Statistics, Summary
+    from aiocompile._pool import WorkerPool
+    from aiocompile._scheduler import (
+        Scheduler,
+        compile_many,
+        compile_triton,
+        default_scheduler,
+        run,
+        statistics,
+        warm,
+    )
+    from aiocompile._target import Target
+    from aiocompile.backends.triton import TritonKernel, TritonSource

@@ -66,6 +66,9 @@ class WorkerProcess:
 class Launcher(Protocol):
     name: str
 
+    def prepare(self) -> None:
+        """Get ready to launch workers (start the fork server, say) without launching one."""
+
     def launch(self) -> WorkerProcess: ...
 
     def kill(self, worker: WorkerProcess) -> None: ...
@@ -235,6 +238,9 @@ class ZygoteLauncher:
 
     # -- the Launcher interface ----------------------------------------------------------
 
+    def prepare(self) -> None:
+        self._ensure_zygote()
+
     def launch(self) -> WorkerProcess:
         ctrl = self._ensure_zygote()
         parent_sock, child_sock, alive_r, alive_w, output_fd = _worker_descriptors()
@@ -313,6 +319,9 @@ class SpawnLauncher:
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
         self.problems: list[str] = []
 
+    def prepare(self) -> None:
+        pass
+
     def launch(self) -> WorkerProcess:
         parent_sock, child_sock, alive_r, alive_w, output_fd = _worker_descriptors()
         fds = (child_sock.fileno(), alive_r, output_fd)
@@ -378,10 +387,13 @@ class ForkLauncher:
     name = "fork"
 
     def __init__(self, preload: tuple[str, ...]) -> None:
-        from aiocompile._zygote import preload_modules
+        from aiocompile._zygote import Preload
 
-        self.problems = preload_modules(list(preload), warm=False)
+        self.problems = Preload(list(preload)).finish()
         self._pids: set[int] = set()
+
+    def prepare(self) -> None:
+        pass
 
     def launch(self) -> WorkerProcess:
         parent_sock, child_sock, alive_r, alive_w, output_fd = _worker_descriptors()

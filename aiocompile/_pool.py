@@ -214,6 +214,12 @@ class WorkerPool(cf.Executor):
             return True
         return False
 
+    def start(self) -> None:
+        """Get the pool ready to start workers (the fork server loads in the background);
+        returns at once. Workers themselves still start on demand."""
+        self._check_usable()
+        self._command("prepare", None)
+
     def warm(self, fn: Callable[..., Any], args: tuple[Any, ...] = ()) -> list[Job]:
         """Start every worker and run ``fn(*args)`` once in each worker not yet warmed."""
         return [self.submit_job(fn, args, warm_only=True, name="warm-up") for _ in range(self.max_workers)]
@@ -356,6 +362,8 @@ class WorkerPool(cf.Executor):
             elif kind == "kill":
                 job, reason = value
                 self._kill_job(job, reason)
+            elif kind == "prepare":
+                self._prepare_launcher()
             elif kind == "shutdown":
                 cancel_futures, grace = value
                 self._begin_shutdown(cancel_futures, grace)
@@ -422,6 +430,15 @@ class WorkerPool(cf.Executor):
         self._retry_start_at = time.monotonic() + min(2.0, 0.1 * 2 ** self._start_failures)
         if self._start_failures >= _MAX_START_FAILURES:
             self._fail_queued(RuntimeError(f"aiocompile could not start worker processes: {error}"))
+
+    def _prepare_launcher(self) -> None:
+        try:
+            if self._launcher is None:
+                self._launcher = make_launcher(self.start_method, self._preload)
+            self._launcher.prepare()
+        except (LauncherError, OSError) as exc:
+            # Not fatal here: the first launch tries again and reports.
+            logger.warning("aiocompile could not prepare its workers: %s", exc)
 
     def _launch_worker(self) -> bool:
         try:

@@ -86,6 +86,9 @@ class Scheduler:
 
     async def __aenter__(self) -> Scheduler:
         self._check_open()
+        # Let the fork server load the compiler while the caller gets on with its own
+        # start-up; workers still start on demand.
+        self._pool.start()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:

@@ -227,7 +227,7 @@ def spawn_main() -> NoReturn:  # pragma: no cover - runs in a fresh interpreter
     """Entry point of a worker started in a fresh interpreter (the "spawn" start method)."""
     job_fd, alive_fd, output_fd = (int(a) for a in sys.argv[1:4])
     preload = [m for m in sys.argv[4].split(",") if m] if len(sys.argv) > 4 else []
-    from aiocompile._zygote import preload_modules
+    from aiocompile._zygote import Preload
 
-    preload_modules(preload, warm=False)
+    Preload(preload).finish()
     start(job_fd, alive_fd, output_fd)

@@ -7,10 +7,12 @@ process it starts re-imports the parent's ``__main__``, which in a serving appli
 load a model or start a server. Ours is private to one pool, never imports ``__main__``,
 reports each worker's exit status, and ends its workers when the parent goes away.
 
-The zygote stays single-threaded, so forking it is safe: it imports the compiler, computes
-the compiler's expensive one-time state (Triton hashes its whole shared library for every
-cache key) and runs a warm-up compile, all before the first fork. A forked worker starts
-in a few milliseconds with all of that done.
+The zygote stays single-threaded, so forking it is safe. It imports the compiler and is
+ready; then, whenever no fork is asked of it, it takes the next step of its warm-up:
+computing the compiler's expensive one-time state (Triton hashes its whole shared library
+for every cache key) and a throw-away compile. Workers forked during that time do the
+work themselves, in parallel, as a fresh interpreter would; workers forked after it start
+with all of it done, in a few milliseconds.
 
 Control protocol (pickled tuples over a SOCK_SEQPACKET socket, file descriptors attached
 with SCM_RIGHTS):
@@ -33,27 +35,57 @@ import signal
 import socket
 import sys
 import traceback
-from typing import NoReturn
+from collections.abc import Iterator
+from typing import Any, NoReturn
 
 _MAX_MESSAGE = 1 << 20
+_QUIET = 0.05
 
 
-def preload_modules(entries: list[str], *, warm: bool) -> list[str]:
-    """Import each entry; an entry ``module:function`` also calls ``function(warm=...)``.
+class Preload:
+    """The preload entries: ``module`` is imported; ``module:function`` is imported and
+    ``function()`` called. A function may be a generator: what it does before its first
+    ``yield`` happens at once, each later step by ``step()``, one at a time.
 
-    Returns a description of each entry that failed: a broken preload makes workers
-    slower, not wrong, so it is reported rather than fatal.
+    A broken entry makes workers slower, not wrong, so it is reported in ``problems``
+    rather than raised.
     """
-    problems = []
-    for entry in entries:
-        module_name, _, func_name = entry.partition(":")
+
+    def __init__(self, entries: list[str]) -> None:
+        self.problems: list[str] = []
+        self._steps: list[tuple[str, Iterator[Any]]] = []
+        for entry in entries:
+            module_name, _, func_name = entry.partition(":")
+            try:
+                module = importlib.import_module(module_name)
+                result = getattr(module, func_name)() if func_name else None
+                if isinstance(result, Iterator):
+                    self._steps.append((entry, result))
+                    self.step()
+            except Exception:
+                self.problems.append(f"preloading {entry!r} failed:\n{traceback.format_exc()}")
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._steps)
+
+    def step(self) -> None:
+        """Run the next step of the first unfinished entry."""
+        if not self._steps:
+            return
+        entry, steps = self._steps[0]
         try:
-            module = importlib.import_module(module_name)
-            if func_name:
-                getattr(module, func_name)(warm=warm)
+            next(steps)
+        except StopIteration:
+            self._steps.pop(0)
         except Exception:
-            problems.append(f"preloading {entry!r} failed:\n{traceback.format_exc()}")
-    return problems
+            self._steps.pop(0)
+            self.problems.append(f"preloading {entry!r} failed:\n{traceback.format_exc()}")
+
+    def finish(self) -> list[str]:
+        while self._steps:
+            self.step()
+        return self.problems
 
 
 def _set_parent_death_signal() -> None:
@@ -71,8 +103,9 @@ def _set_parent_death_signal() -> None:
 
 
 class _Zygote:
-    def __init__(self, ctrl: socket.socket) -> None:
+    def __init__(self, ctrl: socket.socket, preload: Preload) -> None:
         self.ctrl = ctrl
+        self.preload = preload
         self.children: set[int] = set()
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
@@ -88,9 +121,15 @@ class _Zygote:
         signal.signal(signal.SIGCHLD, lambda signum, frame: None)
         try:
             while True:
+                # Warm up only while nobody asks for a fork: requests come in bursts (a pool
+                # starting its workers), so a short quiet spell means the burst is over.
+                timeout = _QUIET if self.preload.pending else None
                 try:
-                    readable, _, _ = select.select([self.ctrl.fileno(), self.wake_r], [], [])
+                    readable, _, _ = select.select([self.ctrl.fileno(), self.wake_r], [], [], timeout)
                 except InterruptedError:
+                    continue
+                if not readable:
+                    self.preload.step()
                     continue
                 if self.wake_r in readable:
                     try:
@@ -186,9 +225,9 @@ def main(ctrl_fd: int) -> None:
         os.chdir(cwd)
     except OSError:
         pass
-    problems = preload_modules(preload, warm=True)
-    ctrl.send(pickle.dumps(("ready", os.getpid(), problems)))
-    _Zygote(ctrl).run()
+    loaded = Preload(preload)
+    ctrl.send(pickle.dumps(("ready", os.getpid(), loaded.problems)))
+    _Zygote(ctrl, loaded).run()
 
 
 if __name__ == "__main__":  # pragma: no cover

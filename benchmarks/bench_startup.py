@@ -50,6 +50,7 @@ STDLIB = textwrap.dedent('''
     import asyncio, concurrent.futures, json, multiprocessing, sys, time
     t0 = time.perf_counter()
     sys.path.insert(0, sys.argv[2])
+    import triton_kernels  # an application holds its kernels, as the aiocompile script does
 
     def compile_add(block):
         import triton

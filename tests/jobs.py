@@ -48,10 +48,10 @@ def hang():
         time.sleep(1)
 
 
-def die_in_preload(*, warm):
+def die_in_preload():
     """A preload hook that kills the fork server while it starts."""
     os._exit(5)
 
 
-def fail_in_preload(*, warm):
+def fail_in_preload():
     raise RuntimeError("this preload hook is broken")

@@ -3,15 +3,28 @@
 import subprocess
 import sys
 
+import pytest
+
 import aiocompile
 
 
 def test_all_is_sorted_and_complete():
     assert aiocompile.__all__ == sorted(aiocompile.__all__)
-    public = {name for name in dir(aiocompile) if not name.startswith("_")}
-    # Submodules are reachable as attributes but are not part of the API.
-    public -= {"backends", "cli"}
-    assert public == set(aiocompile.__all__) - {"__version__"}
+    assert set(aiocompile.__all__) == set(aiocompile._EXPORTS) | {"__version__"}
+    assert dir(aiocompile) == aiocompile.__all__
+    for name in aiocompile.__all__:
+        assert getattr(aiocompile, name) is not None
+    namespace = {}
+    exec("from aiocompile import *", namespace)
+    assert set(namespace) - {"__builtins__"} == set(aiocompile.__all__)
+    # Each name comes from the module that defines it (explicit re-exports only).
+    for name, module in aiocompile._EXPORTS.items():
+        assert getattr(__import__(module, fromlist=[name]), name) is getattr(aiocompile, name)
+
+
+def test_unknown_names_raise_attribute_error():
+    with pytest.raises(AttributeError):
+        aiocompile.not_a_thing  # noqa: B018
 
 
 def test_every_export_is_documented():
@@ -21,10 +34,11 @@ def test_every_export_is_documented():
             assert obj.__doc__, f"aiocompile.{name} has no docstring"
 
 
-def test_import_does_not_load_triton_or_torch():
-    code = "import sys, aiocompile; print('triton' in sys.modules, 'torch' in sys.modules)"
+def test_import_is_light():
+    code = ("import sys, aiocompile; print(' '.join(str(m in sys.modules) for m in "
+            "('triton', 'torch', 'anyio', 'aiocompile._scheduler')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["False", "False"]
+    assert out.split() == ["False", "False", "False", "False"]
 
 
 def test_error_tree():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,34 +48,37 @@ def _compile_tiny(target: Any, block: int) -> float:
     return time.perf_counter() - started
 
 
-def prepare_process(*, warm: bool) -> None:
-    """Preload hook (see ``aiocompile._zygote``): import Triton and compute its expensive
-    one-time state before workers are forked from this process.
+def prepare_process() -> Iterator[None]:
+    """Preload hook (see ``aiocompile._zygote.Preload``): import Triton, then, one step at a
+    time, compute its expensive one-time state, so that processes forked afterwards have
+    it for free.
 
     ``triton_key()`` hashes all of Triton's sources and its shared library (about 0.4 s)
-    and is memoised per process; computed here, every forked worker inherits it. With
-    ``warm`` a throw-away compile also loads MLIR and LLVM. It runs single-threaded
-    (``MLIR_DISABLE_MULTITHREADING``) in a scratch cache directory, because forking a
-    process that has started threads is unsafe and the user's cache is not ours to fill.
+    and is memoised per process. A throw-away compile per vendor then loads MLIR, LLVM and
+    the backend. It runs single-threaded (``MLIR_DISABLE_MULTITHREADING``) in a scratch
+    cache directory: forking a process that has started threads is unsafe, and the user's
+    cache is not ours to fill.
     """
     import triton  # noqa: F401
+    from triton.backends.compiler import GPUTarget
     from triton.runtime.cache import triton_key
 
+    yield
     triton_key()
-    if not warm:
-        return
-    from triton.backends.compiler import GPUTarget
+    for target in (GPUTarget("cuda", 90, 32), GPUTarget("hip", "gfx942", 64)):
+        yield
+        _scratch_compile(target)
 
+
+def _scratch_compile(target: Any) -> None:
     saved = {name: os.environ.get(name) for name in ("MLIR_DISABLE_MULTITHREADING", "TRITON_CACHE_DIR")}
     with tempfile.TemporaryDirectory(prefix="aiocompile-warm-") as scratch:
         os.environ["MLIR_DISABLE_MULTITHREADING"] = "1"
         os.environ["TRITON_CACHE_DIR"] = scratch
         try:
-            for target in (GPUTarget("cuda", 90, 32), GPUTarget("hip", "gfx942", 64)):
-                try:
-                    _compile_tiny(target, 64)
-                except Exception:
-                    pass  # a backend this Triton build lacks only stays cold
+            _compile_tiny(target, 64)
+        except Exception:
+            pass  # a backend this Triton build lacks only stays cold
         finally:
             for name, value in saved.items():
                 if value is None:
