@@ -259,10 +259,13 @@ class Scheduler:
         """Run ``fn(*args)`` in a worker process and return its result.
 
         ``fn`` and ``args`` must pickle (functions by reference; one defined in
-        ``__main__`` needs cloudpickle). Same pool, same crash, timeout and metrics
-        semantics as compiles. With a ``key``, concurrent calls with that key share one
-        run and the result is remembered. An exception ``fn`` raises is re-raised here with
-        the worker's traceback as its ``__cause__``.
+        ``__main__`` needs cloudpickle), or ``TypeError`` is raised at once. An exception
+        ``fn`` raises is re-raised here with the worker's traceback as its ``__cause__``.
+        The same pool and the same semantics as compiles: ``timeout`` seconds of worker
+        time, then ``CompileTimeout`` (its worker is killed); ``WorkerCrashedError`` after
+        ``max_crashes`` worker deaths. With a ``key``, concurrent calls with that key share
+        one run and the result is remembered. Cancelling the await drops the job if it has
+        not started; a started one runs to its end.
         """
         name = getattr(fn, "__qualname__", None) or type(fn).__name__
         request = Request(backend="python", key=key, name=name, target=None, fn=fn, args=args, finish=_identity)
