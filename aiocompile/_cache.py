@@ -33,7 +33,9 @@ class Entry:
 
 class KernelCache:
     def __init__(self, max_entries: int) -> None:
-        self._lock = threading.Lock()
+        # Re-entrant: stopping a job (under this lock) runs its done-callbacks in this
+        # very thread, and they come back here.
+        self._lock = threading.RLock()
         self._max_entries = max_entries
         self._results: collections.OrderedDict[str, Any] = collections.OrderedDict()
         self._in_flight: dict[str, Entry] = {}
@@ -76,10 +78,18 @@ class KernelCache:
             raise
         return "started", entry
 
-    def leave(self, entry: Entry) -> int:
-        """A request stops waiting; returns how many still wait."""
+    def leave(self, entry: Entry, stop: Callable[[Entry], bool] | None = None) -> int:
+        """A request stops waiting; returns how many still wait.
+
+        When none is left, ``stop(entry)`` may stop the job; if it did, the entry leaves the
+        in-flight table at once, so that no new request joins a job that is going away.
+        Both happen under the lock, so a request arriving meanwhile either joined before
+        (and the job is not stopped) or starts a job of its own.
+        """
         with self._lock:
             entry.waiters -= 1
+            if entry.waiters == 0 and stop is not None and stop(entry):
+                self.discard(entry)
             return entry.waiters
 
     def complete(self, entry: Entry, result: Any) -> None:

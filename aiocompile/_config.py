@@ -9,6 +9,11 @@ AIOCOMPILE_WORKERS         worker processes (default: the CPUs this process may 
 AIOCOMPILE_TIMEOUT         default per-job timeout in seconds (default: none)
 AIOCOMPILE_MAX_CRASHES     crashes after which a job fails (default: 2)
 AIOCOMPILE_START_METHOD    forkserver, spawn or fork (default: forkserver on Linux)
+AIOCOMPILE_CANCEL_RUNNING  keep or kill: what cancelling the last waiter of a running
+                           job does (default: keep)
+AIOCOMPILE_MAX_WORKER_RSS  bytes of resident memory after which a worker is replaced
+                           (default: no limit)
+AIOCOMPILE_IDLE_TIMEOUT    seconds after which an idle worker is stopped (default: never)
 =========================  ============================================================
 """
 
@@ -61,6 +66,13 @@ class SchedulerConfig:
     """Compiled results kept in memory, least recently used dropped first."""
     close_grace: float = 5.0
     """Seconds running jobs get to finish in ``aclose()`` before their workers are killed."""
+    cancel_running: str = "keep"
+    """When the last caller waiting on a running job is cancelled: "keep" lets the job
+    finish and keeps its result for the next caller; "kill" kills its worker."""
+    max_worker_rss: int | None = None
+    """A worker whose resident memory exceeds this many bytes after a job is replaced."""
+    idle_timeout: float | None = None
+    """Workers idle this many seconds are stopped; new ones start on demand."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 1:
@@ -75,6 +87,12 @@ class SchedulerConfig:
             raise ValueError(f"cache_entries must be >= 0, got {self.cache_entries!r}")
         if self.close_grace < 0:
             raise ValueError(f"close_grace must be >= 0, got {self.close_grace!r}")
+        if self.cancel_running not in ("keep", "kill"):
+            raise ValueError(f"cancel_running must be 'keep' or 'kill', got {self.cancel_running!r}")
+        if self.max_worker_rss is not None and self.max_worker_rss <= 0:
+            raise ValueError(f"max_worker_rss must be a positive number of bytes, got {self.max_worker_rss!r}")
+        if self.idle_timeout is not None and self.idle_timeout <= 0:
+            raise ValueError(f"idle_timeout must be a positive number of seconds, got {self.idle_timeout!r}")
 
     def with_changes(self, **changes: Any) -> SchedulerConfig:
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
@@ -97,4 +115,7 @@ class SchedulerConfig:
         changes["timeout"] = number("AIOCOMPILE_TIMEOUT", float)
         changes["max_crashes"] = number("AIOCOMPILE_MAX_CRASHES", int)
         changes["start_method"] = environ.get("AIOCOMPILE_START_METHOD", "").strip() or None
+        changes["cancel_running"] = environ.get("AIOCOMPILE_CANCEL_RUNNING", "").strip() or None
+        changes["max_worker_rss"] = number("AIOCOMPILE_MAX_WORKER_RSS", int)
+        changes["idle_timeout"] = number("AIOCOMPILE_IDLE_TIMEOUT", float)
         return cls().with_changes(**changes)

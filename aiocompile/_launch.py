@@ -77,6 +77,10 @@ class Launcher(Protocol):
 
     def fileno(self) -> int | None: ...
 
+    def healthy(self) -> bool:
+        """False once the machinery behind the workers (the fork server) has died: then
+        workers died through no fault of their jobs."""
+
     def on_readable(self) -> None: ...
 
     def close(self) -> None: ...
@@ -290,6 +294,9 @@ class ZygoteLauncher:
     def fileno(self) -> int | None:
         return None if self._ctrl is None else self._ctrl.fileno()
 
+    def healthy(self) -> bool:
+        return self._ctrl is not None
+
     def on_readable(self) -> None:
         # Exit reports arrive on their own; keep them until the worker's socket closes.
         message = self._recv(time.monotonic())
@@ -366,6 +373,9 @@ class SpawnLauncher:
     def fileno(self) -> int | None:
         return None
 
+    def healthy(self) -> bool:
+        return True
+
     def on_readable(self) -> None:
         pass
 
@@ -437,6 +447,9 @@ class ForkLauncher:
 
     def fileno(self) -> int | None:
         return None
+
+    def healthy(self) -> bool:
+        return True
 
     def on_readable(self) -> None:
         pass

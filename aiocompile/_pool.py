@@ -73,7 +73,7 @@ class Job:
     attempts: int = 0
     crashes: int = 0
     worker_pid: int | None = None
-    worker_max_rss: int = 0
+    worker_rss: int = 0
     output_size: int = 0
     last_exitcode: int | None = None
     last_output: str = ""
@@ -94,16 +94,21 @@ class _Worker:
     deadline: float | None = None
     warmed: bool = False
     jobs_run: int = 0
+    rss: int = 0
     last_used: float = field(default_factory=time.monotonic)
 
 
 @dataclass
 class PoolCounters:
+    """What the pool has done; written by the supervisor thread only."""
+
     workers_started: int = 0
     worker_crashes: int = 0
     retries: int = 0
     timeouts: int = 0
     killed: int = 0
+    recycled: int = 0
+    idle_stopped: int = 0
     queue_depth_max: int = 0
 
 
@@ -135,6 +140,8 @@ class WorkerPool(cf.Executor):
         start_method: str | None = None,
         preload: tuple[str, ...] = (),
         max_crashes: int = 2,
+        max_worker_rss: int | None = None,
+        idle_timeout: float | None = None,
     ) -> None:
         if max_workers < 1:
             raise ValueError(f"max_workers must be at least 1, got {max_workers}")
@@ -142,6 +149,8 @@ class WorkerPool(cf.Executor):
             raise ValueError(f"max_crashes must be at least 1, got {max_crashes}")
         self.max_workers = max_workers
         self.max_crashes = max_crashes
+        self.max_worker_rss = max_worker_rss
+        self.idle_timeout = idle_timeout
         self.start_method = start_method
         self._preload = preload
         self._pid = os.getpid()
@@ -370,6 +379,8 @@ class WorkerPool(cf.Executor):
 
     def _next_timeout(self) -> float | None:
         deadlines = [w.deadline for w in self._workers if w.deadline is not None]
+        if self.idle_timeout is not None:
+            deadlines.extend(w.last_used + self.idle_timeout for w in self._workers if w.state == "idle")
         if self._shutdown_deadline is not None:
             deadlines.append(self._shutdown_deadline)
         if self._retry_start_at is not None and (self._pending or self._warm_pending):
@@ -493,13 +504,21 @@ class WorkerPool(cf.Executor):
             self._on_done(worker, message)
 
     def _on_done(self, worker: _Worker, message: tuple[Any, ...]) -> None:
-        _, job_id, ok, data, run_time, output_size, max_rss = message
+        _, job_id, ok, data, run_time, output_size, rss = message
         job = worker.job
         worker.state = "idle"
         worker.job = None
         worker.deadline = None
         worker.jobs_run += 1
+        worker.rss = rss
         worker.last_used = time.monotonic()
+        if self.max_worker_rss is not None and rss > self.max_worker_rss:
+            # Compilers leak; a worker that has grown too big is replaced once its job is
+            # done (the result is already here).
+            self.counters.recycled += 1
+            self._retire(worker)
+            if not self._stopping:
+                self._launch_worker()
         if job is None or job.id != job_id:  # pragma: no cover - protocol invariant
             return
         if job.warm_only:
@@ -507,7 +526,7 @@ class WorkerPool(cf.Executor):
         job.finished_at = worker.last_used
         job.run_time = run_time
         job.output_size = output_size
-        job.worker_max_rss = max_rss
+        job.worker_rss = rss
         if job.kill_reason is not None and job.kill_reason != "undelivered":
             # It finished just as we decided to kill it; the result stands.
             job.kill_reason = None
@@ -532,6 +551,16 @@ class WorkerPool(cf.Executor):
         exc.__cause__ = RemoteTraceback(failure.traceback)
         return exc
 
+    def _retire(self, worker: _Worker) -> None:
+        """Stop a worker on purpose (idle, too big). It holds no job and nothing worth
+        saving, so it is simply killed, and reaped here."""
+        assert self._launcher is not None and worker.job is None
+        self._workers.remove(worker)
+        worker.proc.conn.close()
+        self._launcher.kill(worker.proc)
+        self._launcher.wait_exit(worker.proc, _REAP_TIMEOUT)
+        worker.proc.close()
+
     def _on_death(self, worker: _Worker) -> None:
         assert self._launcher is not None
         exitcode = self._launcher.wait_exit(worker.proc, _REAP_TIMEOUT)
@@ -543,6 +572,9 @@ class WorkerPool(cf.Executor):
         if worker.state == "starting":
             self._start_failed(f"a worker exited with {_signal_name(exitcode)} while starting:\n{tail}")
             return
+        if not self._stopping:
+            # Whatever the cause, the pool goes back to the size it had.
+            self._launch_worker()
         if job is None:
             if not self._stopping:
                 self.counters.worker_crashes += 1
@@ -568,6 +600,13 @@ class WorkerPool(cf.Executor):
             self._set_exception(job, cf.CancelledError() if reason == "cancelled" else SchedulerClosed(reason))
             return
         self.counters.worker_crashes += 1
+        if not self._launcher.healthy():
+            # The fork server died and took its workers with it: not this job's doing, so
+            # it is retried without counting against it.
+            self.counters.retries += 1
+            self._pending.appendleft(job)
+            self._requeue(job)
+            return
         job.crashes += 1
         if job.crashes >= job.max_crashes:
             self._set_exception(job, WorkerCrashedError(
@@ -584,6 +623,11 @@ class WorkerPool(cf.Executor):
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()
+        if self.idle_timeout is not None and not self._stopping:
+            for worker in [w for w in self._workers if w.state == "idle"]:
+                if now - worker.last_used >= self.idle_timeout:
+                    self.counters.idle_stopped += 1
+                    self._retire(worker)
         for worker in self._workers:
             if worker.deadline is not None and worker.deadline <= now and worker.job is not None:
                 worker.deadline = None

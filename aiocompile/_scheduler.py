@@ -28,6 +28,7 @@ from aiocompile import _bridge
 from aiocompile._cache import Entry, KernelCache
 from aiocompile._config import SchedulerConfig
 from aiocompile._errors import SchedulerClosed
+from aiocompile._foreign import ExecutorSpec, ForeignPool
 from aiocompile._metrics import JobRecord, Metrics, Statistics
 from aiocompile._pool import WorkerPool
 from aiocompile._progress import Progress
@@ -55,6 +56,13 @@ class Scheduler:
     ``Scheduler(workers=8, timeout=120, max_crashes=2)``, or ``Scheduler(config=...)``.
     Use it as ``async with Scheduler() as sched:``, or create it and call ``aclose()``
     when done. Workers start on demand, or all at once with ``await sched.warm()``.
+
+    ``executor=`` runs jobs in any ``concurrent.futures.Executor`` instead of aiocompile's
+    own pool: an executor, or a factory making one (needed to rebuild a broken one, except
+    for a stdlib ``ProcessPoolExecutor``, whose settings are copied). A broken process pool
+    is rebuilt and its lost jobs re-run so that no innocent job fails (see ``_foreign``);
+    such an executor cannot stop a running job, so timeouts and ``cancel_running="kill"``
+    only stop the waiting there.
     """
 
     def __init__(
@@ -64,18 +72,27 @@ class Scheduler:
         timeout: float | None = None,
         max_crashes: int | None = None,
         start_method: str | None = None,
+        cancel_running: str | None = None,
         config: SchedulerConfig | None = None,
+        executor: ExecutorSpec | None = None,
     ) -> None:
         base = config or SchedulerConfig()
         self.config = base.with_changes(
-            workers=workers, timeout=timeout, max_crashes=max_crashes, start_method=start_method
+            workers=workers, timeout=timeout, max_crashes=max_crashes, start_method=start_method,
+            cancel_running=cancel_running,
         )
-        self._pool = WorkerPool(
-            self.config.workers,
-            start_method=self.config.start_method,
-            preload=self.config.preload,
-            max_crashes=self.config.max_crashes,
-        )
+        self._pool: WorkerPool | ForeignPool
+        if executor is not None:
+            self._pool = ForeignPool(executor, max_crashes=self.config.max_crashes)
+        else:
+            self._pool = WorkerPool(
+                self.config.workers,
+                start_method=self.config.start_method,
+                preload=self.config.preload,
+                max_crashes=self.config.max_crashes,
+                max_worker_rss=self.config.max_worker_rss,
+                idle_timeout=self.config.idle_timeout,
+            )
         self._cache = KernelCache(self.config.cache_entries)
         self._metrics = Metrics()
         self._context = _Context(self)
@@ -291,19 +308,30 @@ class Scheduler:
         try:
             result = await _bridge.wait(entry.future)
         except BaseException as exc:
-            remaining = self._cache.leave(entry)
             if isinstance(exc, anyio.get_cancelled_exc_class()):
-                if remaining == 0 and entry.job is not None:
-                    # Nobody waits for it any more: drop it if it has not started yet (a
-                    # started one runs on, and its result is kept for the next caller).
-                    self._pool.cancel(entry.job)
+                self._cache.leave(entry, self._stop_abandoned)
                 self._record(request, "cancelled", wall, arrived, entry)
             else:
+                self._cache.leave(entry)
                 self._record(request, "failed" if how == "started" else "joined", wall, arrived, entry, error=exc)
             raise
         self._cache.leave(entry)
         self._record(request, "compiled" if how == "started" else "joined", wall, arrived, entry, result=result)
         return result
+
+    def _stop_abandoned(self, entry: Entry) -> bool:
+        """Nobody waits for this job any more: drop it if it has not started. A started
+        one runs on, its result kept for the next caller, unless the configuration says
+        to kill it. Returns whether the job was stopped."""
+        job = entry.job
+        if job is None or job.future.done():
+            return False
+        if self._pool.cancel(job):
+            return True
+        if self.config.cancel_running == "kill":
+            self._pool.kill(job)
+            return True
+        return False
 
     def _start(self, entry: Entry, request: Request, timeout: float | None) -> None:
         job = self._pool.submit_job(

@@ -8,7 +8,7 @@ Protocol (pickled tuples over a ``multiprocessing.connection.Connection``):
 
     worker -> parent   ("ready", pid)
     parent -> worker   ("run", job_id, env, sys_path, payload)      payload = pickled (fn, args, kwargs)
-    worker -> parent   ("done", job_id, ok, data, run_time, output_size, max_rss)
+    worker -> parent   ("done", job_id, ok, data, run_time, output_size, rss)
                          ok=True:  data = pickled result
                          ok=False: data = pickled _Failure
 
@@ -130,13 +130,20 @@ def _truncate_output() -> None:
         pass
 
 
-def _max_rss() -> int:
+def _rss() -> int:
+    """This process's resident memory now, in bytes (its peak where "now" is unknown)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         import resource
 
-        # ru_maxrss is in KiB on Linux.
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    except Exception:
+        # ru_maxrss is in KiB on Linux, in bytes on macOS.
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024
+    except (ImportError, OSError):
         return 0
 
 
@@ -197,7 +204,7 @@ def serve(conn: Connection) -> NoReturn:
             except (OSError, ValueError, AttributeError):
                 pass
         reply = pickle.dumps(
-            ("done", job_id, ok, data, run_time, _output_size(), _max_rss()), protocol=pickle.HIGHEST_PROTOCOL
+            ("done", job_id, ok, data, run_time, _output_size(), _rss()), protocol=pickle.HIGHEST_PROTOCOL
         )
         del data
         try:

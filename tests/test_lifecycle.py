@@ -19,7 +19,8 @@ async def test_no_process_is_left_after_aclose():
     sched = aiocompile.Scheduler(workers=2)
     await sched.warm("cuda:80")
     started = child_pids() - before
-    assert len(started) == 3  # the fork server and two workers
+    # The fork server and two workers (and, now and then, a compiler they are running).
+    assert set(sched.worker_pids()) <= started and len(started) >= 3
     await sched.aclose()
     assert child_pids() - before == set()
     with pytest.raises(aiocompile.SchedulerClosed):

@@ -1,0 +1,362 @@
+"""ForeignPool: any ``concurrent.futures.Executor`` behind the scheduler, made crash-safe.
+
+A stdlib ``ProcessPoolExecutor`` turns one worker's death into ``BrokenProcessPool`` for
+every job it holds, and stays broken. Here, a break
+
+1. rebuilds the executor through the factory;
+2. sorts the lost jobs: a job whose future was still PENDING never reached a worker and is
+   simply sent again; a job that may have been running is a *suspect*;
+3. runs the suspects one at a time, alone in the executor, holding every other job back,
+   so that a suspect that breaks the executor again is the culprit for certain. The
+   culprit is retried (alone) until it has broken the executor ``max_crashes`` times, then
+   fails with ``WorkerCrashedError``; every other suspect simply completes;
+4. releases the held jobs once no suspect is left.
+
+So no innocent job fails. What a foreign executor cannot do is stop a running job: a job
+past its timeout fails with ``CompileTimeout`` at once but occupies its worker until it
+ends, and cancelling a running job only stops waiting for it. At shutdown, the processes
+of a stdlib ``ProcessPoolExecutor`` still busy after the grace period are killed.
+
+The PENDING/RUNNING sort relies on the executor's bookkeeping: when the first future of a
+broken stdlib executor is failed, ours is the first callback to run, and the other futures
+still show the state they had at the break (the stdlib fails them one after another, in one
+thread). Where that does not hold, more jobs are suspects: slower, never wrong.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import itertools
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+from concurrent.futures.process import ProcessPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Union
+
+from aiocompile import _serialize
+from aiocompile._errors import CompileTimeout, SchedulerClosed, WorkerCrashedError
+from aiocompile._pool import Job, PoolCounters
+from aiocompile._worker import _JobState, job_env
+
+ExecutorFactory = Callable[[], cf.Executor]
+ExecutorSpec = Union[cf.Executor, ExecutorFactory]
+
+_state = _JobState()
+
+
+def run_in_foreign_worker(payload: bytes, env: dict[str, str], sys_path: list[str]) -> tuple[Any, float, int, float]:
+    """What a foreign executor runs: apply the job's environment, run it, time it."""
+    started_wall = time.time()
+    started = time.perf_counter()
+    _state.apply(env, sys_path)
+    fn, args, kwargs = pickle.loads(payload)
+    result = fn(*args, **kwargs)
+    return result, time.perf_counter() - started, os.getpid(), started_wall
+
+
+def _factory_for(executor: cf.Executor) -> ExecutorFactory | None:
+    """A factory making more executors like ``executor``, where that can be known."""
+    if isinstance(executor, ProcessPoolExecutor):
+        options: dict[str, Any] = {
+            "max_workers": getattr(executor, "_max_workers", None),
+            "mp_context": getattr(executor, "_mp_context", None),
+            "initializer": getattr(executor, "_initializer", None),
+            "initargs": getattr(executor, "_initargs", ()),
+        }
+        if sys.version_info >= (3, 11) and getattr(executor, "_max_tasks_per_child", None):
+            options["max_tasks_per_child"] = executor._max_tasks_per_child
+        return lambda: ProcessPoolExecutor(**options)
+    return None
+
+
+@dataclass(eq=False)
+class _Sent:
+    job: Job
+    future: cf.Future[Any]
+    generation: int
+
+
+class ForeignPool:
+    """The scheduler's pool interface over a foreign executor (see the module docstring)."""
+
+    def __init__(self, executor: ExecutorSpec, *, max_crashes: int = 2) -> None:
+        if isinstance(executor, cf.Executor):
+            self._executor: cf.Executor | None = executor
+            self._factory = _factory_for(executor)
+        elif callable(executor):
+            self._executor = None
+            self._factory = executor
+        else:
+            raise TypeError(f"executor must be a concurrent.futures.Executor or a factory of one, got {executor!r}")
+        self.max_crashes = max_crashes
+        self.max_workers = int(getattr(self._executor, "_max_workers", 0) or 0)
+        self.counters = PoolCounters()
+        self._pid = os.getpid()
+        self._lock = threading.RLock()
+        self._ids = itertools.count(1)
+        self._closed = False
+        self._generation = 0
+        # Jobs whose executor future has not finished, timed-out ones included.
+        self._sent: dict[int, _Sent] = {}
+        self._suspects: collections.deque[Job] = collections.deque()
+        self._held: collections.deque[Job] = collections.deque()
+        self._alone: Job | None = None
+        self._timers: dict[int, threading.Timer] = {}
+
+    # -- the pool interface -----------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def start(self) -> None:
+        with self._lock:
+            self._current()
+
+    def warm(self, fn: Callable[..., Any], args: tuple[Any, ...] = ()) -> list[Job]:
+        # A foreign executor offers no way to reach each of its workers.
+        return []
+
+    def submit_job(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
+        max_crashes: int | None = None,
+        name: str | None = None,
+        key: str | None = None,
+        warm_only: bool = False,
+    ) -> Job:
+        if self._closed or os.getpid() != self._pid:
+            raise SchedulerClosed("the executor is shut down")
+        payload = _serialize.dumps((fn, args, kwargs or {}))
+        job = Job(
+            id=next(self._ids), payload=payload, future=cf.Future(), timeout=timeout,
+            max_crashes=max_crashes or self.max_crashes, name=name, key=key, env=job_env(),
+            sys_path=list(sys.path),
+        )
+        with self._lock:
+            if self._quarantine():
+                self._held.append(job)
+                self.counters.queue_depth_max = max(self.counters.queue_depth_max, len(self._held))
+            else:
+                self._send(job)
+        return job
+
+    def cancel(self, job: Job) -> bool:
+        with self._lock:
+            for queue in (self._held, self._suspects):
+                if job in queue:
+                    queue.remove(job)
+                    job.future.cancel()
+                    return True
+            sent = self._sent.get(job.id)
+            if sent is not None and sent.future.cancel():
+                del self._sent[job.id]
+                job.future.cancel()
+                return True
+        return False
+
+    def kill(self, job: Job, reason: str = "cancelled") -> None:
+        # A running job cannot be stopped in a foreign executor; a queued one is dropped.
+        self.cancel(job)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            running = sum(1 for s in self._sent.values() if s.future.running())
+            waiting = len(self._sent) - running + len(self._held) + len(self._suspects)
+        return {"workers": self.max_workers, "busy_workers": running,
+                "idle_workers": max(0, self.max_workers - running), "queue_depth": waiting}
+
+    def worker_pids(self) -> list[int]:
+        processes = getattr(self._executor, "_processes", None) or {}
+        return list(processes)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False, grace: float | None = None) -> None:
+        closed = SchedulerClosed("the scheduler was closed before the job finished")
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            executor = self._executor
+            waiting = list(self._held) + list(self._suspects)
+            self._held.clear()
+            self._suspects.clear()
+            for timer in self._timers.values():
+                timer.cancel()
+        for job in waiting:
+            self._fail(job, closed)
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=cancel_futures)
+            if wait:
+                running = [s.future for s in list(self._sent.values())]
+                _, not_done = cf.wait(running, timeout=grace)
+                if not_done:
+                    _kill_processes(executor)
+        with self._lock:
+            for sent in list(self._sent.values()):
+                self._fail(sent.job, closed)
+            self._sent.clear()
+
+    # -- sending and receiving (the lock is held in every method below) ---------------------
+
+    def _quarantine(self) -> bool:
+        return bool(self._suspects) or self._alone is not None
+
+    def _current(self) -> cf.Executor:
+        if self._executor is None:
+            if self._factory is None:
+                raise SchedulerClosed("the executor broke and cannot be rebuilt: pass a factory as executor=")
+            self._executor = self._factory()
+            self.max_workers = int(getattr(self._executor, "_max_workers", self.max_workers) or self.max_workers)
+        return self._executor
+
+    def _send(self, job: Job) -> None:
+        if job.future.cancelled():
+            return
+        generation = self._generation
+        try:
+            future = self._current().submit(run_in_foreign_worker, job.payload, job.env, job.sys_path)
+        except cf.BrokenExecutor:
+            # Broken before its futures told us: sort that out, and this job never ran.
+            self._break(generation, None)
+            self._held.appendleft(job)
+            self._pump()
+            return
+        except SchedulerClosed as exc:
+            self._fail(job, exc)
+            return
+        if not job.future.running():
+            job.future.set_running_or_notify_cancel()
+        job.attempts += 1
+        self._sent[job.id] = _Sent(job, future, generation)
+        if job.timeout is not None and job.id not in self._timers:
+            timer = threading.Timer(job.timeout, self._on_timeout, (job,))
+            timer.daemon = True
+            self._timers[job.id] = timer
+            timer.start()
+        future.add_done_callback(lambda f: self._on_done(job, f, generation))
+
+    def _on_done(self, job: Job, future: cf.Future[Any], generation: int) -> None:
+        with self._lock:
+            sent = self._sent.get(job.id)
+            if sent is None or sent.future is not future:
+                return  # dealt with by a break, or cancelled
+            exc = None if future.cancelled() else future.exception()
+            if isinstance(exc, cf.BrokenExecutor):
+                self._break(generation, job)
+                self._pump()
+                return
+            del self._sent[job.id]
+            if job is self._alone:
+                self._alone = None
+            self._pump()
+        timer = self._timers.pop(job.id, None)
+        if timer is not None:
+            timer.cancel()
+        job.finished_at = time.monotonic()
+        if exc is not None:
+            self._fail(job, exc)
+        elif not future.cancelled():
+            result, run_time, pid, started_wall = future.result()
+            job.run_time, job.worker_pid = run_time, pid
+            job.started_at = time.monotonic() - (time.time() - started_wall)
+            if not job.future.done():
+                job.future.set_result(result)
+
+    def _on_timeout(self, job: Job) -> None:
+        with self._lock:
+            if self._timers.pop(job.id, None) is None or job.future.done():
+                return
+            self.counters.timeouts += 1
+        # The job's own future fails now; its executor future stays tracked until the
+        # worker is free again, so that a later break is still blamed correctly.
+        self._fail(job, CompileTimeout(
+            f"did not finish within {job.timeout:g} s (the executor cannot stop it: it runs on)",
+            timeout=job.timeout, kernel_name=job.name, key=job.key))
+
+    def _break(self, generation: int, first: Job | None) -> None:
+        """The executor of ``generation`` broke. Sort the jobs it lost."""
+        if generation != self._generation:
+            return  # handled already: this is one more of its futures
+        self._generation += 1
+        self.counters.worker_crashes += 1
+        broken, self._executor = self._executor, None
+        lost = [s for s in self._sent.values() if s.generation == generation]
+        for sent in lost:
+            del self._sent[sent.job.id]
+        alone, self._alone = self._alone, None
+        for sent in lost:
+            job = sent.job
+            if job.future.done():
+                continue  # timed out or cancelled already: nobody waits for a re-run
+            if job is alone:
+                self._crashed(job)  # it ran alone: the culprit, for certain
+                continue
+            self.counters.retries += 1
+            if job is first or sent.future.running() or sent.future.done():
+                self._suspects.append(job)
+            else:
+                self._held.appendleft(job)
+        if broken is not None:
+            threading.Thread(target=broken.shutdown, kwargs={"cancel_futures": True}, daemon=True).start()
+        if self._factory is None:
+            error = SchedulerClosed("the executor broke and cannot be rebuilt: pass a factory as executor=")
+            for job in list(self._suspects) + list(self._held):
+                self._fail(job, error)
+            self._suspects.clear()
+            self._held.clear()
+
+    def _crashed(self, job: Job) -> None:
+        job.crashes += 1
+        if job.crashes >= job.max_crashes:
+            timer = self._timers.pop(job.id, None)
+            if timer is not None:
+                timer.cancel()
+            self._fail(job, WorkerCrashedError(
+                f"broke the executor {job.crashes} time(s), running alone each time",
+                exitcode=None, attempts=job.attempts, kernel_name=job.name, key=job.key))
+        else:
+            self.counters.retries += 1
+            self._suspects.appendleft(job)
+
+    def _pump(self) -> None:
+        """After a job ended: the next suspect, alone, or, once none is left, everything
+        held back."""
+        if self._closed or self._alone is not None:
+            return
+        if self._suspects:
+            # Alone means alone: wait for jobs still running (timed-out ones) to end.
+            if self._sent:
+                return
+            job = self._suspects.popleft()
+            self._alone = job
+            self._send(job)
+            return
+        while self._held and not self._quarantine():
+            self._send(self._held.popleft())
+
+    def _fail(self, job: Job, exc: BaseException) -> None:
+        if job.finished_at is None:
+            job.finished_at = time.monotonic()
+        if not job.future.done():
+            if not job.future.running():
+                job.future.set_running_or_notify_cancel()
+            job.future.set_exception(exc)
+
+
+def _kill_processes(executor: cf.Executor) -> None:
+    """Kill the worker processes of a stdlib process pool that outlived the grace period
+    (nothing else can stop a running job there)."""
+    for process in list((getattr(executor, "_processes", None) or {}).values()):
+        try:
+            os.kill(process.pid, signal.SIGKILL)
+        except (ProcessLookupError, AttributeError, TypeError):
+            pass
