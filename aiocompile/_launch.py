@@ -42,6 +42,8 @@ class WorkerProcess:
     output_fd: int
     started_at: float = field(default_factory=time.monotonic)
     exitcode: int | None = None
+    origin: int = 0
+    """Which fork server started it (they are numbered), where one did."""
 
     def fileno(self) -> int:
         return self.conn.fileno()
@@ -77,9 +79,9 @@ class Launcher(Protocol):
 
     def fileno(self) -> int | None: ...
 
-    def healthy(self) -> bool:
-        """False once the machinery behind the workers (the fork server) has died: then
-        workers died through no fault of their jobs."""
+    def healthy(self, worker: WorkerProcess) -> bool:
+        """False once the machinery behind ``worker`` (its fork server) has died: then it
+        died through no fault of its job."""
 
     def on_readable(self) -> None: ...
 
@@ -141,6 +143,7 @@ class ZygoteLauncher:
         self._exits: dict[int, int] = {}
         self._forked: dict[int, int] = {}
         self._request_ids = 0
+        self._generation = 0
         self.problems: list[str] = []
 
     # -- the zygote itself ---------------------------------------------------------------
@@ -149,6 +152,9 @@ class ZygoteLauncher:
         if self._ctrl is not None and self._proc is not None and self._proc.poll() is None:
             return self._ctrl
         self._stop_zygote()
+        self._generation += 1
+        self._exits.clear()
+        self._forked.clear()
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._output_fd = _capture_file()
         try:
@@ -269,7 +275,7 @@ class ZygoteLauncher:
                 raise LauncherError(f"the worker fork server did not answer:\n{self._zygote_output()}")
             self._note(message)
         pid = self._forked.pop(request_id)
-        return WorkerProcess(pid, Connection(parent_sock.detach()), alive_w, output_fd)
+        return WorkerProcess(pid, Connection(parent_sock.detach()), alive_w, output_fd, origin=self._generation)
 
     def kill(self, worker: WorkerProcess) -> None:
         # The zygote kills only children it has not reaped yet, so a recycled pid is safe.
@@ -281,6 +287,8 @@ class ZygoteLauncher:
             pass
 
     def wait_exit(self, worker: WorkerProcess, timeout: float) -> int | None:
+        if worker.origin != self._generation:
+            return None  # its fork server is gone, and with it the exit status
         deadline = time.monotonic() + timeout
         while worker.pid not in self._exits:
             if self._ctrl is None:
@@ -294,8 +302,8 @@ class ZygoteLauncher:
     def fileno(self) -> int | None:
         return None if self._ctrl is None else self._ctrl.fileno()
 
-    def healthy(self) -> bool:
-        return self._ctrl is not None
+    def healthy(self, worker: WorkerProcess) -> bool:
+        return self._ctrl is not None and worker.origin == self._generation
 
     def on_readable(self) -> None:
         # Exit reports arrive on their own; keep them until the worker's socket closes.
@@ -373,7 +381,7 @@ class SpawnLauncher:
     def fileno(self) -> int | None:
         return None
 
-    def healthy(self) -> bool:
+    def healthy(self, worker: WorkerProcess) -> bool:
         return True
 
     def on_readable(self) -> None:
@@ -448,7 +456,7 @@ class ForkLauncher:
     def fileno(self) -> int | None:
         return None
 
-    def healthy(self) -> bool:
+    def healthy(self, worker: WorkerProcess) -> bool:
         return True
 
     def on_readable(self) -> None:

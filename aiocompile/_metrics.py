@@ -80,6 +80,10 @@ class Statistics:
     retries: int = 0
     timeouts: int = 0
     workers_started: int = 0
+    workers_recycled: int = 0
+    """Workers replaced because their memory grew past ``max_worker_rss``."""
+    workers_idle_stopped: int = 0
+    """Workers stopped after ``idle_timeout`` without work."""
     workers: int = 0
     busy_workers: int = 0
     queue_depth: int = 0

@@ -564,6 +564,8 @@ class WorkerPool(cf.Executor):
     def _on_death(self, worker: _Worker) -> None:
         assert self._launcher is not None
         exitcode = self._launcher.wait_exit(worker.proc, _REAP_TIMEOUT)
+        # Judge the fork server now: the replacement below would start a new one.
+        machinery_failed = not self._launcher.healthy(worker.proc)
         worker.proc.exitcode = exitcode
         tail = worker.proc.output_tail()
         worker.proc.close()
@@ -600,7 +602,7 @@ class WorkerPool(cf.Executor):
             self._set_exception(job, cf.CancelledError() if reason == "cancelled" else SchedulerClosed(reason))
             return
         self.counters.worker_crashes += 1
-        if not self._launcher.healthy():
+        if machinery_failed:
             # The fork server died and took its workers with it: not this job's doing, so
             # it is retried without counting against it.
             self.counters.retries += 1

@@ -166,6 +166,8 @@ class Scheduler:
             "retries": counters.retries,
             "timeouts": counters.timeouts,
             "workers_started": counters.workers_started,
+            "workers_recycled": counters.recycled,
+            "workers_idle_stopped": counters.idle_stopped,
             "workers": pool["workers"],
             "busy_workers": pool["busy_workers"],
             "queue_depth": pool["queue_depth"],

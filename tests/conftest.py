@@ -12,6 +12,7 @@ import inspect
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,38 @@ def example_spec(label: str) -> dict:
     entry = dict(next(k for k in module.KERNELS if k["label"] == label))
     entry.pop("label")
     return entry
+
+
+def owned_pids(sched) -> set[int]:
+    """The processes a scheduler's own pool started (its fork server and what that forked,
+    or its spawned workers), alive now."""
+    pool = sched._pool
+    pids = set(pool.worker_pids())
+    launcher = getattr(pool, "_launcher", None)
+    zygote = getattr(getattr(launcher, "_proc", None), "pid", None)
+    if zygote is not None:
+        pids |= {zygote} | child_pids(zygote)
+    return pids
+
+
+def alive(pids) -> set[int]:
+    """Those of ``pids`` that still run (zombies count as gone)."""
+    found = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if stat[stat.rfind(")") + 2] != "Z":
+            found.add(pid)
+    return found
+
+
+def wait_until(predicate, timeout=10.0, interval=0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()

@@ -55,3 +55,43 @@ def die_in_preload():
 
 def fail_in_preload():
     raise RuntimeError("this preload hook is broken")
+
+
+def mark_then_sleep(path, seconds, value=None):
+    """Append this worker's pid to ``path`` (so a test can see that the job ran, and
+    where), then sleep and return ``value``."""
+    with open(path, "a") as f:
+        f.write(f"{os.getpid()}\n")
+    time.sleep(seconds)
+    return value
+
+
+_kept = []
+
+
+def allocate_and_keep(megabytes):
+    """Grow this worker's resident memory by ``megabytes`` and keep it."""
+    block = bytearray(megabytes * 1024 * 1024)
+    for i in range(0, len(block), 4096):
+        block[i] = 1
+    _kept.append(block)
+    return os.getpid()
+
+
+def raise_unpicklable():
+    import threading
+
+    class Unpicklable(Exception):
+        def __init__(self):
+            super().__init__("this exception holds a lock")
+            self.lock = threading.Lock()
+
+    raise Unpicklable()
+
+
+def return_unpicklable():
+    return lambda: None
+
+
+def big_result(megabytes):
+    return b"\x01" * (megabytes * 1024 * 1024)

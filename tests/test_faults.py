@@ -1,0 +1,368 @@
+"""The fault-injection suite: real faults, beside real innocent work, through the scheduler.
+
+Every test runs under asyncio and under trio, every await is bounded, and each test
+checks that every innocent job succeeded, the exact counts in ``statistics()``, and that
+no process of the scheduler is left once it is closed.
+"""
+
+import os
+import signal
+import time
+
+import anyio
+import jobs
+import pytest
+from conftest import alive, owned_pids, wait_until
+from triton_kernels import ADD_SIGNATURE, add_kernel
+
+import aiocompile
+
+NO_PRELOAD = aiocompile.SchedulerConfig(workers=2, preload=())
+
+
+def innocent_compile(sched, block):
+    return sched.compile_triton(add_kernel, signature=ADD_SIGNATURE, constexprs={"BLOCK": block}, target="cuda:80")
+
+
+async def gather(*coroutine_functions):
+    """Run them concurrently; return each result or exception, in order."""
+    results = [None] * len(coroutine_functions)
+
+    async def one(i, fn):
+        try:
+            results[i] = await fn()
+        except Exception as exc:  # noqa: BLE001 - collected for the test to inspect
+            results[i] = exc
+
+    with anyio.fail_after(120):
+        async with anyio.create_task_group() as group:
+            for i, fn in enumerate(coroutine_functions):
+                group.start_soon(one, i, fn)
+    return results
+
+
+async def close_and_check(sched):
+    pids = owned_pids(sched)
+    await sched.aclose()
+    assert not alive(pids), f"left running after aclose(): {alive(pids)}"
+
+
+# -- crashes ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fault", "args", "exitcode"),
+    [(jobs.kill_self, (), -signal.SIGKILL), (jobs.segfault, (), -signal.SIGSEGV), (jobs.exit_now, (7,), 7)],
+    ids=["SIGKILL", "SIGSEGV", "os._exit"],
+)
+async def test_a_crashing_job_fails_alone_and_innocents_succeed(fault, args, exitcode):
+    sched = aiocompile.Scheduler(workers=2)
+    try:
+        results = await gather(
+            *[lambda b=b: innocent_compile(sched, b) for b in (64, 128, 256)],
+            lambda: sched.run(fault, *args),
+            *[lambda b=b: innocent_compile(sched, b) for b in (512, 1024)],
+        )
+        poison = results[3]
+        assert isinstance(poison, aiocompile.WorkerCrashedError), poison
+        assert poison.exitcode == exitcode and poison.attempts == 2
+        assert poison.kernel_name == fault.__qualname__
+        innocents = results[:3] + results[4:]
+        assert all(isinstance(k, aiocompile.TritonKernel) for k in innocents), innocents
+        stats = sched.statistics()
+        assert (stats.submitted, stats.compiled, stats.failed) == (6, 5, 1)
+        assert (stats.worker_crashes, stats.retries, stats.timeouts, stats.in_flight) == (2, 1, 0, 0)
+        # The pool replaced the dead workers and carries on.
+        assert (await innocent_compile(sched, 2048)).binary
+        assert wait_until(lambda: len(sched.worker_pids()) == 2)
+    finally:
+        await close_and_check(sched)
+
+
+async def test_a_worker_killed_from_outside_like_the_oom_killer(tmp_path):
+    sched = aiocompile.Scheduler(config=NO_PRELOAD)
+    marker = tmp_path / "pids"
+    try:
+        async def kill_the_victim_twice():
+            def started(attempt):
+                return marker.exists() and len(marker.read_text().split()) >= attempt
+
+            for attempt in (1, 2):
+                await anyio.to_thread.run_sync(lambda a=attempt: wait_until(lambda: started(a), 60))
+                os.kill(int(marker.read_text().split()[attempt - 1]), signal.SIGKILL)
+
+        results = await gather(
+            lambda: sched.run(jobs.mark_then_sleep, str(marker), 60),
+            lambda: sched.run(jobs.sleep_then, 0.5, "innocent"),
+            kill_the_victim_twice,
+        )
+        assert isinstance(results[0], aiocompile.WorkerCrashedError)
+        assert results[0].exitcode == -signal.SIGKILL and results[0].signal_name == "SIGKILL"
+        assert results[1] == "innocent"
+        stats = sched.statistics()
+        assert (stats.compiled, stats.failed, stats.worker_crashes, stats.retries) == (1, 1, 2, 1)
+    finally:
+        await close_and_check(sched)
+
+
+async def test_what_a_dying_worker_printed_comes_with_the_error():
+    sched = aiocompile.Scheduler(config=NO_PRELOAD.with_changes(max_crashes=1))
+    try:
+        with pytest.raises(aiocompile.WorkerCrashedError) as info:
+            with anyio.fail_after(60):
+                await sched.run(jobs.print_then_exit, "ptxas fatal: out of registers (pretend)", 3)
+        assert "ptxas fatal: out of registers (pretend)" in info.value.output
+        assert "native write before death" in info.value.output
+        assert info.value.attempts == 1
+    finally:
+        await close_and_check(sched)
+
+
+async def test_the_fork_server_dying_is_not_the_jobs_fault():
+    sched = aiocompile.Scheduler(config=NO_PRELOAD.with_changes(max_crashes=1))
+    try:
+        async def kill_fork_server():
+            await anyio.to_thread.run_sync(lambda: wait_until(lambda: len(sched.worker_pids()) == 2, 60))
+            await anyio.sleep(0.2)
+            os.kill(sched._pool._launcher._proc.pid, signal.SIGKILL)
+
+        results = await gather(
+            lambda: sched.run(jobs.sleep_then, 1.0, "a"),
+            lambda: sched.run(jobs.sleep_then, 1.0, "b"),
+            kill_fork_server,
+        )
+        # Even with max_crashes=1, neither job is blamed for the workers that died with
+        # the fork server: both were re-run on workers of a new one.
+        assert results[:2] == ["a", "b"]
+        stats = sched.statistics()
+        assert (stats.compiled, stats.failed, stats.retries) == (2, 0, 2)
+    finally:
+        await close_and_check(sched)
+
+
+# -- timeouts -----------------------------------------------------------------------------
+
+
+async def test_a_timeout_kills_that_worker_only_and_the_pool_stays_at_full_size():
+    sched = aiocompile.Scheduler(workers=2)
+    try:
+        await sched.warm("cuda:80")
+        before = set(sched.worker_pids())
+        started = time.monotonic()
+        results = await gather(
+            lambda: sched.run(jobs.hang, timeout=0.5),
+            *[lambda b=b: innocent_compile(sched, b) for b in (64, 128, 256, 512)],
+        )
+        assert isinstance(results[0], aiocompile.CompileTimeout) and isinstance(results[0], TimeoutError)
+        assert time.monotonic() - started < 30
+        assert all(isinstance(k, aiocompile.TritonKernel) for k in results[1:])
+        stats = sched.statistics()
+        assert (stats.compiled, stats.failed, stats.timeouts, stats.worker_crashes) == (4, 1, 1, 0)
+        assert wait_until(lambda: len(sched.worker_pids()) == 2)
+        assert len(before - set(sched.worker_pids())) == 1  # exactly one worker was replaced
+    finally:
+        await close_and_check(sched)
+
+
+async def test_the_scheduler_default_timeout_applies():
+    sched = aiocompile.Scheduler(config=NO_PRELOAD.with_changes(timeout=0.3))
+    try:
+        with pytest.raises(aiocompile.CompileTimeout) as info:
+            with anyio.fail_after(60):
+                await sched.run(jobs.hang)
+        assert info.value.timeout == 0.3
+        assert await sched.run(jobs.echo, "fine") == "fine"
+    finally:
+        await close_and_check(sched)
+
+
+# -- cancellation -----------------------------------------------------------------------------
+
+
+async def test_cancelling_a_queued_request_removes_it_from_the_queue(tmp_path):
+    sched = aiocompile.Scheduler(config=NO_PRELOAD.with_changes(workers=1))
+    marker = tmp_path / "ran"
+    try:
+        async with anyio.create_task_group() as group:
+            group.start_soon(sched.run, jobs.sleep_then, 0.5)
+            await anyio.sleep(0.1)
+            with anyio.move_on_after(0.1) as scope:
+                await sched.run(jobs.mark_then_sleep, str(marker), 0)
+            assert scope.cancelled_caught
+        assert await sched.run(jobs.echo, "after") == "after"
+        assert not marker.exists(), "a cancelled queued job must never run"
+        stats = sched.statistics()
+        assert (stats.submitted, stats.compiled, stats.cancelled, stats.in_flight) == (3, 2, 1, 0)
+    finally:
+        await close_and_check(sched)
+
+
+async def test_cancelling_the_only_waiter_of_a_running_job_keeps_its_result(tmp_path):
+    sched = aiocompile.Scheduler(config=NO_PRELOAD)
+    marker = tmp_path / "ran"
+    try:
+        with anyio.move_on_after(0.3):
+            await sched.run(jobs.mark_then_sleep, str(marker), 1.0, "value", key="k")
+        with anyio.fail_after(60):
+            assert await sched.run(jobs.mark_then_sleep, str(marker), 1.0, "value", key="k") == "value"
+        assert len(marker.read_text().split()) == 1, "the job must have run once, for both callers"
+        stats = sched.statistics()
+        assert stats.cancelled == 1 and stats.cache_hits + stats.joined == 1 and stats.compiled == 0
+        assert stats.worker_crashes == 0
+    finally:
+        await close_and_check(sched)
+
+
+async def test_cancel_running_kill_kills_the_worker(tmp_path):
+    sched = aiocompile.Scheduler(config=NO_PRELOAD.with_changes(cancel_running="kill"))
+    marker = tmp_path / "ran"
+    try:
+        with anyio.move_on_after(0.5):
+            await sched.run(jobs.mark_then_sleep, str(marker), 30, key="k")
+        victim = int(marker.read_text().split()[0])
+        assert wait_until(lambda: not alive({victim}))
+        # The key is not remembered: the next request runs the job afresh.
+        with anyio.fail_after(60):
+            assert await sched.run(jobs.echo, "fresh", key="k") == "fresh"
+        stats = sched.statistics()
+        assert (stats.cancelled, stats.compiled, stats.worker_crashes) == (1, 1, 0)
+    finally:
+        await close_and_check(sched)
+
+
+async def test_a_cancelled_waiter_never_cancels_the_job_for_the_others(tmp_path):
+    sched = aiocompile.Scheduler(config=NO_PRELOAD.with_changes(cancel_running="kill"))
+    marker = tmp_path / "ran"
+    try:
+        outcome = {}
+
+        async def patient():
+            outcome["value"] = await sched.run(jobs.mark_then_sleep, str(marker), 1.0, "shared", key="k")
+
+        async def impatient():
+            with anyio.move_on_after(0.2):
+                await sched.run(jobs.mark_then_sleep, str(marker), 1.0, "shared", key="k")
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as group:
+                group.start_soon(patient)
+                await anyio.sleep(0.05)
+                for _ in range(3):
+                    group.start_soon(impatient)
+        assert outcome["value"] == "shared"
+        assert len(marker.read_text().split()) == 1
+        stats = sched.statistics()
+        assert (stats.submitted, stats.compiled, stats.joined, stats.cancelled) == (4, 1, 0, 3)
+    finally:
+        await close_and_check(sched)
+
+
+# -- shutdown and lifecycle ------------------------------------------------------------------
+
+
+async def test_aclose_lets_running_jobs_finish_within_the_grace_period_then_kills():
+    sched = aiocompile.Scheduler(config=NO_PRELOAD.with_changes(workers=2))
+    try:
+        results = {}
+
+        async def call(name, *args):
+            try:
+                results[name] = await sched.run(*args)
+            except Exception as exc:  # noqa: BLE001
+                results[name] = exc
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as group:
+                group.start_soon(call, "quick", jobs.sleep_then, 0.3, "quick")
+                group.start_soon(call, "stuck", jobs.hang)
+                group.start_soon(call, "queued", jobs.echo, "queued")
+                await anyio.to_thread.run_sync(lambda: wait_until(lambda: len(sched.worker_pids()) == 2, 30))
+                await anyio.sleep(0.1)
+                started = time.monotonic()
+                await close_and_check_graceful(sched, grace=1.0)
+                assert time.monotonic() - started < 10
+        assert results["quick"] == "quick"
+        assert isinstance(results["stuck"], aiocompile.SchedulerClosed)
+        assert isinstance(results["queued"], (aiocompile.SchedulerClosed, str))
+        assert sched.statistics().in_flight == 0
+        with pytest.raises(aiocompile.SchedulerClosed):
+            await sched.run(jobs.echo, 1)
+    finally:
+        await sched.aclose()
+
+
+async def close_and_check_graceful(sched, grace):
+    pids = owned_pids(sched)
+    await sched.aclose(grace=grace)
+    assert not alive(pids)
+
+
+async def test_no_descriptor_or_semaphore_leaks():
+    def fds():
+        return len(os.listdir("/proc/self/fd"))
+
+    def semaphores():
+        return {name for name in os.listdir("/dev/shm") if name.startswith("sem.")} if os.path.isdir("/dev/shm") \
+            else set()
+
+    for _ in range(2):  # the first round may open descriptors that stay (thread pools, ...)
+        fd_before, sem_before = fds(), semaphores()
+        sched = aiocompile.Scheduler(config=NO_PRELOAD)
+        with anyio.fail_after(60):
+            assert await sched.run(jobs.echo, 1) == 1
+            with pytest.raises(aiocompile.WorkerCrashedError):
+                await sched.run(jobs.exit_now, 1)
+        await close_and_check(sched)
+    assert fds() == fd_before
+    assert semaphores() == sem_before
+
+
+async def test_a_worker_that_grows_too_big_is_replaced_after_its_job():
+    sched = aiocompile.Scheduler(config=NO_PRELOAD.with_changes(workers=1, max_worker_rss=150 * 1024 * 1024))
+    try:
+        with anyio.fail_after(60):
+            small = await sched.run(jobs.allocate_and_keep, 10)
+            assert await sched.run(jobs.pid) == small  # still under the limit: same worker
+            big = await sched.run(jobs.allocate_and_keep, 200)
+            assert big == small  # the job that grew it completed, with its result
+            after = await sched.run(jobs.pid)
+        assert after != big
+        assert not alive({big})
+        stats = sched.statistics()
+        assert (stats.workers_recycled, stats.worker_crashes, stats.failed) == (1, 0, 0)
+    finally:
+        await close_and_check(sched)
+
+
+async def test_idle_workers_are_stopped_and_started_again_on_demand():
+    sched = aiocompile.Scheduler(config=NO_PRELOAD.with_changes(workers=2, idle_timeout=0.3))
+    try:
+        with anyio.fail_after(60):
+            first = await sched.run(jobs.pid)
+            assert await anyio.to_thread.run_sync(lambda: wait_until(lambda: not sched.worker_pids(), 10))
+            assert not alive({first})
+            second = await sched.run(jobs.pid)
+        assert second != first
+        stats = sched.statistics()
+        assert stats.workers_idle_stopped >= 1 and stats.workers_started == 2 and stats.worker_crashes == 0
+    finally:
+        await close_and_check(sched)
+
+
+# -- bad results ----------------------------------------------------------------------------
+
+
+async def test_bad_results_are_clear_errors_and_never_break_the_pool():
+    sched = aiocompile.Scheduler(config=NO_PRELOAD.with_changes(workers=1))
+    try:
+        with anyio.fail_after(120):
+            with pytest.raises(RuntimeError, match="Unpicklable.*could not be pickled"):
+                await sched.run(jobs.raise_unpicklable)
+            with pytest.raises(TypeError, match="could not be pickled"):
+                await sched.run(jobs.return_unpicklable)
+            assert len(await sched.run(jobs.big_result, 100)) == 100 * 1024 * 1024
+            assert await sched.run(jobs.echo, "still serving") == "still serving"
+        stats = sched.statistics()
+        assert (stats.workers_started, stats.worker_crashes, stats.compiled, stats.failed) == (1, 0, 2, 2)
+    finally:
+        await close_and_check(sched)
