@@ -194,12 +194,14 @@ class ForeignPool:
         for job in waiting:
             self._fail(job, closed)
         if executor is not None:
+            # The stdlib forgets its processes in shutdown(): note them first.
+            processes = list((getattr(executor, "_processes", None) or {}).values())
             executor.shutdown(wait=False, cancel_futures=cancel_futures)
             if wait:
                 running = [s.future for s in list(self._sent.values())]
                 _, not_done = cf.wait(running, timeout=grace)
                 if not_done:
-                    _kill_processes(executor)
+                    _kill(processes)
         with self._lock:
             for sent in list(self._sent.values()):
                 self._fail(sent.job, closed)
@@ -352,10 +354,10 @@ class ForeignPool:
             job.future.set_exception(exc)
 
 
-def _kill_processes(executor: cf.Executor) -> None:
+def _kill(processes: list[Any]) -> None:
     """Kill the worker processes of a stdlib process pool that outlived the grace period
     (nothing else can stop a running job there)."""
-    for process in list((getattr(executor, "_processes", None) or {}).values()):
+    for process in processes:
         try:
             os.kill(process.pid, signal.SIGKILL)
         except (ProcessLookupError, AttributeError, TypeError):

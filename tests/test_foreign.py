@@ -1,0 +1,121 @@
+"""A foreign executor behind the scheduler: a stdlib ProcessPoolExecutor survives its own
+breakage, the poison job is found, and no innocent job fails."""
+
+import concurrent.futures as cf
+import multiprocessing
+import time
+
+import anyio
+import jobs
+import pytest
+from test_faults import gather
+from triton_kernels import ADD_SIGNATURE, add_kernel
+
+import aiocompile
+from aiocompile._foreign import ForeignPool
+
+
+def stdlib_pool(workers=2):
+    return cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("forkserver"))
+
+
+@pytest.mark.parametrize("given", ["factory", "instance"])
+async def test_a_poison_job_is_isolated_and_no_innocent_fails(given):
+    executor = (lambda: stdlib_pool()) if given == "factory" else stdlib_pool()
+    sched = aiocompile.Scheduler(executor=executor, max_crashes=2)
+    try:
+        innocents = [lambda i=i: sched.run(jobs.sleep_then, 0.3, i) for i in range(6)]
+        results = await gather(lambda: sched.run(jobs.exit_now, 3), *innocents)
+        assert isinstance(results[0], aiocompile.WorkerCrashedError), results[0]
+        assert results[0].attempts >= 2 and results[0].kernel_name == "exit_now"
+        assert results[1:] == list(range(6))
+        stats = sched.statistics()
+        # One break with everyone in it, then two with the poison alone.
+        assert (stats.worker_crashes, stats.compiled, stats.failed, stats.in_flight) == (3, 6, 1, 0)
+        assert stats.retries >= 2
+        # The rebuilt executor keeps serving.
+        assert await sched.run(jobs.echo, "after") == "after"
+    finally:
+        await sched.aclose()
+
+
+async def test_a_segfault_among_real_compiles_in_a_stdlib_pool():
+    sched = aiocompile.Scheduler(executor=lambda: stdlib_pool(2), max_crashes=1)
+    try:
+        compiles = [
+            lambda b=b: sched.compile_triton(add_kernel, signature=ADD_SIGNATURE, constexprs={"BLOCK": b},
+                                             target="cuda:90")
+            for b in (64, 128, 256, 512)
+        ]
+        results = await gather(*compiles[:2], lambda: sched.run(jobs.segfault), *compiles[2:])
+        assert isinstance(results[2], aiocompile.WorkerCrashedError)
+        kernels = results[:2] + results[3:]
+        assert all(isinstance(k, aiocompile.TritonKernel) and k.binary for k in kernels), kernels
+        assert [k.constexprs["BLOCK"] for k in kernels] == [64, 128, 256, 512]
+    finally:
+        await sched.aclose()
+
+
+async def test_a_timeout_fails_the_await_although_the_job_runs_on():
+    sched = aiocompile.Scheduler(executor=lambda: stdlib_pool(2))
+    try:
+        started = time.monotonic()
+        with pytest.raises(aiocompile.CompileTimeout):
+            with anyio.fail_after(60):
+                await sched.run(jobs.sleep_then, 2.0, timeout=0.3)
+        assert time.monotonic() - started < 1.5
+        assert await sched.run(jobs.echo, 1) == 1
+        assert sched.statistics().timeouts == 1
+    finally:
+        await sched.aclose()
+
+
+async def test_aclose_kills_a_stdlib_pool_that_outlives_the_grace_period():
+    sched = aiocompile.Scheduler(executor=lambda: stdlib_pool(1))
+    outcome = {}
+
+    async def stuck():
+        try:
+            await sched.run(jobs.hang)
+        except aiocompile.SchedulerClosed as exc:
+            outcome["error"] = exc
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as group:
+            group.start_soon(stuck)
+            await anyio.sleep(1.0)
+            pids = sched.worker_pids()
+            assert pids
+            await sched.aclose(grace=0.2)
+    assert isinstance(outcome["error"], aiocompile.SchedulerClosed)
+    from conftest import alive, wait_until
+
+    assert wait_until(lambda: not alive(set(pids)))
+
+
+async def test_a_thread_pool_works_too():
+    with cf.ThreadPoolExecutor(2) as executor:
+        async with aiocompile.Scheduler(executor=executor) as sched:
+            assert await sched.run(jobs.echo, "threads") == "threads"
+            with pytest.raises(ValueError):
+                await sched.run(int, "not a number")
+
+
+class _AlwaysBroken(cf.Executor):
+    def submit(self, fn, /, *args, **kwargs):
+        future = cf.Future()
+        future.set_exception(cf.BrokenExecutor("broken on purpose"))
+        return future
+
+
+async def test_an_executor_that_breaks_and_cannot_be_rebuilt_fails_clearly():
+    sched = aiocompile.Scheduler(executor=_AlwaysBroken())
+    with anyio.fail_after(30):
+        with pytest.raises(aiocompile.SchedulerClosed, match="pass a factory"):
+            await sched.run(jobs.echo, 1)
+    await sched.aclose()
+
+
+def test_bad_executor_argument():
+    with pytest.raises(TypeError):
+        ForeignPool(42)
