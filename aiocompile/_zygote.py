@@ -225,6 +225,9 @@ def main(ctrl_fd: int) -> None:
         os.chdir(cwd)
     except OSError:
         pass
+    # Every worker runs the job loop: import it once, here, rather than in each of them.
+    from aiocompile import _worker  # noqa: F401
+
     loaded = Preload(preload)
     ctrl.send(pickle.dumps(("ready", os.getpid(), loaded.problems)))
     _Zygote(ctrl, loaded).run()

@@ -1,8 +1,9 @@
 """Crash recovery: one worker dies while innocent jobs run beside it.
 
-The same fault for both contenders, in one run: a pool of N workers gets 2N innocent jobs
-(each sleeps) and one poison job that kills its worker with ``os._exit`` every time it
-runs. Measured:
+The same fault for both contenders, in one run: a warm pool of N workers gets 2N innocent
+jobs (each sleeps) and one poison job that kills its worker with ``os._exit`` every time it
+runs. The poison is sent after N-1 innocents, so that it runs while every other worker is
+busy: the next job can only start on a new worker. Measured:
 
 - death -> work again: from the worker's death to the next job starting on a new worker
   (aiocompile: the replacement it starts at once; stdlib ``ProcessPoolExecutor``: the
@@ -65,9 +66,9 @@ async def run_aiocompile(workers: int, seconds: float, log: str) -> dict[str, fl
         await asyncio.gather(*[sched.run(crash_jobs.noop) for _ in range(workers)])  # all workers up
         names = [f"job{i}" for i in range(2 * workers)]
         started = time.perf_counter()
-        calls = {name: sched.run(crash_jobs.innocent, name, seconds, log) for name in names[:workers]}
+        calls = {name: sched.run(crash_jobs.innocent, name, seconds, log) for name in names[:workers - 1]}
         calls["poison"] = sched.run(crash_jobs.poison, log)
-        calls.update({name: sched.run(crash_jobs.innocent, name, seconds, log) for name in names[workers:]})
+        calls.update({name: sched.run(crash_jobs.innocent, name, seconds, log) for name in names[workers - 1:]})
         outcomes = await asyncio.gather(*calls.values(), return_exceptions=True)
         wall = time.perf_counter() - started
     return _summarise(log, wall, dict(zip(calls, outcomes)), len(names))
@@ -79,9 +80,9 @@ async def run_stdlib(workers: int, seconds: float, log: str) -> dict[str, float]
     executor = cf.ProcessPoolExecutor(workers, mp_context=context)
     await asyncio.gather(*[loop.run_in_executor(executor, crash_jobs.noop) for _ in range(workers)])
     names = [f"job{i}" for i in range(2 * workers)]
-    todo = [(name, crash_jobs.innocent, (name, seconds, log)) for name in names[:workers]]
+    todo = [(name, crash_jobs.innocent, (name, seconds, log)) for name in names[:workers - 1]]
     todo.append(("poison", crash_jobs.poison, (log,)))
-    todo += [(name, crash_jobs.innocent, (name, seconds, log)) for name in names[workers:]]
+    todo += [(name, crash_jobs.innocent, (name, seconds, log)) for name in names[workers - 1:]]
     results: dict[str, object] = {}
     crashes: collections.Counter[str] = collections.Counter()
     started = time.perf_counter()
