@@ -74,8 +74,14 @@ def test_config_rejects_nonsense():
 
 def test_config_from_env():
     env = {"AIOCOMPILE_WORKERS": "3", "AIOCOMPILE_TIMEOUT": "7.5", "AIOCOMPILE_MAX_CRASHES": "4",
-           "AIOCOMPILE_START_METHOD": "spawn"}
+           "AIOCOMPILE_START_METHOD": "spawn", "AIOCOMPILE_CANCEL_RUNNING": "kill",
+           "AIOCOMPILE_MAX_WORKER_RSS": "1000000000", "AIOCOMPILE_IDLE_TIMEOUT": "30"}
     config = aiocompile.SchedulerConfig.from_env(env)
     assert (config.workers, config.timeout, config.max_crashes, config.start_method) == (3, 7.5, 4, "spawn")
+    assert (config.cancel_running, config.max_worker_rss, config.idle_timeout) == ("kill", 10**9, 30.0)
+    assert aiocompile.SchedulerConfig.from_env({}) == aiocompile.SchedulerConfig()
+    for bad in (dict(cancel_running="maybe"), dict(max_worker_rss=0), dict(idle_timeout=-1)):
+        with pytest.raises(ValueError):
+            aiocompile.SchedulerConfig(**bad)
     with pytest.raises(ValueError):
         aiocompile.SchedulerConfig.from_env({"AIOCOMPILE_WORKERS": "many"})
