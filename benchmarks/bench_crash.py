@@ -63,7 +63,8 @@ async def run_aiocompile(workers: int, seconds: float, log: str) -> dict[str, fl
 
     config = aiocompile.SchedulerConfig(workers=workers, preload=(), max_crashes=2)
     async with aiocompile.Scheduler(config=config) as sched:
-        await asyncio.gather(*[sched.run(crash_jobs.noop) for _ in range(workers)])  # all workers up
+        # All workers up (one warm-up job each), so that no worker starts for the queue later.
+        await asyncio.gather(*[asyncio.wrap_future(job.future) for job in sched._pool.warm(crash_jobs.noop)])
         names = [f"job{i}" for i in range(2 * workers)]
         started = time.perf_counter()
         calls = {name: sched.run(crash_jobs.innocent, name, seconds, log) for name in names[:workers - 1]}
