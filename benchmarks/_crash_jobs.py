@@ -3,10 +3,13 @@
 import os
 import time
 
+# The pids of the pool's workers before the fault (filled in by the benchmark).
+POOL_PIDS: list = []
+
 
 def _log(path, kind, name):
     with open(path, "a") as f:
-        f.write(f"{kind} {name} {time.time():.6f}\n")
+        f.write(f"{kind} {name} {time.time():.6f} {os.getpid()}\n")
 
 
 def noop():

@@ -5,7 +5,7 @@ jobs (each sleeps) and one poison job that kills its worker with ``os._exit`` ev
 runs. The poison is sent after N-1 innocents, so that it runs while every other worker is
 busy: the next job can only start on a new worker. Measured:
 
-- death -> work again: from the worker's death to the next job starting on a new worker
+- death -> work again: from the worker's death to the first job starting on a new worker
   (aiocompile: the replacement it starts at once; stdlib ``ProcessPoolExecutor``: the
   executor is broken for good, so the caller catches ``BrokenProcessPool``, builds a new
   executor and resubmits what failed, the usual recovery);
@@ -32,21 +32,22 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _crash_jobs as crash_jobs  # noqa: E402
 
 
-def _read_events(path: str) -> list[tuple[str, str, float]]:
+def _read_events(path: str) -> list[tuple[str, str, float, int]]:
     events = []
     with open(path) as f:
         for line in f:
-            kind, name, stamp = line.split()
-            events.append((kind, name, float(stamp)))
+            kind, name, stamp, pid = line.split()
+            events.append((kind, name, float(stamp), int(pid)))
     return events
 
 
 def _summarise(log: str, wall: float, results: dict[str, object], innocents: int) -> dict[str, float]:
     events = _read_events(log)
-    deaths = sorted(stamp for kind, _, stamp in events if kind == "death")
-    first_death = deaths[0]
-    after = [stamp for kind, _, stamp in events if kind == "start" and stamp > first_death]
-    starts = collections.Counter(name for kind, name, _ in events if kind == "start" and name != "poison")
+    first_death = min(stamp for kind, _, stamp, _ in events if kind == "death")
+    # A job starting on a process that was not there before the death: the new worker.
+    old = {pid for _, _, stamp, pid in events if stamp <= first_death} | set(crash_jobs.POOL_PIDS)
+    after = [stamp for kind, _, stamp, pid in events if kind == "start" and stamp > first_death and pid not in old]
+    starts = collections.Counter(name for kind, name, _, _ in events if kind == "start" and name != "poison")
     return {
         "death_to_work_again_ms": (min(after) - first_death) * 1000 if after else float("nan"),
         "innocent_reruns": sum(count - 1 for count in starts.values()),
@@ -64,7 +65,8 @@ async def run_aiocompile(workers: int, seconds: float, log: str) -> dict[str, fl
     config = aiocompile.SchedulerConfig(workers=workers, preload=(), max_crashes=2)
     async with aiocompile.Scheduler(config=config) as sched:
         # All workers up (one warm-up job each), so that no worker starts for the queue later.
-        await asyncio.gather(*[asyncio.wrap_future(job.future) for job in sched._pool.warm(crash_jobs.noop)])
+        pids = await asyncio.gather(*[asyncio.wrap_future(job.future) for job in sched._pool.warm(crash_jobs.noop)])
+        crash_jobs.POOL_PIDS[:] = pids
         names = [f"job{i}" for i in range(2 * workers)]
         started = time.perf_counter()
         calls = {name: sched.run(crash_jobs.innocent, name, seconds, log) for name in names[:workers - 1]}
@@ -79,7 +81,8 @@ async def run_stdlib(workers: int, seconds: float, log: str) -> dict[str, float]
     context = multiprocessing.get_context("forkserver")
     loop = asyncio.get_running_loop()
     executor = cf.ProcessPoolExecutor(workers, mp_context=context)
-    await asyncio.gather(*[loop.run_in_executor(executor, crash_jobs.noop) for _ in range(workers)])
+    crash_jobs.POOL_PIDS[:] = await asyncio.gather(*[loop.run_in_executor(executor, crash_jobs.noop)
+                                                     for _ in range(workers)])
     names = [f"job{i}" for i in range(2 * workers)]
     todo = [(name, crash_jobs.innocent, (name, seconds, log)) for name in names[:workers - 1]]
     todo.append(("poison", crash_jobs.poison, (log,)))
