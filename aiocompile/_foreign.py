@@ -38,10 +38,9 @@ from concurrent.futures.process import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Union
 
-from aiocompile import _serialize
 from aiocompile._errors import CompileTimeout, SchedulerClosed, WorkerCrashedError
 from aiocompile._pool import Job, PoolCounters
-from aiocompile._worker import _JobState, job_env
+from aiocompile._worker import _JobState
 
 ExecutorFactory = Callable[[], cf.Executor]
 ExecutorSpec = Union[cf.Executor, ExecutorFactory]
@@ -136,12 +135,8 @@ class ForeignPool:
     ) -> Job:
         if self._closed or os.getpid() != self._pid:
             raise SchedulerClosed("the executor is shut down")
-        payload = _serialize.dumps((fn, args, kwargs or {}))
-        job = Job(
-            id=next(self._ids), payload=payload, future=cf.Future(), timeout=timeout,
-            max_crashes=max_crashes or self.max_crashes, name=name, key=key, env=job_env(),
-            sys_path=list(sys.path),
-        )
+        job = Job.create(next(self._ids), fn, args, kwargs, timeout=timeout,
+                         max_crashes=max_crashes or self.max_crashes, name=name, key=key)
         with self._lock:
             if self._quarantine():
                 self._held.append(job)

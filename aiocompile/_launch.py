@@ -324,7 +324,23 @@ class ZygoteLauncher:
         self._proc = None
 
 
-class SpawnLauncher:
+class _DirectChildren:
+    """What launchers of direct children share: no fork server to watch or to lose."""
+
+    def prepare(self) -> None:
+        pass
+
+    def fileno(self) -> int | None:
+        return None
+
+    def healthy(self, worker: WorkerProcess) -> bool:
+        return True
+
+    def on_readable(self) -> None:
+        pass
+
+
+class SpawnLauncher(_DirectChildren):
     """Each worker a fresh interpreter, a direct child of this process."""
 
     name = "spawn"
@@ -333,9 +349,6 @@ class SpawnLauncher:
         self._preload = ",".join(preload)
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
         self.problems: list[str] = []
-
-    def prepare(self) -> None:
-        pass
 
     def launch(self) -> WorkerProcess:
         parent_sock, child_sock, alive_r, alive_w, output_fd = _worker_descriptors()
@@ -378,15 +391,6 @@ class SpawnLauncher:
         del self._procs[worker.pid]
         return code
 
-    def fileno(self) -> int | None:
-        return None
-
-    def healthy(self, worker: WorkerProcess) -> bool:
-        return True
-
-    def on_readable(self) -> None:
-        pass
-
     def close(self) -> None:
         for proc in self._procs.values():
             if proc.returncode is None:
@@ -399,7 +403,7 @@ class SpawnLauncher:
         self._procs.clear()
 
 
-class ForkLauncher:
+class ForkLauncher(_DirectChildren):
     """Workers forked straight from this process (only when asked for)."""
 
     name = "fork"
@@ -409,9 +413,6 @@ class ForkLauncher:
 
         self.problems = Preload(list(preload)).finish()
         self._pids: set[int] = set()
-
-    def prepare(self) -> None:
-        pass
 
     def launch(self) -> WorkerProcess:
         parent_sock, child_sock, alive_r, alive_w, output_fd = _worker_descriptors()
@@ -452,15 +453,6 @@ class ForkLauncher:
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.001)
-
-    def fileno(self) -> int | None:
-        return None
-
-    def healthy(self, worker: WorkerProcess) -> bool:
-        return True
-
-    def on_readable(self) -> None:
-        pass
 
     def close(self) -> None:
         for pid in list(self._pids):

@@ -85,6 +85,35 @@ class Job:
             return None
         return self.started_at - self.submitted_at
 
+    @classmethod
+    def create(
+        cls,
+        job_id: int,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+        *,
+        timeout: float | None,
+        max_crashes: int,
+        name: str | None,
+        key: str | None,
+        warm_only: bool = False,
+    ) -> Job:
+        """A job for ``fn(*args, **kwargs)``, pickled now (``TypeError`` if it cannot be),
+        carrying this process's job environment and import path as they are now."""
+        return cls(
+            id=job_id,
+            payload=_serialize.dumps((fn, args, kwargs or {})),
+            future=cf.Future(),
+            timeout=timeout,
+            max_crashes=max_crashes,
+            name=name,
+            key=key,
+            env=job_env(),
+            sys_path=list(sys.path),
+            warm_only=warm_only,
+        )
+
 
 @dataclass(eq=False)
 class _Worker:
@@ -195,19 +224,8 @@ class WorkerPool(cf.Executor):
     ) -> Job:
         """Queue ``fn(*args, **kwargs)``; raises ``TypeError`` at once if it cannot be sent."""
         self._check_usable()
-        payload = _serialize.dumps((fn, args, kwargs or {}))
-        job = Job(
-            id=next(self._ids),
-            payload=payload,
-            future=cf.Future(),
-            timeout=timeout,
-            max_crashes=max_crashes or self.max_crashes,
-            name=name,
-            key=key,
-            env=job_env(),
-            sys_path=list(sys.path),
-            warm_only=warm_only,
-        )
+        job = Job.create(next(self._ids), fn, args, kwargs, timeout=timeout,
+                         max_crashes=max_crashes or self.max_crashes, name=name, key=key, warm_only=warm_only)
         self._command("submit", job)
         return job
 

@@ -7,8 +7,7 @@ import textwrap
 import time
 
 import pytest
-from conftest import ROOT, child_pids, subprocess_env
-from test_pool import _alive
+from conftest import ROOT, alive, child_pids, subprocess_env
 from triton_kernels import ADD_SIGNATURE, add_kernel
 
 import aiocompile
@@ -96,7 +95,7 @@ def test_default_scheduler_serves_any_event_loop_and_leaves_nothing_at_exit(tmp_
     assert result["cache_hits"] + result["joined"] == 2
     # The interpreter exited: its workers went with it.
     time.sleep(0.2)
-    assert not _alive(set(result["descendants"]))
+    assert not alive(set(result["descendants"]))
 
 
 FORK = textwrap.dedent('''

@@ -10,7 +10,7 @@ import time
 
 import jobs
 import pytest
-from conftest import ROOT, child_pids, subprocess_env
+from conftest import ROOT, alive, child_pids, subprocess_env
 
 import aiocompile
 from aiocompile import WorkerPool
@@ -234,19 +234,7 @@ def test_workers_exit_when_the_parent_is_killed(start_method):
         proc.kill()
         proc.wait()
     deadline = time.monotonic() + 2.0
-    while time.monotonic() < deadline and _alive(descendants):
+    while time.monotonic() < deadline and alive(descendants):
         time.sleep(0.02)
-    assert not _alive(descendants), f"still running 2 s after the parent died: {_alive(descendants)}"
+    assert not alive(descendants), f"still running 2 s after the parent died: {alive(descendants)}"
 
-
-def _alive(pids):
-    alive = set()
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        if stat[stat.rfind(")") + 2] != "Z":
-            alive.add(pid)
-    return alive
