@@ -24,7 +24,7 @@ _EXPORTS = {
     "Statistics": "aiocompile._metrics",
     "Summary": "aiocompile._metrics",
     "Target": "aiocompile._target",
-    "TritonKernel": "aiocompile.backends.triton",
+    "TritonKernel": "aiocompile.backends._triton_kernel",
     "TritonSource": "aiocompile.backends.triton",
     "WorkerCrashedError": "aiocompile._errors",
     "WorkerPool": "aiocompile._pool",
@@ -95,4 +95,5 @@ if _typing.TYPE_CHECKING:
         warm,
     )
     from aiocompile._target import Target
-    from aiocompile.backends.triton import TritonKernel, TritonSource
+    from aiocompile.backends._triton_kernel import TritonKernel
+    from aiocompile.backends.triton import TritonSource

@@ -411,7 +411,9 @@ class ForkLauncher(_DirectChildren):
     def __init__(self, preload: tuple[str, ...]) -> None:
         from aiocompile._zygote import Preload
 
-        self.problems = Preload(list(preload)).finish()
+        # Imports only: the warm-up steps are for a process of our own (they set
+        # environment variables for a moment), and this one is the application's.
+        self.problems = Preload(list(preload)).problems
         self._pids: set[int] = set()
 
     def launch(self) -> WorkerProcess:

@@ -34,7 +34,8 @@ from aiocompile._pool import WorkerPool
 from aiocompile._progress import Progress
 from aiocompile._target import parse_target
 from aiocompile.backends import Request
-from aiocompile.backends import triton as triton_backend
+from aiocompile.backends._triton_kernel import TritonKernel
+from aiocompile.backends.triton import TritonBackend
 
 
 class _Context:
@@ -96,6 +97,7 @@ class Scheduler:
         self._cache = KernelCache(self.config.cache_entries)
         self._metrics = Metrics()
         self._context = _Context(self)
+        self._triton = TritonBackend()
         self._pid = os.getpid()
         self._closed = False
 
@@ -193,7 +195,7 @@ class Scheduler:
         timeout: float | None = None,
         attrs: Mapping[str, Any] | None = None,
         **options: Any,
-    ) -> triton_backend.TritonKernel:
+    ) -> TritonKernel:
         """Compile a Triton kernel in a worker process and return a ``TritonKernel``.
 
         ``kernel`` is a ``@triton.jit`` function (importable, or defined in ``__main__`` or
@@ -215,11 +217,11 @@ class Scheduler:
         nor one that other callers are waiting for; a queued compile nobody waits for any
         more is dropped.
         """
-        request = await triton_backend.prepare(
+        request = await self._triton.prepare(
             self._context, kernel, signature=signature, constexprs=constexprs, target=target,
             attrs=attrs, options=options,
         )
-        result: triton_backend.TritonKernel = await self._execute(request, timeout)
+        result: TritonKernel = await self._execute(request, timeout)
         return result
 
     async def compile_many(
@@ -419,7 +421,7 @@ def default_scheduler() -> Scheduler:
     return _default.get()
 
 
-async def compile_triton(kernel: Any, **kwargs: Any) -> triton_backend.TritonKernel:
+async def compile_triton(kernel: Any, **kwargs: Any) -> TritonKernel:
     """``Scheduler.compile_triton`` on the default scheduler."""
     return await _default.get().compile_triton(kernel, **kwargs)
 

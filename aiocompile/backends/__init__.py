@@ -23,6 +23,13 @@ class Request:
     fn: Callable[..., Any]
     args: tuple[Any, ...]
     finish: Callable[[Any], Any]
+    """The worker's answer -> the result (in the parent)."""
+    encode: Callable[[Any], bytes] | None = None
+    """The result -> bytes for the disk cache (None: results are not kept on disk)."""
+    decode: Callable[[bytes], Any] | None = None
+    """Bytes from the disk cache -> the result; raises ``ValueError`` for bad bytes."""
+    size: Callable[[Any], int] | None = None
+    """Bytes a result holds, for the memory cache's bound."""
 
 
 class BackendContext(Protocol):

@@ -157,7 +157,7 @@ def _module_attr_target(fn: Any) -> Any:
     return fn
 
 
-def _free_names(func_node: ast.FunctionDef) -> tuple[set[str], set[str]]:
+def free_names(func_node: ast.FunctionDef) -> tuple[set[str], set[str]]:
     """(names the body reads that are not its own locals, names its defaults read)."""
     params = func_node.args
     local = {a.arg for a in params.posonlyargs + params.args + params.kwonlyargs}
@@ -223,7 +223,7 @@ class _BundleBuilder:
 
         tree = ast.parse(textwrap.dedent("".join(fn.raw_src)))
         func_node = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef))
-        body_names, default_names = _free_names(func_node)
+        body_names, default_names = free_names(func_node)
         closure = inspect.getclosurevars(pyfn).nonlocals if pyfn.__closure__ else {}
         for ref_name in sorted(body_names | default_names):
             if ref_name in unit["globals"] or ref_name == name:
@@ -339,7 +339,7 @@ class Resolver:
                 target = getattr(target, part)
             return target
         if isinstance(ref, SourceModule):
-            return _exec_module(ref)
+            return exec_source_module(ref)
         return _rebuild_bundle(ref)
 
 
@@ -348,7 +348,8 @@ def _register_source(filename: str, text: str) -> None:
     linecache.cache[filename] = (len(text), None, text.splitlines(keepends=True), filename)
 
 
-def _exec_module(ref: SourceModule) -> Any:
+def exec_source_module(ref: SourceModule) -> Any:
+    """Execute a ``TritonSource``'s text as a module (once per text) and return the named object."""
     module_name = "aiocompile_source_" + hashlib.sha256(ref.text.encode()).hexdigest()[:16]
     module = sys.modules.get(module_name)
     if module is None:

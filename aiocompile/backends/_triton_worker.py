@@ -57,7 +57,8 @@ def prepare_process() -> Iterator[None]:
     and is memoised per process. A throw-away compile per vendor then loads MLIR, LLVM and
     the backend. It runs single-threaded (``MLIR_DISABLE_MULTITHREADING``) in a scratch
     cache directory: forking a process that has started threads is unsafe, and the user's
-    cache is not ours to fill.
+    cache is not ours to fill. So only a process of aiocompile's own (the fork server, a
+    spawned worker before it serves) takes the steps after the first ``yield``.
     """
     import triton  # noqa: F401
     from triton.backends.compiler import GPUTarget
@@ -119,7 +120,6 @@ def _format_error(exc: BaseException) -> str:
 def compile_kernel(spec: Any) -> dict[str, Any]:
     """Compile one ``TritonSpec``; returns the artifact as plain data (text and bytes)."""
     import triton
-    from triton.compiler import ASTSource
 
     try:
         fn = _resolver.resolve(spec.kernel)
@@ -129,10 +129,8 @@ def compile_kernel(spec: Any) -> dict[str, Any]:
                 f"the kernel the worker loaded takes ({', '.join(arg_names)}), not "
                 f"({', '.join(spec.arg_names)}); was its module changed after it was imported?"
             )
-        attrs = {(arg_names.index(name),): [list(a) for a in values] for name, values in spec.attrs}
-        src = ASTSource(fn, dict(spec.signature), dict(spec.constexprs), attrs)
         started = time.perf_counter()
-        compiled = triton.compile(src, target=spec.target.to_gpu_target(), options=dict(spec.options))
+        compiled = triton.compile(spec.ast_source(fn), target=spec.target.to_gpu_target(), options=dict(spec.options))
         compile_time = time.perf_counter() - started
     except CompileError:
         raise
@@ -146,6 +144,5 @@ def compile_kernel(spec: Any) -> dict[str, Any]:
         "metadata_json": metadata_path.read_text(),
         "asm": asm,
         "compile_time": compile_time,
-        "fn_cache_key": fn.cache_key,
         "triton_version": triton.__version__,
     }
