@@ -14,6 +14,8 @@ AIOCOMPILE_CANCEL_RUNNING  keep or kill: what cancelling the last waiter of a ru
 AIOCOMPILE_MAX_WORKER_RSS  bytes of resident memory after which a worker is replaced
                            (default: no limit)
 AIOCOMPILE_IDLE_TIMEOUT    seconds after which an idle worker is stopped (default: never)
+AIOCOMPILE_CACHE_DIR       directory of the disk cache shared by processes (default: none)
+AIOCOMPILE_CACHE_DIR_BYTES bound of that directory in bytes (default: 4 GiB)
 =========================  ============================================================
 """
 
@@ -64,6 +66,15 @@ class SchedulerConfig:
     """Modules (``module`` or ``module:function``) the fork server loads before forking."""
     cache_entries: int = 4096
     """Compiled results kept in memory, least recently used dropped first."""
+    cache_bytes: int | None = 512 * 1024 * 1024
+    """Bytes of compiled results kept in memory (None: no bound but ``cache_entries``)."""
+    error_ttl: float = 2.0
+    """Seconds a compile error is remembered, so that the same bad request fails at once
+    without a worker (0: never remembered). Crashes and timeouts are never remembered."""
+    cache_dir: str | None = None
+    """A directory where compiled results are kept across processes and restarts."""
+    cache_dir_bytes: int | None = 4 * 1024 * 1024 * 1024
+    """Bound of ``cache_dir``; least recently used files go first."""
     close_grace: float = 5.0
     """Seconds running jobs get to finish in ``aclose()`` before their workers are killed."""
     cancel_running: str = "keep"
@@ -93,6 +104,12 @@ class SchedulerConfig:
             raise ValueError(f"max_worker_rss must be a positive number of bytes, got {self.max_worker_rss!r}")
         if self.idle_timeout is not None and self.idle_timeout <= 0:
             raise ValueError(f"idle_timeout must be a positive number of seconds, got {self.idle_timeout!r}")
+        if self.cache_bytes is not None and self.cache_bytes < 0:
+            raise ValueError(f"cache_bytes must be >= 0, got {self.cache_bytes!r}")
+        if self.error_ttl < 0:
+            raise ValueError(f"error_ttl must be >= 0, got {self.error_ttl!r}")
+        if self.cache_dir_bytes is not None and self.cache_dir_bytes <= 0:
+            raise ValueError(f"cache_dir_bytes must be positive, got {self.cache_dir_bytes!r}")
 
     def with_changes(self, **changes: Any) -> SchedulerConfig:
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
@@ -118,4 +135,6 @@ class SchedulerConfig:
         changes["cancel_running"] = environ.get("AIOCOMPILE_CANCEL_RUNNING", "").strip() or None
         changes["max_worker_rss"] = number("AIOCOMPILE_MAX_WORKER_RSS", int)
         changes["idle_timeout"] = number("AIOCOMPILE_IDLE_TIMEOUT", float)
+        changes["cache_dir"] = environ.get("AIOCOMPILE_CACHE_DIR", "").strip() or None
+        changes["cache_dir_bytes"] = number("AIOCOMPILE_CACHE_DIR_BYTES", int)
         return cls().with_changes(**changes)

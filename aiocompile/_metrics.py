@@ -15,10 +15,11 @@ from typing import Any
 __all__ = ["JobRecord", "Statistics", "Summary", "OUTCOMES"]
 
 # What a request can end as. "compiled": its own job ran and succeeded; "cache_hit":
-# answered from memory; "joined": shared a job another request started; "failed": its own
-# job ended in an error (compile error, timeout, crash beyond max_crashes, closed);
-# "cancelled": the caller stopped waiting.
-OUTCOMES = ("compiled", "cache_hit", "joined", "failed", "cancelled")
+# answered from memory; "disk_hit": answered from the disk cache; "joined": shared a job
+# (or disk read) another request started; "error_hit": answered with a compile error
+# remembered from a moment ago; "failed": its own job ended in an error (compile error,
+# timeout, crash beyond max_crashes, closed); "cancelled": the caller stopped waiting.
+OUTCOMES = ("compiled", "cache_hit", "disk_hit", "joined", "error_hit", "failed", "cancelled")
 
 _SAMPLES = 10_000
 
@@ -72,10 +73,20 @@ class Statistics:
     submitted: int = 0
     compiled: int = 0
     cache_hits: int = 0
+    disk_hits: int = 0
     joined: int = 0
+    error_hits: int = 0
     failed: int = 0
     cancelled: int = 0
     in_flight: int = 0
+    cache_entries: int = 0
+    """Results in the memory cache now, and the bytes they hold."""
+    cache_bytes: int = 0
+    cache_evictions: int = 0
+    disk_writes: int = 0
+    disk_evictions: int = 0
+    disk_corrupt: int = 0
+    """Files of the disk cache that did not decode, deleted and recompiled."""
     worker_crashes: int = 0
     retries: int = 0
     timeouts: int = 0
@@ -160,7 +171,9 @@ class Metrics:
                 submitted=self.submitted,
                 compiled=self.outcomes["compiled"],
                 cache_hits=self.outcomes["cache_hit"],
+                disk_hits=self.outcomes["disk_hit"],
                 joined=self.outcomes["joined"],
+                error_hits=self.outcomes["error_hit"],
                 failed=self.outcomes["failed"],
                 cancelled=self.outcomes["cancelled"],
                 in_flight=self.submitted - done,

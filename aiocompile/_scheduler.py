@@ -27,7 +27,8 @@ import anyio
 from aiocompile import _bridge
 from aiocompile._cache import Entry, KernelCache
 from aiocompile._config import SchedulerConfig
-from aiocompile._errors import SchedulerClosed
+from aiocompile._diskcache import DiskCache
+from aiocompile._errors import CompileError, CompileTimeout, SchedulerClosed, WorkerCrashedError
 from aiocompile._foreign import ExecutorSpec, ForeignPool
 from aiocompile._metrics import JobRecord, Metrics, Statistics
 from aiocompile._pool import WorkerPool
@@ -74,13 +75,14 @@ class Scheduler:
         max_crashes: int | None = None,
         start_method: str | None = None,
         cancel_running: str | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
         config: SchedulerConfig | None = None,
         executor: ExecutorSpec | None = None,
     ) -> None:
         base = config or SchedulerConfig()
         self.config = base.with_changes(
             workers=workers, timeout=timeout, max_crashes=max_crashes, start_method=start_method,
-            cancel_running=cancel_running,
+            cancel_running=cancel_running, cache_dir=None if cache_dir is None else os.fspath(cache_dir),
         )
         self._pool: WorkerPool | ForeignPool
         if executor is not None:
@@ -94,7 +96,9 @@ class Scheduler:
                 max_worker_rss=self.config.max_worker_rss,
                 idle_timeout=self.config.idle_timeout,
             )
-        self._cache = KernelCache(self.config.cache_entries)
+        self._cache = KernelCache(self.config.cache_entries, self.config.cache_bytes, self.config.error_ttl)
+        self._disk = None if self.config.cache_dir is None else DiskCache(self.config.cache_dir,
+                                                                          self.config.cache_dir_bytes)
         self._metrics = Metrics()
         self._context = _Context(self)
         self._triton = TritonBackend()
@@ -126,15 +130,15 @@ class Scheduler:
         """
         if self._closed:
             return
-        self._closed = True
-        grace = self.config.close_grace if grace is None else grace
-        await anyio.to_thread.run_sync(lambda: self._pool.shutdown(wait=True, cancel_futures=True, grace=grace))
+        await anyio.to_thread.run_sync(lambda: self.close(grace))
 
     def close(self, grace: float | None = None) -> None:
         """Blocking counterpart of :meth:`aclose`, for code outside an event loop."""
         self._closed = True
         grace = self.config.close_grace if grace is None else grace
         self._pool.shutdown(wait=True, cancel_futures=True, grace=grace)
+        if self._disk is not None:
+            self._disk.close(wait=True)  # results compiled before the close reach the disk
 
     def _check_open(self) -> None:
         if self._pid != os.getpid():
@@ -163,7 +167,14 @@ class Scheduler:
         """A frozen snapshot of what this scheduler has done (see ``Statistics``)."""
         counters = self._pool.counters
         pool = self._pool.snapshot()
+        disk = self._disk
         return self._metrics.snapshot({
+            "cache_entries": len(self._cache),
+            "cache_bytes": self._cache.bytes,
+            "cache_evictions": self._cache.evictions,
+            "disk_writes": disk.writes if disk else 0,
+            "disk_evictions": disk.evictions if disk else 0,
+            "disk_corrupt": disk.corrupt if disk else 0,
             "worker_crashes": counters.worker_crashes,
             "retries": counters.retries,
             "timeouts": counters.timeouts,
@@ -308,6 +319,9 @@ class Scheduler:
         if how == "hit":
             self._record(request, "cache_hit", wall, arrived, None, result=found)
             return found
+        if how == "error":
+            self._record(request, "error_hit", wall, arrived, None, error=found)
+            raise found.with_traceback(None)
         entry: Entry = found
         try:
             result = await _bridge.wait(entry.future)
@@ -320,7 +334,11 @@ class Scheduler:
                 self._record(request, "failed" if how == "started" else "joined", wall, arrived, entry, error=exc)
             raise
         self._cache.leave(entry)
-        self._record(request, "compiled" if how == "started" else "joined", wall, arrived, entry, result=result)
+        if how == "joined":
+            outcome = "joined"
+        else:
+            outcome = "disk_hit" if entry.source == "disk" else "compiled"
+        self._record(request, outcome, wall, arrived, entry, result=result)
         return result
 
     def _stop_abandoned(self, entry: Entry) -> bool:
@@ -338,6 +356,43 @@ class Scheduler:
         return False
 
     def _start(self, entry: Entry, request: Request, timeout: float | None) -> None:
+        """Start the work for a new entry: a read of the disk cache if there is one for this
+        kind of result, a job otherwise (or after a miss)."""
+        disk = self._disk
+        if disk is not None and request.key is not None and request.decode is not None:
+            lookup = disk.submit(disk.get, request.key)
+            lookup.add_done_callback(lambda done: self._after_disk(entry, request, timeout, done))
+            return
+        self._submit(entry, request, timeout)
+
+    def _after_disk(self, entry: Entry, request: Request, timeout: float | None, done: Any) -> None:
+        # In a disk cache thread.
+        assert self._disk is not None and request.key is not None and request.decode is not None
+        data = None if done.exception() else done.result()
+        if data is not None:
+            started = time.perf_counter()
+            try:
+                result = request.decode(data)
+                if getattr(result, "key", request.key) != request.key:
+                    raise ValueError("the file holds another key's result")
+            except ValueError:
+                self._disk.reject(request.key)
+            else:
+                entry.load_time = time.perf_counter() - started
+                entry.source = "disk"
+                self._complete(entry, request, result)
+                return
+        if self._cache.abandoned(entry):
+            # Everyone stopped waiting while the disk was read: no compile for nobody.
+            entry.future.cancel()
+            return
+        try:
+            self._submit(entry, request, timeout)
+        except BaseException as exc:
+            self._cache.discard(entry)
+            entry.future.set_exception(exc)
+
+    def _submit(self, entry: Entry, request: Request, timeout: float | None) -> None:
         job = self._pool.submit_job(
             request.fn, request.args, timeout=timeout, name=request.name, key=request.key
         )
@@ -351,13 +406,23 @@ class Scheduler:
                 result = request.finish(raw)
                 entry.load_time = time.perf_counter() - started
             except BaseException as exc:
-                self._cache.discard(entry)
+                # Only a deterministic compile error is worth remembering: a crash or a
+                # timeout may well not happen again.
+                remember = isinstance(exc, CompileError) and not isinstance(exc, (CompileTimeout, WorkerCrashedError))
+                self._cache.fail(entry, exc, remember)
                 entry.future.set_exception(exc)
                 return
-            self._cache.complete(entry, result)
-            entry.future.set_result(result)
+            self._complete(entry, request, result)
+            disk = self._disk
+            if disk is not None and request.key is not None and request.encode is not None:
+                encode, key = request.encode, request.key
+                disk.submit(lambda: disk.put(key, encode(result)))
 
         job.future.add_done_callback(finish)
+
+    def _complete(self, entry: Entry, request: Request, result: Any) -> None:
+        self._cache.complete(entry, result, request.size(result) if request.size is not None else 0)
+        entry.future.set_result(result)
 
     def _record(
         self,
@@ -383,7 +448,7 @@ class Scheduler:
             submitted_at=wall,
             queue_wait=job.queue_wait if own_job and job is not None else None,
             run_time=job.run_time if own_job and job is not None else None,
-            load_time=entry.load_time if own_job and entry is not None else None,
+            load_time=entry.load_time if entry is not None and outcome in ("compiled", "disk_hit", "failed") else None,
             total_time=time.monotonic() - arrived,
             attempts=job.attempts if own_job and job is not None else 0,
             worker_pid=job.worker_pid if job is not None else None,

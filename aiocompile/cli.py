@@ -1,8 +1,11 @@
 """The ``aiocompile`` command.
 
 ``aiocompile build KERNELS --target cuda:90 --target hip:gfx942 --out DIR`` pre-builds a
-kernel set for several GPU architectures at once (no GPU needed), shows progress, writes
-every artifact to DIR with a ``manifest.json``, and prints a summary with timings.
+kernel set for several GPU architectures at once (no GPU needed), shows progress, and
+prints a summary with timings. DIR is a disk cache: ``Scheduler(cache_dir=DIR)`` in a
+server finds every kernel there and compiles none of them. Beside the cache files it holds
+a ``manifest.json`` and the bare binaries under ``binaries/<target>/``. Building again into
+the same DIR compiles only what changed.
 
 KERNELS is a Python file or module whose ``KERNELS`` list holds ``compile_triton``'s
 keyword arguments per kernel, the kernel itself under ``"kernel"`` and a ``"label"``.
@@ -23,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from aiocompile._config import SchedulerConfig
+from aiocompile._diskcache import DiskCache
 from aiocompile._errors import CompileError
 from aiocompile._scheduler import Scheduler
 from aiocompile._target import parse_target
@@ -99,33 +103,35 @@ async def _build(args: argparse.Namespace) -> int:
     print(f"aiocompile: building {len(kernels)} kernels for {len(targets)} target(s) "
           f"({', '.join(targets)}) with {config.workers} workers", file=sys.stderr)
     started = time.perf_counter()
-    async with Scheduler(config=config) as sched:
+    async with Scheduler(config=config, cache_dir=out) as sched:
         show_progress = not args.no_progress and sys.stderr.isatty()
         results = await sched.compile_many([spec for _, _, spec in specs], progress=show_progress,
                                            return_exceptions=True)
         wall = time.perf_counter() - started
         stats = sched.statistics()
+        from_cache = {r.key for r in sched.records() if r.outcome in ("disk_hit", "cache_hit")}
+    # Leaving the block waited for every new artifact to be written.
 
     rows, failures, manifest = [], [], []
     for (label, target, _), result in zip(specs, results):
         if isinstance(result, BaseException):
             failures.append((label, target, result))
             continue
-        directory = out / _target_dir(target)
+        artifact = DiskCache.path_in(out, result.key)
+        directory = out / "binaries" / _target_dir(target)
         directory.mkdir(parents=True, exist_ok=True)
-        artifact = directory / f"{label}.aiok"
-        _write_atomic(artifact, result.to_bytes())
         binary = directory / f"{label}.{result.binary_ext}"
         _write_atomic(binary, result.binary)
         meta = result.metadata
         manifest.append({
             "label": label, "kernel": result.name, "target": target, "key": result.key,
+            "from_cache": result.key in from_cache,
             "file": str(artifact.relative_to(out)), "binary": str(binary.relative_to(out)),
             "size": result.size, "binary_size": len(result.binary), "compile_time": round(result.compile_time, 6),
             "num_warps": meta.get("num_warps"), "num_stages": meta.get("num_stages"), "shared": meta.get("shared"),
             "triton": result.triton_version,
         })
-        rows.append((label, target, result))
+        rows.append((label, target, result, result.key in from_cache))
 
     from aiocompile import __version__
 
@@ -148,24 +154,27 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 def _print_summary(rows: list[Any], failures: list[Any], wall: float, stats: Any, workers: int, out: Path) -> None:
-    width = max([len(label) for label, _, _ in rows] + [len("kernel")])
+    width = max([len(row[0]) for row in rows] + [len(f[0]) for f in failures] + [len("kernel")])
     print(f"\n{'kernel':<{width}}  {'target':<11} {'compile':>9} {'binary':>10} {'warps':>5} {'stages':>6} {'smem':>7}")
-    for label, target, kernel in rows:
+    for label, target, kernel, cached in rows:
         meta = kernel.metadata
+        note = "  (cached)" if cached else ""
         print(f"{label:<{width}}  {target:<11} {kernel.compile_time * 1000:7.0f}ms {_fmt_size(len(kernel.binary)):>10} "
-              f"{meta.get('num_warps', ''):>5} {meta.get('num_stages', ''):>6} {meta.get('shared', ''):>7}")
+              f"{meta.get('num_warps', ''):>5} {meta.get('num_stages', ''):>6} {meta.get('shared', ''):>7}{note}")
     for label, target, exc in failures:
         first_line = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         kind = type(exc).__name__ if not isinstance(exc, CompileError) else "CompileError"
         print(f"{label:<{width}}  {target:<11} FAILED   {kind}: {first_line}")
-    total = sum(kernel.compile_time for _, _, kernel in rows)
-    print(f"\n{len(rows)} compiled, {len(failures)} failed in {wall:.2f} s wall with {workers} workers; "
+    compiled = [kernel for _, _, kernel, cached in rows if not cached]
+    total = sum(kernel.compile_time for kernel in compiled)
+    cached_note = f" ({len(rows) - len(compiled)} of them from the cache)" if len(compiled) < len(rows) else ""
+    print(f"\n{len(rows)} built{cached_note}, {len(failures)} failed in {wall:.2f} s wall with {workers} workers; "
           f"sum of compile times {total:.2f} s ({total / wall if wall else 0:.1f}x parallel)")
     q, r = stats.queue_wait, stats.run_time
     print(f"queue wait p50 {q.p50 * 1000:.0f} ms, p95 {q.p95 * 1000:.0f} ms; "
           f"worker run time p50 {r.p50 * 1000:.0f} ms, p95 {r.p95 * 1000:.0f} ms, max {r.max * 1000:.0f} ms; "
           f"workers started {stats.workers_started}, crashes {stats.worker_crashes}")
-    print(f"artifacts and manifest.json in {out}")
+    print(f"cache directory (Scheduler(cache_dir=...)), manifest.json and binaries/ in {out}")
 
 
 def main(argv: list[str] | None = None) -> int:

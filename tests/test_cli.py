@@ -32,7 +32,46 @@ def test_build_the_example_set_for_two_targets(tmp_path):
     assert stats["compiled"] == 22 and stats["failed"] == 0 and stats["workers_started"] == 2
     # The summary a person reads: one row per kernel and target, then the totals.
     assert "matmul_fp16_128x128x64" in proc.stdout and "hip:gfx942" in proc.stdout
-    assert "22 compiled, 0 failed" in proc.stdout
+    assert "22 built, 0 failed" in proc.stdout
+
+    # Building again compiles nothing: everything comes from the directory.
+    again = _aiocompile("build", "examples/kernels.py", "--target", "cuda:80", "-t", "hip:gfx942", "--out", str(out),
+                        "--no-progress", "-j", "2")
+    assert again.returncode == 0, again.stderr
+    assert "22 built (22 of them from the cache)" in again.stdout
+    stats = json.loads((out / "manifest.json").read_text())["statistics"]
+    assert (stats["compiled"], stats["disk_hits"], stats["workers_started"]) == (0, 22, 0)
+
+
+SERVER = """
+import asyncio, importlib.util, json, sys
+import aiocompile
+
+# The kernels as a server imports them: its own way, under its own module name.
+spec = importlib.util.spec_from_file_location("server_side_kernels", sys.argv[2])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+
+async def main():
+    async with aiocompile.Scheduler(workers=2, cache_dir=sys.argv[1]) as sched:
+        kernels = await sched.compile_many(
+            [dict(entry, target="cuda:80") for entry in module.KERNELS], return_exceptions=False)
+        print(json.dumps({"n": len(kernels), **sched.statistics().to_dict()}))
+
+asyncio.run(main())
+"""
+
+
+def test_a_server_started_on_a_prebuilt_directory_compiles_nothing(tmp_path):
+    out = tmp_path / "prebuilt"
+    proc = _aiocompile("build", "examples/kernels.py", "-t", "cuda:80", "--out", str(out), "--no-progress", "-j", "2")
+    assert proc.returncode == 0, proc.stderr
+    server = subprocess.run([sys.executable, "-c", SERVER, str(out), str(ROOT / "examples" / "kernels.py")],
+                            capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    assert server.returncode == 0, server.stderr
+    stats = json.loads(server.stdout.strip().splitlines()[-1])
+    assert stats["n"] == 11
+    assert (stats["disk_hits"], stats["compiled"], stats["workers_started"]) == (11, 0, 0)
 
 
 def test_a_kernel_that_fails_is_reported_and_the_rest_are_built(tmp_path):

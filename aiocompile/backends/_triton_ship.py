@@ -68,6 +68,9 @@ class SourceBundle:
     units: tuple[Unit, ...]
     entry_unit: int
     entry: str
+    sources: tuple[tuple[str, str], ...] = ()
+    """What ``linecache`` must hold: each file with every function placed in it, whatever
+    unit it belongs to (``inspect`` finds a function by its file's lines)."""
     digest: str = field(default="", compare=False)
 
 
@@ -187,9 +190,11 @@ class _BundleBuilder:
 
     def build(self, fn: Any) -> SourceBundle:
         unit_index, name = self.add(fn)
-        units = tuple(self._freeze(self.units[gid]) for gid in self.order)
-        digest = hashlib.sha256(pickle.dumps((units, unit_index, name), protocol=4)).hexdigest()
-        return SourceBundle(units, unit_index, name, digest)
+        placed: dict[str, list[tuple[int, list[str]]]] = {}
+        units = tuple(self._freeze(self.units[gid], placed) for gid in self.order)
+        sources = tuple((place, _layout(spans)) for place, spans in placed.items())
+        digest = hashlib.sha256(pickle.dumps((units, unit_index, name, sources), protocol=4)).hexdigest()
+        return SourceBundle(units, unit_index, name, sources, digest)
 
     def _unit(self, globals_dict: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         gid = id(globals_dict)
@@ -213,11 +218,7 @@ class _BundleBuilder:
         lines, start = list(fn.raw_src), fn.starting_line_number
         filename = pyfn.__code__.co_filename
         lines = _prepare_lines(lines, name)
-        spans = unit["files"].setdefault(filename, [])
-        for other_start, other_lines in spans:
-            if start < other_start + len(other_lines) and other_start < start + len(lines):
-                raise ValueError(f"cannot send kernel {name!r}: its source overlaps another kernel's in {filename}")
-        spans.append((start, lines))
+        unit["files"].setdefault(filename, []).append((start, lines))
         cls = type(fn)
         unit["functions"].append((name, cls.__module__, cls.__qualname__, _jit_kwargs(fn)))
 
@@ -273,21 +274,36 @@ class _BundleBuilder:
         return value
 
     @staticmethod
-    def _freeze(unit: dict[str, Any]) -> Unit:
-        files = []
+    def _freeze(unit: dict[str, Any], placed: dict[str, list[tuple[int, list[str]]]]) -> Unit:
+        """Freeze a unit, placing each of its functions in a file at its own lines. Two
+        versions of one notebook cell (a helper redefined by running the cell again) may
+        want the same lines of the same file: the later one then goes to a file of a
+        derived name, which changes the line info's file name, not Triton's key."""
+        own: dict[str, list[tuple[int, list[str]]]] = {}
         for filename, spans in unit["files"].items():
-            spans.sort()
-            text: list[str] = []
             for start, lines in spans:
-                text.extend("\n" for _ in range(start - 1 - len(text)))
-                text.extend(lines)
-            files.append((filename, "".join(text)))
+                place, n = filename, 1
+                while any(start < s + len(ls) and s < start + len(lines) for s, ls in placed.get(place, ())):
+                    n += 1
+                    place = f"{filename}#{n}"
+                placed.setdefault(place, []).append((start, lines))
+                own.setdefault(place, []).append((start, lines))
+        files = [(place, _layout(spans)) for place, spans in own.items()]
         return Unit(
             module_name=unit["module_name"],
             files=tuple(files),
             functions=tuple(unit["functions"]),
             globals=tuple(sorted(unit["globals"].items())),
         )
+
+
+def _layout(spans: list[tuple[int, list[str]]]) -> str:
+    """A file's text with each span of lines at its line number (1-based)."""
+    text: list[str] = []
+    for start, lines in sorted(spans, key=lambda span: span[0]):
+        text.extend("\n" for _ in range(start - 1 - len(text)))
+        text.extend(lines)
+    return "".join(text)
 
 
 def _prepare_lines(lines: list[str], name: str) -> list[str]:
@@ -373,9 +389,10 @@ def _rebuild_bundle(bundle: SourceBundle) -> Any:
 
     namespaces = [{"__name__": unit.module_name, "__builtins__": __builtins__, _KEEP: lambda f: f}
                   for unit in bundle.units]
+    for filename, text in bundle.sources:
+        _register_source(filename, text)
     for unit, ns in zip(bundle.units, namespaces):
         for filename, text in unit.files:
-            _register_source(filename, text)
             exec(compile(text, filename, "exec"), ns)
     for unit, ns in zip(bundle.units, namespaces):
         for name, cls_module, cls_qualname, kwargs in unit.functions:

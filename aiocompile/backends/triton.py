@@ -233,7 +233,7 @@ class TritonBackend:
     name = "triton"
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._kernels: weakref.WeakKeyDictionary[Any, _Kernel] = weakref.WeakKeyDictionary()
         self._backends: dict[Any, Any] = {}
         self._options: dict[Any, Any] = {}
@@ -350,10 +350,14 @@ class TritonBackend:
     def _key(self, fn: Any, spec: TritonSpec) -> str:
         """Triton's own cache key for this compile (what ``triton.compile`` would hash)."""
         from triton._C.libtriton import get_cache_invalidating_env_vars
-        from triton.runtime.cache import get_cache_key
+        from triton.runtime.cache import get_cache_key, triton_key
 
-        backend = self._backend(spec.target)
-        options = self._parsed_options(spec.target, spec.options)
+        with self._lock:
+            # Memoised by Triton but not locked: many threads asking at once for the first
+            # time would each hash half a gigabyte. Likewise ptxas runs once per target.
+            triton_key()
+            backend = self._backend(spec.target)
+            options = self._parsed_options(spec.target, spec.options)
         text = get_cache_key(spec.ast_source(fn), backend, options, get_cache_invalidating_env_vars())
         return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
@@ -363,10 +367,10 @@ class TritonBackend:
             from triton.compiler.compiler import make_backend
 
             backend = self._backends[target] = make_backend(target.to_gpu_target())
+            backend.hash()
         return backend
 
     def _parsed_options(self, target: Target, options: tuple[tuple[str, Any], ...]) -> Any:
-        # Parsing options may run ptxas (for its version): once per target and options.
         cache_key = (target, options, _env_fingerprint())
         parsed = self._options.get(cache_key)
         if parsed is None:
