@@ -177,7 +177,7 @@ class _Kernel:
     fn: Any
     guards: tuple[tuple[dict[str, Any], str, Any], ...] = ()
     jit_functions: tuple[Any, ...] = ()
-    specs: dict[Any, TritonSpec] = field(default_factory=dict)
+    requests: dict[Any, Request] = field(default_factory=dict)
 
     def fresh(self) -> bool:
         return all(d.get(name, _MISSING) is value for d, name, value in self.guards)
@@ -256,9 +256,9 @@ class TritonBackend:
         memo = _memo_key(signature, constexprs, target, attrs, options)
         known = self._known(kernel)
         if known is not None and memo is not None:
-            spec = known.specs.get(memo)
-            if spec is not None:
-                return self._request(spec)
+            request = known.requests.get(memo)
+            if request is not None:
+                return request
 
         parsed_target = parse_target(target)
         check_options(options, parsed_target)
@@ -278,17 +278,17 @@ class TritonBackend:
         norm_options = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in options.items()))
         resolved: Target = parsed_target
 
-        def build() -> TritonSpec:
+        def build() -> Request:
             known = self._kernel(kernel)
             spec = TritonSpec(known.ref, name, arg_names, full_signature, ordered_constexprs, norm_attrs,
                               norm_options, resolved, key="")
-            spec = TritonSpec(**{**spec.__dict__, "key": self._key(known.fn, spec)})
+            request = self._request(TritonSpec(**{**spec.__dict__, "key": self._key(known.fn, spec)}))
             if memo is not None:
-                known.specs[memo] = spec
-            return spec
+                known.requests[memo] = request
+            return request
 
-        spec = await ctx.to_thread(build)
-        return self._request(spec)
+        built: Request = await ctx.to_thread(build)
+        return built
 
     def _request(self, spec: TritonSpec) -> Request:
         return Request(
