@@ -236,5 +236,7 @@ def spawn_main() -> NoReturn:  # pragma: no cover - runs in a fresh interpreter
     preload = [m for m in sys.argv[4].split(",") if m] if len(sys.argv) > 4 else []
     from aiocompile._zygote import Preload
 
-    Preload(preload).finish()
+    # Only the first step (the imports): the warm-up steps pay off in a fork server that
+    # forks many workers, not in one worker about to compile anyway.
+    Preload(preload)
     start(job_fd, alive_fd, output_fd)

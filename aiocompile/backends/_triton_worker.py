@@ -49,22 +49,24 @@ def _compile_tiny(target: Any, block: int) -> float:
 
 
 def prepare_process() -> Iterator[None]:
-    """Preload hook (see ``aiocompile._zygote.Preload``): import Triton, then, one step at a
-    time, compute its expensive one-time state, so that processes forked afterwards have
-    it for free.
+    """Preload hook (see ``aiocompile._zygote.Preload``): import Triton and compute its
+    expensive one-time state, so that processes forked afterwards have it for free.
 
     ``triton_key()`` hashes all of Triton's sources and its shared library (about 0.4 s)
-    and is memoised per process. A throw-away compile per vendor then loads MLIR, LLVM and
-    the backend. It runs single-threaded (``MLIR_DISABLE_MULTITHREADING``) in a scratch
-    cache directory: forking a process that has started threads is unsafe, and the user's
-    cache is not ours to fill. So only a process of aiocompile's own (the fork server, a
-    spawned worker before it serves) takes the steps after the first ``yield``.
+    and is memoised per process. It comes before the fork server is ready: the parent
+    computes it at the same time for its first key, so it is not on the first kernel's
+    path twice, and no worker ever computes it again.
+
+    Then, one step at a time while nobody waits for a fork, a throw-away compile per
+    vendor loads MLIR, LLVM and the backend. It runs single-threaded
+    (``MLIR_DISABLE_MULTITHREADING``) in a scratch cache directory: forking a process that
+    has started threads is unsafe, and the user's cache is not ours to fill. So only a
+    process of aiocompile's own takes the steps after the first ``yield``: the fork server.
     """
     import triton  # noqa: F401
     from triton.backends.compiler import GPUTarget
     from triton.runtime.cache import triton_key
 
-    yield
     triton_key()
     for target in (GPUTarget("cuda", 90, 32), GPUTarget("hip", "gfx942", 64)):
         yield
