@@ -199,7 +199,6 @@ class WorkerPool(cf.Executor):
         self._warm_pending: collections.deque[Job] = collections.deque()
         self._start_failures = 0
         self._retry_start_at: float | None = None
-        self._last_start_error: str = ""
         self._reported_problems: set[str] = set()
         self._shutdown_deadline: float | None = None
         self._stopping = False
@@ -455,7 +454,6 @@ class WorkerPool(cf.Executor):
         # Try again after a pause that grows with each failure in a row; after a few, fail
         # what is queued rather than let it wait for a worker that will never come.
         self._start_failures += 1
-        self._last_start_error = error
         self._retry_start_at = time.monotonic() + min(2.0, 0.1 * 2 ** self._start_failures)
         if self._start_failures >= _MAX_START_FAILURES:
             self._fail_queued(RuntimeError(f"aiocompile could not start worker processes: {error}"))

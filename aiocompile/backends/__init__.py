@@ -9,7 +9,7 @@ sees requests, so it never branches on the language; adding a compiler is one ne
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Any, Callable, Protocol
 
 
 @dataclass(frozen=True)
@@ -39,5 +39,3 @@ class BackendContext(Protocol):
 
     async def to_thread(self, fn: Callable[[], Any]) -> Any: ...
 
-
-PrepareFn = Callable[..., Awaitable[Request]]
