@@ -27,12 +27,14 @@ _EXPORTS = {
     "TritonKernel": "aiocompile.backends._triton_kernel",
     "TritonSource": "aiocompile.backends.triton",
     "WorkerCrashedError": "aiocompile._errors",
+    "WorkerEvent": "aiocompile._metrics",
     "WorkerPool": "aiocompile._pool",
     "compile_many": "aiocompile._scheduler",
     "compile_triton": "aiocompile._scheduler",
     "default_scheduler": "aiocompile._scheduler",
     "run": "aiocompile._scheduler",
     "statistics": "aiocompile._scheduler",
+    "wait": "aiocompile._scheduler",
     "warm": "aiocompile._scheduler",
 }
 
@@ -50,6 +52,7 @@ __all__ = [
     "TritonKernel",
     "TritonSource",
     "WorkerCrashedError",
+    "WorkerEvent",
     "WorkerPool",
     "__version__",
     "compile_many",
@@ -57,6 +60,7 @@ __all__ = [
     "default_scheduler",
     "run",
     "statistics",
+    "wait",
     "warm",
 ]
 
@@ -83,7 +87,7 @@ if _typing.TYPE_CHECKING:
         SchedulerClosed,
         WorkerCrashedError,
     )
-    from aiocompile._metrics import JobRecord, Statistics, Summary
+    from aiocompile._metrics import JobRecord, Statistics, Summary, WorkerEvent
     from aiocompile._pool import WorkerPool
     from aiocompile._scheduler import (
         Scheduler,
@@ -92,6 +96,7 @@ if _typing.TYPE_CHECKING:
         default_scheduler,
         run,
         statistics,
+        wait,
         warm,
     )
     from aiocompile._target import Target

@@ -20,6 +20,7 @@ import collections
 import concurrent.futures as cf
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -37,6 +38,8 @@ class Entry:
     load_time: float | None = None
     source: str = "job"
     """Where the result came from: "job" (a worker made it) or "disk"."""
+    details: Mapping[str, Any] | None = None
+    """What the backend read from the worker's answer for the record (stage times)."""
 
 
 class KernelCache:

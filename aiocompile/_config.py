@@ -16,6 +16,10 @@ AIOCOMPILE_MAX_WORKER_RSS  bytes of resident memory after which a worker is repl
 AIOCOMPILE_IDLE_TIMEOUT    seconds after which an idle worker is stopped (default: never)
 AIOCOMPILE_CACHE_DIR       directory of the disk cache shared by processes (default: none)
 AIOCOMPILE_CACHE_DIR_BYTES bound of that directory in bytes (default: 4 GiB)
+AIOCOMPILE_EVENT_LOG       JSON-lines file every record and worker event is appended to
+                           (default: none)
+AIOCOMPILE_METRICS         0 keeps only the counters: no records, summaries or events
+                           (default: 1)
 =========================  ============================================================
 """
 
@@ -84,6 +88,11 @@ class SchedulerConfig:
     """A worker whose resident memory exceeds this many bytes after a job is replaced."""
     idle_timeout: float | None = None
     """Workers idle this many seconds are stopped; new ones start on demand."""
+    metrics: bool = True
+    """Keep a timing record per request, duration summaries and worker events, and report
+    them (logging, ``event_log``, listeners). False keeps only the counters."""
+    event_log: str | None = None
+    """A JSON-lines file every record and worker event is appended to."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 1:
@@ -108,6 +117,8 @@ class SchedulerConfig:
             raise ValueError(f"cache_bytes must be >= 0, got {self.cache_bytes!r}")
         if self.error_ttl < 0:
             raise ValueError(f"error_ttl must be >= 0, got {self.error_ttl!r}")
+        if not isinstance(self.metrics, bool):
+            raise ValueError(f"metrics must be True or False, got {self.metrics!r}")
         if self.cache_dir_bytes is not None and self.cache_dir_bytes <= 0:
             raise ValueError(f"cache_dir_bytes must be positive, got {self.cache_dir_bytes!r}")
 
@@ -137,4 +148,10 @@ class SchedulerConfig:
         changes["idle_timeout"] = number("AIOCOMPILE_IDLE_TIMEOUT", float)
         changes["cache_dir"] = environ.get("AIOCOMPILE_CACHE_DIR", "").strip() or None
         changes["cache_dir_bytes"] = number("AIOCOMPILE_CACHE_DIR_BYTES", int)
+        changes["event_log"] = environ.get("AIOCOMPILE_EVENT_LOG", "").strip() or None
+        metrics = environ.get("AIOCOMPILE_METRICS", "").strip().lower()
+        if metrics:
+            if metrics not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+                raise ValueError(f"AIOCOMPILE_METRICS={metrics!r} is not 0 or 1")
+            changes["metrics"] = metrics in ("1", "true", "yes", "on")
         return cls().with_changes(**changes)

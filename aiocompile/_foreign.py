@@ -39,7 +39,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Union
 
 from aiocompile._errors import CompileTimeout, SchedulerClosed, WorkerCrashedError
-from aiocompile._pool import Job, PoolCounters
+from aiocompile._metrics import WorkerEvent
+from aiocompile._pool import Job, PoolCounters, emit_event
 from aiocompile._worker import _JobState
 
 ExecutorFactory = Callable[[], cf.Executor]
@@ -95,6 +96,7 @@ class ForeignPool:
         self.max_crashes = max_crashes
         self.max_workers = int(getattr(self._executor, "_max_workers", 0) or 0)
         self.counters = PoolCounters()
+        self.on_event: Callable[[WorkerEvent], None] | None = None
         self._pid = os.getpid()
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
@@ -260,11 +262,13 @@ class ForeignPool:
             timer.cancel()
         job.finished_at = time.monotonic()
         if exc is not None:
+            emit_event(self.on_event, "job_ended", None, job, status="error")
             self._fail(job, exc)
         elif not future.cancelled():
             result, run_time, pid, started_wall = future.result()
             job.run_time, job.worker_pid = run_time, pid
-            job.started_at = time.monotonic() - (time.time() - started_wall)
+            job.started_at = job.attempt_started_at = time.monotonic() - (time.time() - started_wall)
+            emit_event(self.on_event, "job_ended", pid, job, status="ok")
             if not job.future.done():
                 job.future.set_result(result)
 
@@ -285,6 +289,7 @@ class ForeignPool:
             return  # handled already: this is one more of its futures
         self._generation += 1
         self.counters.worker_crashes += 1
+        emit_event(self.on_event, "worker_exited", None, status="crashed")
         broken, self._executor = self._executor, None
         lost = [s for s in self._sent.values() if s.generation == generation]
         for sent in lost:

@@ -1,52 +1,142 @@
-"""Timing records and the scheduler's statistics snapshot.
+"""Timing records, worker events and the scheduler's statistics snapshot.
 
-Every request ends in exactly one outcome and yields one frozen :class:`JobRecord`;
-``Scheduler.statistics()`` returns a frozen :class:`Statistics` built from the counters at
-that moment. Both are plain values: compare them, keep them, ``to_dict()`` them to JSON.
+Every request ends in exactly one outcome and yields one frozen :class:`JobRecord`; the
+pool reports what its workers do as frozen :class:`WorkerEvent` values (a worker started
+or exited, an attempt at a job started or ended); ``Scheduler.statistics()`` returns a
+frozen :class:`Statistics` built from the counters at that moment. All three are plain
+values: compare them, keep them, ``to_dict()`` them to JSON. Sinks (``_events``) and the
+Prometheus collector read the same values.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import threading
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
-__all__ = ["JobRecord", "Statistics", "Summary", "OUTCOMES"]
+__all__ = ["JobRecord", "Statistics", "Summary", "WorkerEvent", "OUTCOMES", "FAILURES"]
 
-# What a request can end as. "compiled": its own job ran and succeeded; "cache_hit":
-# answered from memory; "disk_hit": answered from the disk cache; "joined": shared a job
-# (or disk read) another request started; "error_hit": answered with a compile error
-# remembered from a moment ago; "failed": its own job ended in an error (compile error,
-# timeout, crash beyond max_crashes, closed); "cancelled": the caller stopped waiting.
-OUTCOMES = ("compiled", "cache_hit", "disk_hit", "joined", "error_hit", "failed", "cancelled")
+# What a request can end as, exactly one each:
+#   compiled     its own job ran in a worker and succeeded
+#   cache_hit    answered from the memory cache
+#   disk_hit     answered from the disk cache (``cache_dir``)
+#   joined       shared a job, or a disk read, that another request started (whatever
+#                that job's fate: ``error`` on the record says if it failed)
+#   error_hit    answered with a compile error remembered from a moment ago
+#   error        its own job raised: the kernel did not compile, or a ``run()`` function
+#                raised, or its result could not be read back
+#   crashed      its own job killed ``max_crashes`` workers (``WorkerCrashedError``)
+#   timeout      its own job ran past its timeout (``CompileTimeout``)
+#   closed       the scheduler was closed before its job finished (``SchedulerClosed``)
+#   cancelled    the caller stopped waiting
+OUTCOMES = (
+    "compiled", "cache_hit", "disk_hit", "joined", "error_hit",
+    "error", "crashed", "timeout", "closed", "cancelled",
+)
+FAILURES = ("error", "crashed", "timeout", "closed")
+"""The outcomes that ``Statistics.failed`` adds up: a job of the request's own failed."""
+
+# Histogram bounds in seconds, for the Prometheus collector: from a warm cache hit in a
+# worker (well under 5 ms) to a pathological compile (minutes).
+BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 _SAMPLES = 10_000
+_SLOWEST = 10
 
 
 @dataclass(frozen=True)
 class JobRecord:
-    """What one request cost and how it ended. Times are in seconds."""
+    """What one request cost and how it ended.
+
+    Durations are in seconds; ``*_at`` times are wall-clock (``time.time()``). Fields that
+    did not happen are None: a cache hit has no queue wait, a queued job that was
+    cancelled never started.
+    """
+
+    event: ClassVar[str] = "request"
 
     key: str | None
     name: str
+    """The kernel's (or function's) name."""
     backend: str
     target: str | None
     outcome: str
+    """One of ``OUTCOMES``."""
     error: str | None
-    submitted_at: float
-    """Wall-clock time (``time.time()``) the request arrived."""
+    """``"ExceptionType: message"`` when the request raised."""
+    queued_at: float
+    """When the request arrived."""
+    started_at: float | None
+    """When a worker first started its job."""
+    finished_at: float
+    """When the request was answered."""
     queue_wait: float | None
-    """From submission until a worker started the job (None if it never ran)."""
+    """From the job's submission until a worker started it."""
     run_time: float | None
-    """Measured in the worker, around the job itself."""
+    """Measured in the worker, around the job itself (its last attempt)."""
     load_time: float | None
-    """In the parent: turning the worker's answer into the result."""
+    """In the parent: turning the worker's answer (or the disk cache's bytes) into the result."""
     total_time: float
     """From the request's arrival to its answer, as the caller saw it."""
-    attempts: int
-    worker_pid: int | None
-    result_size: int | None
+    stages: tuple[tuple[str, float], ...] = ()
+    """The compiler's own stage times, in order, where it reports them: for Triton
+    ``make_ir``, ``ttir``, ``ttgir``, ``llir``, ``ptx``/``amdgcn``, ``cubin``/``hsaco``,
+    ``store``."""
+    compiler_cache_hit: bool | None = None
+    """The compiler found the kernel in its own on-disk cache in the worker (Triton's
+    cache): a "compile" that cost a lookup."""
+    attempts: int = 0
+    """Workers the job was started in (more than 1 after crashes)."""
+    worker_pid: int | None = None
+    worker_rss: int | None = None
+    """Resident memory of the worker after the job, in bytes."""
+    artifact_size: int | None = None
+    """Bytes of the compiled kernel (binary, metadata and IR)."""
+
+    @property
+    def stage_times(self) -> dict[str, float]:
+        return dict(self.stages)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["stages"] = dict(self.stages)
+        return data
+
+
+@dataclass(frozen=True)
+class WorkerEvent:
+    """Something a worker did, as the pool saw it.
+
+    ``event`` is one of
+
+    - ``"worker_started"``: a worker is ready for jobs;
+    - ``"worker_exited"``: ``status`` says why: ``crashed``, ``timeout`` (killed for a job
+      past its timeout), ``killed`` (for a cancelled job, or at close), ``recycled`` (past
+      ``max_worker_rss``), ``idle`` (past ``idle_timeout``), ``shutdown``, or
+      ``start_failed``;
+    - ``"job_started"``: an attempt at a job started in worker ``pid``;
+    - ``"job_ended"``: that attempt ended; ``status`` is ``ok``, ``error``, ``crashed``,
+      ``timeout``, ``cancelled``, ``closed`` or ``lost`` (its worker went away for a reason
+      not its own; it is retried and not counted against it). ``started_at`` says when
+      the attempt started.
+
+    ``time`` and ``started_at`` are wall-clock (``time.time()``).
+    """
+
+    event: str
+    time: float
+    pid: int | None
+    job_id: int | None = None
+    name: str | None = None
+    key: str | None = None
+    attempt: int = 0
+    status: str | None = None
+    started_at: float | None = None
+    exitcode: int | None = None
+    warm_up: bool = False
+    """The job was a warm-up (``Scheduler.warm()``), not a caller's."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -68,17 +158,28 @@ class Summary:
 
 @dataclass(frozen=True)
 class Statistics:
-    """A frozen snapshot of a scheduler's counters. ``to_dict()`` is JSON-ready."""
+    """A frozen snapshot of a scheduler's counters. ``to_dict()`` is JSON-ready.
+
+    Counting is exact: every submitted request is either ``in_flight`` or counted in
+    exactly one of ``outcomes`` (``sum(outcomes.values()) + in_flight == submitted``).
+    """
 
     submitted: int = 0
+    """Requests."""
     compiled: int = 0
+    """Requests whose own job ran in a worker and succeeded."""
     cache_hits: int = 0
     disk_hits: int = 0
     joined: int = 0
+    """Requests that shared a job another request started."""
     error_hits: int = 0
     failed: int = 0
+    """Requests whose own job failed: compile error, timeout, crash beyond
+    ``max_crashes``, or the scheduler closed under it."""
     cancelled: int = 0
     in_flight: int = 0
+    outcomes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
+    """Requests by outcome (see ``OUTCOMES``)."""
     cache_entries: int = 0
     """Results in the memory cache now, and the bytes they hold."""
     cache_bytes: int = 0
@@ -88,8 +189,11 @@ class Statistics:
     disk_corrupt: int = 0
     """Files of the disk cache that did not decode, deleted and recompiled."""
     worker_crashes: int = 0
+    """Worker processes that died unasked."""
     retries: int = 0
+    """Jobs started again after their worker died."""
     timeouts: int = 0
+    """Jobs stopped at their timeout."""
     workers_started: int = 0
     workers_recycled: int = 0
     """Workers replaced because their memory grew past ``max_worker_rss``."""
@@ -98,9 +202,18 @@ class Statistics:
     workers: int = 0
     busy_workers: int = 0
     queue_depth: int = 0
+    """Jobs waiting for a worker now."""
     queue_depth_max: int = 0
     queue_wait: Summary = field(default_factory=Summary)
+    """Of jobs that ran (compiled or failed): submission to a worker starting them."""
     run_time: Summary = field(default_factory=Summary)
+    """Of jobs that ran, measured in the worker."""
+    load_time: Summary = field(default_factory=Summary)
+    """Worker's answer (or disk bytes) to result, in the parent."""
+    total_time: Summary = field(default_factory=Summary)
+    """Of every answered request: arrival to answer, as callers saw it."""
+    stages: dict[str, Summary] = field(default_factory=dict)
+    """The compiler's stage times, by stage."""
     slowest: tuple[tuple[str, str | None, float], ...] = ()
     """The slowest compiles: (kernel name, target, run time), slowest first."""
 
@@ -111,17 +224,23 @@ class Statistics:
 
 
 class _Durations:
+    """A duration's count, total and max since the start, percentiles over the latest
+    samples, and cumulative histogram buckets (for Prometheus)."""
+
     def __init__(self) -> None:
         self.count = 0
         self.total = 0.0
         self.max = 0.0
         self.samples: collections.deque[float] = collections.deque(maxlen=_SAMPLES)
+        self.buckets = [0] * (len(BUCKETS) + 1)  # the last one is +Inf
 
     def add(self, value: float) -> None:
         self.count += 1
         self.total += value
-        self.max = max(self.max, value)
+        if value > self.max:
+            self.max = value
         self.samples.append(value)
+        self.buckets[bisect.bisect_left(BUCKETS, value)] += 1
 
     def summary(self) -> Summary:
         if not self.count:
@@ -133,6 +252,24 @@ class _Durations:
 
         return Summary(self.count, pct(0.50), pct(0.95), self.max, self.total)
 
+    def histogram(self) -> tuple[list[int], float]:
+        """Cumulative counts per bucket bound (the last is +Inf), and the sum."""
+        cumulative, running = [], 0
+        for count in self.buckets:
+            running += count
+            cumulative.append(running)
+        return cumulative, self.total
+
+
+@dataclass
+class Histograms:
+    """A copy of the histograms, read under the lock, for one Prometheus scrape."""
+
+    compile_seconds: dict[str, tuple[list[int], float]]
+    """By backend."""
+    queue_wait_seconds: tuple[list[int], float]
+    stage_seconds: dict[str, tuple[list[int], float]]
+
 
 class Metrics:
     """Counters behind ``statistics()``; written from event loops and the supervisor."""
@@ -143,6 +280,10 @@ class Metrics:
         self.outcomes = dict.fromkeys(OUTCOMES, 0)
         self.queue_wait = _Durations()
         self.run_time = _Durations()
+        self.load_time = _Durations()
+        self.total_time = _Durations()
+        self.stages: dict[str, _Durations] = {}
+        self.by_backend: dict[str, _Durations] = {}
         self.slowest: list[tuple[float, str, str | None]] = []
         self.records: collections.deque[JobRecord] = collections.deque(maxlen=keep_records)
 
@@ -150,35 +291,68 @@ class Metrics:
         with self._lock:
             self.submitted += 1
 
+    def count(self, outcome: str) -> None:
+        """Count an outcome without a record (metrics turned off)."""
+        with self._lock:
+            self.outcomes[outcome] += 1
+
     def finish(self, record: JobRecord) -> None:
         with self._lock:
             self.outcomes[record.outcome] += 1
             self.records.append(record)
-            if record.outcome in ("compiled", "failed"):
-                if record.queue_wait is not None:
-                    self.queue_wait.add(record.queue_wait)
-                if record.run_time is not None:
-                    self.run_time.add(record.run_time)
-                    if record.outcome == "compiled":
-                        self.slowest.append((record.run_time, record.name, record.target))
-                        self.slowest.sort(reverse=True)
-                        del self.slowest[10:]
+            self.total_time.add(record.total_time)
+            if record.load_time is not None:
+                self.load_time.add(record.load_time)
+            if record.outcome != "compiled" and record.outcome not in FAILURES:
+                return
+            if record.queue_wait is not None:
+                self.queue_wait.add(record.queue_wait)
+            if record.run_time is None:
+                return
+            self.run_time.add(record.run_time)
+            backend = self.by_backend.get(record.backend)
+            if backend is None:
+                backend = self.by_backend[record.backend] = _Durations()
+            backend.add(record.run_time)
+            for stage, seconds in record.stages:
+                durations = self.stages.get(stage)
+                if durations is None:
+                    durations = self.stages[stage] = _Durations()
+                durations.add(seconds)
+            if record.outcome == "compiled" and (
+                len(self.slowest) < _SLOWEST or record.run_time > self.slowest[-1][0]
+            ):
+                self.slowest.append((record.run_time, record.name, record.target))
+                self.slowest.sort(key=lambda item: item[0], reverse=True)
+                del self.slowest[_SLOWEST:]
+
+    def histograms(self) -> Histograms:
+        with self._lock:
+            return Histograms(
+                compile_seconds={name: d.histogram() for name, d in self.by_backend.items()},
+                queue_wait_seconds=self.queue_wait.histogram(),
+                stage_seconds={name: d.histogram() for name, d in self.stages.items()},
+            )
 
     def snapshot(self, pool: dict[str, int]) -> Statistics:
         with self._lock:
-            done = sum(self.outcomes.values())
+            outcomes = dict(self.outcomes)
             return Statistics(
                 submitted=self.submitted,
-                compiled=self.outcomes["compiled"],
-                cache_hits=self.outcomes["cache_hit"],
-                disk_hits=self.outcomes["disk_hit"],
-                joined=self.outcomes["joined"],
-                error_hits=self.outcomes["error_hit"],
-                failed=self.outcomes["failed"],
-                cancelled=self.outcomes["cancelled"],
-                in_flight=self.submitted - done,
+                compiled=outcomes["compiled"],
+                cache_hits=outcomes["cache_hit"],
+                disk_hits=outcomes["disk_hit"],
+                joined=outcomes["joined"],
+                error_hits=outcomes["error_hit"],
+                failed=sum(outcomes[name] for name in FAILURES),
+                cancelled=outcomes["cancelled"],
+                in_flight=self.submitted - sum(outcomes.values()),
+                outcomes=outcomes,
                 queue_wait=self.queue_wait.summary(),
                 run_time=self.run_time.summary(),
+                load_time=self.load_time.summary(),
+                total_time=self.total_time.summary(),
+                stages={name: d.summary() for name, d in self.stages.items()},
                 slowest=tuple((name, target, t) for t, name, target in self.slowest),
                 **pool,
             )

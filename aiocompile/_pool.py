@@ -40,6 +40,7 @@ from aiocompile._errors import (
     WorkerCrashedError,
 )
 from aiocompile._launch import Launcher, LauncherError, WorkerProcess, make_launcher
+from aiocompile._metrics import WorkerEvent
 from aiocompile._worker import _Failure, job_env
 
 logger = logging.getLogger("aiocompile")
@@ -68,6 +69,7 @@ class Job:
     warm_only: bool = False
     submitted_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
+    attempt_started_at: float | None = None
     finished_at: float | None = None
     run_time: float | None = None
     attempts: int = 0
@@ -141,6 +143,17 @@ class PoolCounters:
     queue_depth_max: int = 0
 
 
+def _death_statuses(kill_reason: str | None, machinery_failed: bool) -> tuple[str, str]:
+    """(worker_exited status, job_ended status) for a worker that died holding a job."""
+    if kill_reason == "undelivered":
+        return "crashed", "lost"
+    if kill_reason == "timeout":
+        return "timeout", "timeout"
+    if kill_reason is not None:
+        return "killed", "cancelled" if kill_reason == "cancelled" else "closed"
+    return "crashed", "lost" if machinery_failed else "crashed"
+
+
 def _signal_name(code: int | None) -> str:
     if code is None:
         return "an unknown status"
@@ -154,12 +167,32 @@ def _signal_name(code: int | None) -> str:
     return f"exit code {code}"
 
 
+def emit_event(listener: Callable[[WorkerEvent], None] | None, event: str, pid: int | None,
+               job: Job | None = None, **fields: Any) -> None:
+    """Report a ``WorkerEvent`` to ``listener``, with monotonic times made wall-clock."""
+    if listener is None:
+        return
+    now = time.time()
+    if job is not None:
+        started = job.attempt_started_at
+        fields.update(
+            job_id=job.id, name=job.name, key=job.key, attempt=job.attempts, warm_up=job.warm_only,
+            started_at=None if started is None else now - (time.monotonic() - started),
+        )
+    try:
+        listener(WorkerEvent(event, now, pid, **fields))
+    except Exception:  # pragma: no cover - the listener guards its own callbacks
+        logger.exception("aiocompile: reporting a worker event failed")
+
+
 class WorkerPool(cf.Executor):
     """A supervised pool of worker processes, one job per worker at a time.
 
     ``submit()`` follows the ``Executor`` contract; ``submit_job()`` also takes a timeout,
     a crash budget and a name for error messages, and returns the :class:`Job` with its
-    timings.
+    timings. ``on_event``, if set, is called in the supervisor thread with a
+    :class:`~aiocompile.WorkerEvent` for each worker start and exit and each attempt at a
+    job; it must be quick.
     """
 
     def __init__(
@@ -192,6 +225,7 @@ class WorkerPool(cf.Executor):
         self._closed = False
         self._thread: threading.Thread | None = None
         self.counters = PoolCounters()
+        self.on_event: Callable[[WorkerEvent], None] | None = None
         # Owned by the supervisor thread:
         self._launcher: Launcher | None = None
         self._workers: list[_Worker] = []
@@ -490,6 +524,7 @@ class WorkerPool(cf.Executor):
         now = time.monotonic()
         if job.started_at is None:
             job.started_at = now
+        job.attempt_started_at = now
         job.attempts += 1
         job.worker_pid = worker.proc.pid
         worker.state = "busy"
@@ -502,6 +537,7 @@ class WorkerPool(cf.Executor):
             # The worker died before it could take the job: the job never ran, so this
             # is no crash of its. The socket's end is seen by the wait loop.
             job.kill_reason = "undelivered"
+        emit_event(self.on_event, "job_started", worker.proc.pid, job)
 
     # -- results and deaths -----------------------------------------------------------------
 
@@ -516,6 +552,7 @@ class WorkerPool(cf.Executor):
             worker.state = "idle"
             self._start_failures = 0
             self._retry_start_at = None
+            emit_event(self.on_event, "worker_started", worker.proc.pid)
         elif message[0] == "done":
             self._on_done(worker, message)
 
@@ -528,11 +565,13 @@ class WorkerPool(cf.Executor):
         worker.jobs_run += 1
         worker.rss = rss
         worker.last_used = time.monotonic()
+        if job is not None and job.id == job_id:
+            emit_event(self.on_event, "job_ended", worker.proc.pid, job, status="ok" if ok else "error")
         if self.max_worker_rss is not None and rss > self.max_worker_rss:
             # Compilers leak; a worker that has grown too big is replaced once its job is
             # done (the result is already here).
             self.counters.recycled += 1
-            self._retire(worker)
+            self._retire(worker, "recycled")
             if not self._stopping:
                 self._launch_worker()
         if job is None or job.id != job_id:  # pragma: no cover - protocol invariant
@@ -567,15 +606,16 @@ class WorkerPool(cf.Executor):
         exc.__cause__ = RemoteTraceback(failure.traceback)
         return exc
 
-    def _retire(self, worker: _Worker) -> None:
+    def _retire(self, worker: _Worker, why: str) -> None:
         """Stop a worker on purpose (idle, too big). It holds no job and nothing worth
         saving, so it is simply killed, and reaped here."""
         assert self._launcher is not None and worker.job is None
         self._workers.remove(worker)
         worker.proc.conn.close()
         self._launcher.kill(worker.proc)
-        self._launcher.wait_exit(worker.proc, _REAP_TIMEOUT)
+        exitcode = self._launcher.wait_exit(worker.proc, _REAP_TIMEOUT)
         worker.proc.close()
+        emit_event(self.on_event, "worker_exited", worker.proc.pid, status=why, exitcode=exitcode)
 
     def _on_death(self, worker: _Worker) -> None:
         assert self._launcher is not None
@@ -587,9 +627,18 @@ class WorkerPool(cf.Executor):
         worker.proc.close()
         self._workers.remove(worker)
         job = worker.job
+        pid = worker.proc.pid
         if worker.state == "starting":
+            emit_event(self.on_event, "worker_exited", pid, status="start_failed", exitcode=exitcode)
             self._start_failed(f"a worker exited with {_signal_name(exitcode)} while starting:\n{tail}")
             return
+        if job is None:
+            emit_event(self.on_event, "worker_exited", pid,
+                       status="shutdown" if self._stopping else "crashed", exitcode=exitcode)
+        else:
+            worker_status, job_status = _death_statuses(job.kill_reason, machinery_failed)
+            emit_event(self.on_event, "job_ended", pid, job, status=job_status, exitcode=exitcode)
+            emit_event(self.on_event, "worker_exited", pid, status=worker_status, exitcode=exitcode)
         if not self._stopping:
             # Whatever the cause, the pool goes back to the size it had.
             self._launch_worker()
@@ -645,7 +694,7 @@ class WorkerPool(cf.Executor):
             for worker in [w for w in self._workers if w.state == "idle"]:
                 if now - worker.last_used >= self.idle_timeout:
                     self.counters.idle_stopped += 1
-                    self._retire(worker)
+                    self._retire(worker, "idle")
         for worker in self._workers:
             if worker.deadline is not None and worker.deadline <= now and worker.job is not None:
                 worker.deadline = None
@@ -737,7 +786,8 @@ class WorkerPool(cf.Executor):
             for worker in self._workers:
                 self._launcher.kill(worker.proc)
             for worker in self._workers:
-                self._launcher.wait_exit(worker.proc, _REAP_TIMEOUT)
+                exitcode = self._launcher.wait_exit(worker.proc, _REAP_TIMEOUT)
+                emit_event(self.on_event, "worker_exited", worker.proc.pid, status="shutdown", exitcode=exitcode)
             self._launcher.close()
         self._workers = []
         self._close_fds()

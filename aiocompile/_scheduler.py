@@ -16,10 +16,12 @@ trio, and loops in several threads at once.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import inspect
 import os
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Any, Callable
 
 import anyio
@@ -29,6 +31,7 @@ from aiocompile._cache import Entry, KernelCache
 from aiocompile._config import SchedulerConfig
 from aiocompile._diskcache import DiskCache
 from aiocompile._errors import CompileError, CompileTimeout, SchedulerClosed, WorkerCrashedError
+from aiocompile._events import EventHub, Listener
 from aiocompile._foreign import ExecutorSpec, ForeignPool
 from aiocompile._metrics import JobRecord, Metrics, Statistics
 from aiocompile._pool import WorkerPool
@@ -59,6 +62,12 @@ class Scheduler:
     Use it as ``async with Scheduler() as sched:``, or create it and call ``aclose()``
     when done. Workers start on demand, or all at once with ``await sched.warm()``.
 
+    Every request leaves a :class:`JobRecord` (``records()``) and counts in
+    ``statistics()``. Records and the pool's :class:`WorkerEvent` values are logged to the
+    ``aiocompile`` logger, appended to ``event_log`` (a JSON-lines file) if given, and
+    passed to ``on_event`` and to listeners added with ``subscribe()``.
+    ``config.metrics=False`` keeps only the counters.
+
     ``executor=`` runs jobs in any ``concurrent.futures.Executor`` instead of aiocompile's
     own pool: an executor, or a factory making one (needed to rebuild a broken one, except
     for a stdlib ``ProcessPoolExecutor``, whose settings are copied). A broken process pool
@@ -76,6 +85,8 @@ class Scheduler:
         start_method: str | None = None,
         cancel_running: str | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
+        event_log: str | os.PathLike[str] | None = None,
+        on_event: Listener | None = None,
         config: SchedulerConfig | None = None,
         executor: ExecutorSpec | None = None,
     ) -> None:
@@ -83,7 +94,10 @@ class Scheduler:
         self.config = base.with_changes(
             workers=workers, timeout=timeout, max_crashes=max_crashes, start_method=start_method,
             cancel_running=cancel_running, cache_dir=None if cache_dir is None else os.fspath(cache_dir),
+            event_log=None if event_log is None else os.fspath(event_log),
         )
+        if on_event is not None and not callable(on_event):
+            raise TypeError(f"on_event must be callable, got {on_event!r}")
         self._pool: WorkerPool | ForeignPool
         if executor is not None:
             self._pool = ForeignPool(executor, max_crashes=self.config.max_crashes)
@@ -100,6 +114,10 @@ class Scheduler:
         self._disk = None if self.config.cache_dir is None else DiskCache(self.config.cache_dir,
                                                                           self.config.cache_dir_bytes)
         self._metrics = Metrics()
+        self._events = EventHub(event_log=self.config.event_log if self.config.metrics else None,
+                                on_event=on_event)
+        if self.config.metrics:
+            self._pool.on_event = self._events.emit
         self._context = _Context(self)
         self._triton = TritonBackend()
         self._pid = os.getpid()
@@ -139,6 +157,7 @@ class Scheduler:
         self._pool.shutdown(wait=True, cancel_futures=True, grace=grace)
         if self._disk is not None:
             self._disk.close(wait=True)  # results compiled before the close reach the disk
+        self._events.close()  # after the pool: its last worker events reach the file
 
     def _check_open(self) -> None:
         if self._pid != os.getpid():
@@ -190,6 +209,18 @@ class Scheduler:
     def records(self) -> list[JobRecord]:
         """The timing records of the most recent requests (up to 1000), oldest first."""
         return list(self._metrics.records)
+
+    def subscribe(self, listener: Listener) -> Callable[[], None]:
+        """Call ``listener(event)`` with every ``JobRecord`` and ``WorkerEvent`` from now
+        on; returns a function that stops it.
+
+        The listener runs in the thread where the event happened (an event loop's thread
+        for records, the pool's supervisor thread for worker events), so it must be quick
+        and thread-safe; to reach an event loop, use its ``call_soon_threadsafe``. An
+        exception it raises is logged once and otherwise ignored. Nothing is reported when
+        ``config.metrics`` is off.
+        """
+        return self._events.subscribe(listener)
 
     def worker_pids(self) -> list[int]:
         return self._pool.worker_pids()
@@ -248,7 +279,8 @@ class Scheduler:
         under ``"kernel"``. With ``return_exceptions`` a failed compile's exception takes
         its place in the list; otherwise the first failure is raised once the compiles
         that already started have been let go (they finish in the background and are
-        cached). ``progress=True`` shows a progress bar.
+        cached). ``progress=True`` shows a progress bar, naming the kernels being
+        compiled, on a terminal or in a notebook (nowhere else).
         """
         spec_list = [dict(spec) for spec in specs]
         for index, spec in enumerate(spec_list):
@@ -256,12 +288,11 @@ class Scheduler:
                 raise TypeError(f"spec #{index} has no 'kernel'")
         results: list[Any] = [None] * len(spec_list)
         first_error: list[BaseException] = []
-        bar = Progress(len(spec_list), enabled=progress)
+        bar = self._progress(len(spec_list), progress)
 
         async def one(index: int, spec: dict[str, Any], scope: anyio.CancelScope) -> None:
             kernel = spec.pop("kernel")
             label = str(spec.pop("label", None) or getattr(kernel, "__name__", None) or getattr(kernel, "name", "?"))
-            bar.started(label)
             try:
                 results[index] = await self.compile_triton(kernel, **spec)
             except Exception as exc:
@@ -284,6 +315,78 @@ class Scheduler:
         if first_error:
             raise first_error[0]
         return results
+
+    async def wait(
+        self,
+        awaitables: Any,
+        *,
+        progress: bool = False,
+        return_exceptions: bool = False,
+    ) -> Any:
+        """Wait for many compiles at once: coroutines, tasks or futures
+        (``asyncio``/``concurrent.futures``), awaited concurrently.
+
+        Given a mutable mapping, such as a module's ``globals()``, each value that is
+        awaitable is replaced in place by its result and the mapping is returned; other
+        values are left alone. Given an iterable, the list of results is returned in its
+        order. ``progress=True`` shows a progress bar, as ``compile_many`` does.
+
+        The first failure is raised once the others have been let go (cancelled; a compile
+        that already started finishes in the background and is cached), unless
+        ``return_exceptions`` puts exceptions in place of results. Cancelling ``wait()``
+        cancels the waiting, with the same rule for started compiles.
+        """
+        if isinstance(awaitables, MutableMapping):
+            scope: MutableMapping[Any, Any] | None = awaitables
+            items = [(name, value) for name, value in list(awaitables.items()) if _is_waitable(value)]
+        elif isinstance(awaitables, Iterable) and not isinstance(awaitables, (str, bytes)):
+            scope = None
+            items = list(enumerate(awaitables))
+            for index, value in items:
+                if not _is_waitable(value):
+                    raise TypeError(f"item #{index} is not awaitable: {value!r}")
+        else:
+            raise TypeError(f"wait() takes an iterable of awaitables or a mapping, got {type(awaitables).__name__}")
+        # One await per distinct object: a coroutine cannot be awaited twice.
+        distinct: dict[int, Any] = {}
+        for _, value in items:
+            distinct.setdefault(id(value), value)
+        outcome: dict[int, Any] = {}
+        first_error: list[BaseException] = []
+        bar = self._progress(len(distinct), progress)
+
+        async def one(ident: int, value: Any, scope_: anyio.CancelScope) -> None:
+            try:
+                result = await _bridge.wait(value) if isinstance(value, cf.Future) else await value
+            except Exception as exc:
+                bar.finished(type(exc).__name__, ok=False)
+                outcome[ident] = exc
+                if not return_exceptions and not first_error:
+                    first_error.append(exc)
+                    scope_.cancel()
+                return
+            bar.finished(str(getattr(result, "name", "") or ""), ok=True)
+            outcome[ident] = result
+
+        try:
+            async with anyio.create_task_group() as group:
+                for ident, value in distinct.items():
+                    group.start_soon(one, ident, value, group.cancel_scope)
+        finally:
+            bar.close()
+            for value in distinct.values():
+                if inspect.iscoroutine(value) and id(value) not in outcome:
+                    value.close()  # never started: no "was never awaited" warning
+        if first_error:
+            raise first_error[0]
+        if scope is not None:
+            for name, value in items:
+                scope[name] = outcome[id(value)]
+            return scope
+        return [outcome[id(value)] for _, value in items]
+
+    def _progress(self, total: int, enabled: bool) -> Progress:
+        return Progress(total, enabled=enabled, subscribe=self.subscribe if self.config.metrics else None)
 
     async def run(
         self, fn: Callable[..., Any], *args: Any, key: str | None = None, timeout: float | None = None
@@ -314,7 +417,7 @@ class Scheduler:
         try:
             how, found = self._cache.join_or_start(request.key, lambda entry: self._start(entry, request, timeout))
         except BaseException as exc:
-            self._record(request, "failed", wall, arrived, None, error=exc)
+            self._record(request, _failure_outcome(exc), wall, arrived, None, error=exc)
             raise
         if how == "hit":
             self._record(request, "cache_hit", wall, arrived, None, result=found)
@@ -331,7 +434,8 @@ class Scheduler:
                 self._record(request, "cancelled", wall, arrived, entry)
             else:
                 self._cache.leave(entry)
-                self._record(request, "failed" if how == "started" else "joined", wall, arrived, entry, error=exc)
+                outcome = _failure_outcome(exc) if how == "started" else "joined"
+                self._record(request, outcome, wall, arrived, entry, error=exc)
             raise
         self._cache.leave(entry)
         if how == "joined":
@@ -402,6 +506,8 @@ class Scheduler:
             # Runs in the supervisor thread, as soon as the worker has answered.
             try:
                 raw = done.result()
+                if request.details is not None and self.config.metrics:
+                    entry.details = request.details(raw)
                 started = time.perf_counter()
                 result = request.finish(raw)
                 entry.load_time = time.perf_counter() - started
@@ -435,25 +541,55 @@ class Scheduler:
         result: Any = None,
         error: BaseException | None = None,
     ) -> None:
+        if not self.config.metrics:
+            self._metrics.count(outcome)
+            return
+        now, finished = time.monotonic(), time.time()
         job = entry.job if entry is not None else None
-        own_job = outcome in ("compiled", "failed") and job is not None
+        # Only a request whose own job ran owns its timings; one that joined shares them.
+        own = job if job is not None and outcome != "joined" else None
+        details = entry.details if entry is not None and entry.details is not None and own is not None else {}
         size = getattr(result, "size", None)
-        self._metrics.finish(JobRecord(
+        record = JobRecord(
             key=request.key,
             name=request.name,
             backend=request.backend,
             target=request.target,
             outcome=outcome,
             error=None if error is None else f"{type(error).__name__}: {error}",
-            submitted_at=wall,
-            queue_wait=job.queue_wait if own_job and job is not None else None,
-            run_time=job.run_time if own_job and job is not None else None,
-            load_time=entry.load_time if entry is not None and outcome in ("compiled", "disk_hit", "failed") else None,
-            total_time=time.monotonic() - arrived,
-            attempts=job.attempts if own_job and job is not None else 0,
+            queued_at=wall,
+            started_at=None if own is None or own.started_at is None else finished - (now - own.started_at),
+            finished_at=finished,
+            queue_wait=own.queue_wait if own is not None else None,
+            run_time=own.run_time if own is not None else None,
+            load_time=entry.load_time if entry is not None and outcome != "joined" else None,
+            total_time=now - arrived,
+            stages=details.get("stages", ()),
+            compiler_cache_hit=details.get("compiler_cache_hit"),
+            attempts=own.attempts if own is not None else 0,
             worker_pid=job.worker_pid if job is not None else None,
-            result_size=size if isinstance(size, int) else None,
-        ))
+            worker_rss=(own.worker_rss or None) if own is not None else None,
+            artifact_size=size if isinstance(size, int) else None,
+        )
+        self._metrics.finish(record)
+        self._events.emit(record)
+
+
+def _is_waitable(value: Any) -> bool:
+    return isinstance(value, cf.Future) or inspect.isawaitable(value)
+
+
+def _failure_outcome(exc: BaseException) -> str:
+    """The outcome of a request whose own job raised ``exc``."""
+    if isinstance(exc, CompileTimeout):
+        return "timeout"
+    if isinstance(exc, WorkerCrashedError):
+        return "crashed"
+    if isinstance(exc, SchedulerClosed):
+        return "closed"
+    if isinstance(exc, anyio.get_cancelled_exc_class()):
+        return "cancelled"
+    return "error"
 
 
 def _identity(value: Any) -> Any:
@@ -499,6 +635,11 @@ async def compile_many(specs: Iterable[Mapping[str, Any]], **kwargs: Any) -> lis
 async def run(fn: Callable[..., Any], *args: Any, key: str | None = None, timeout: float | None = None) -> Any:
     """``Scheduler.run`` on the default scheduler."""
     return await _default.get().run(fn, *args, key=key, timeout=timeout)
+
+
+async def wait(awaitables: Any, **kwargs: Any) -> Any:
+    """``Scheduler.wait`` on the default scheduler (whose compiles the progress bar names)."""
+    return await _default.get().wait(awaitables, **kwargs)
 
 
 async def warm(target: Any = "cuda:90") -> None:

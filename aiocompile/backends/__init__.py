@@ -8,6 +8,7 @@ sees requests, so it never branches on the language; adding a compiler is one ne
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -30,6 +31,9 @@ class Request:
     """Bytes from the disk cache -> the result; raises ``ValueError`` for bad bytes."""
     size: Callable[[Any], int] | None = None
     """Bytes a result holds, for the memory cache's bound."""
+    details: Callable[[Any], Mapping[str, Any]] | None = None
+    """The worker's answer -> what the job's record should say about the compiler:
+    ``stages`` (``(stage, seconds)`` pairs) and ``compiler_cache_hit``."""
 
 
 class BackendContext(Protocol):

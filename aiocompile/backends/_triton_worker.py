@@ -132,7 +132,9 @@ def compile_kernel(spec: Any) -> dict[str, Any]:
                 f"({', '.join(spec.arg_names)}); was its module changed after it was imported?"
             )
         started = time.perf_counter()
-        compiled = triton.compile(spec.ast_source(fn), target=spec.target.to_gpu_target(), options=dict(spec.options))
+        with _StageTimes() as stages:
+            compiled = triton.compile(spec.ast_source(fn), target=spec.target.to_gpu_target(),
+                                      options=dict(spec.options))
         compile_time = time.perf_counter() - started
     except CompileError:
         raise
@@ -146,5 +148,51 @@ def compile_kernel(spec: Any) -> dict[str, Any]:
         "metadata_json": metadata_path.read_text(),
         "asm": asm,
         "compile_time": compile_time,
+        "stages": stages.stages,
+        "cache_hit": stages.cache_hit,
         "triton_version": triton.__version__,
     }
+
+
+class _StageTimes:
+    """Triton's per-stage compile times, through its compilation listener
+    (``knobs.compilation.listener``, Triton 3.4 and later; nothing on older ones).
+
+    Stages come in Triton's order, in seconds: ``make_ir`` (Python AST to the first IR),
+    then one per lowering stage named by its file extension (``ttir``, ``ttgir``,
+    ``llir``, ``ptx``/``amdgcn``, ``cubin``/``hsaco``), then ``store`` (writing Triton's
+    cache). ``cache_hit`` says Triton found the kernel in its own disk cache.
+    """
+
+    def __init__(self) -> None:
+        self.stages: list[tuple[str, float]] = []
+        self.cache_hit: bool | None = None
+        self._knobs: Any = None
+        self._previous: Any = None
+
+    def __enter__(self) -> _StageTimes:
+        try:
+            from triton import knobs
+        except ImportError:
+            return self
+        if not hasattr(knobs, "compilation") or not hasattr(knobs.compilation, "listener"):
+            return self
+        self._knobs = knobs
+        self._previous = knobs.compilation.listener
+        knobs.compilation.listener = self._listen
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._knobs is not None:
+            self._knobs.compilation.listener = self._previous
+
+    def _listen(self, *, src: Any, metadata: Any, metadata_group: Any, times: Any, cache_hit: bool) -> None:
+        self.cache_hit = bool(cache_hit)
+        if not cache_hit:
+            stages = [("make_ir", times.ir_initialization)]
+            stages.extend((str(name), duration) for name, duration in times.lowering_stages)
+            stages.append(("store", times.store_results))
+            self.stages = [(name, duration / 1e6) for name, duration in stages]  # microseconds
+        if self._previous is not None:
+            self._previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times,
+                           cache_hit=cache_hit)

@@ -156,6 +156,13 @@ def finish(spec: TritonSpec, artifact: Mapping[str, Any]) -> TritonKernel:
     )
 
 
+def _details(artifact: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "stages": tuple((str(stage), float(seconds)) for stage, seconds in artifact.get("stages", ())),
+        "compiler_cache_hit": artifact.get("cache_hit"),
+    }
+
+
 def encode(kernel: TritonKernel) -> bytes:
     return kernel.to_bytes()
 
@@ -302,6 +309,7 @@ class TritonBackend:
             encode=encode,
             decode=TritonKernel.from_bytes,
             size=size,
+            details=_details,
         )
 
     # -- kernels ----------------------------------------------------------------------------

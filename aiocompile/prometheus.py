@@ -1,0 +1,134 @@
+"""Prometheus metrics for a scheduler (needs ``prometheus-client``).
+
+::
+
+    from prometheus_client import REGISTRY
+    from aiocompile.prometheus import SchedulerCollector
+
+    REGISTRY.register(SchedulerCollector())      # the default scheduler
+    REGISTRY.register(SchedulerCollector(sched, labels={"pool": "serving"}))
+
+The collector reads the scheduler when it is scraped, so it costs nothing between scrapes
+and always agrees with ``statistics()``. What it exposes (every duration in seconds):
+
+=====================================  =========  ==========================================
+aiocompile_compile_seconds             histogram  run time in a worker of jobs that ran
+                                                  (compiled or failed), by ``backend``
+aiocompile_compile_stage_seconds       histogram  the compiler's stage times, by ``stage``
+aiocompile_queue_wait_seconds          histogram  submission to a worker starting the job
+aiocompile_requests_total              counter    answered requests, by ``outcome``
+aiocompile_requests_in_flight          gauge      requests not answered yet
+aiocompile_queue_depth                 gauge      jobs waiting for a worker now
+aiocompile_queue_depth_max             gauge      the most jobs that ever waited at once
+aiocompile_workers                     gauge      worker processes now
+aiocompile_busy_workers                gauge      of which running a job
+aiocompile_worker_crashes_total        counter    workers that died unasked
+aiocompile_job_retries_total           counter    jobs started again after a crash
+aiocompile_job_timeouts_total          counter    jobs stopped at their timeout
+aiocompile_workers_started_total       counter
+aiocompile_cache_entries               gauge      compiled results in memory
+aiocompile_cache_bytes                 gauge      bytes they hold
+aiocompile_cache_evictions_total       counter
+=====================================  =========  ==========================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from aiocompile._metrics import BUCKETS, OUTCOMES
+
+if TYPE_CHECKING:
+    from aiocompile._scheduler import Scheduler
+
+try:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+    from prometheus_client.registry import Collector as _Collector
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "aiocompile.prometheus needs prometheus-client: pip install 'aiocompile[prometheus]'"
+    ) from exc
+
+__all__ = ["SchedulerCollector"]
+
+
+def _bounds() -> list[str]:
+    return [repr(float(bound)) for bound in BUCKETS] + ["+Inf"]
+
+
+class SchedulerCollector(_Collector):
+    """A Prometheus collector of one scheduler's metrics (the default scheduler's if
+    ``scheduler`` is None, found anew at each scrape), with ``labels`` added to every
+    sample."""
+
+    def __init__(self, scheduler: Scheduler | None = None, *, labels: Mapping[str, str] | None = None) -> None:
+        self._scheduler = scheduler
+        self._labels = dict(labels or {})
+        for name in self._labels:
+            if name in ("backend", "stage", "outcome", "le"):
+                raise ValueError(f"label {name!r} is used by aiocompile's own metrics")
+
+    def describe(self) -> list[Any]:
+        # Without describe(), registering would scrape once to learn the names; with an
+        # empty list, registering costs nothing and the names are not checked for clashes.
+        return []
+
+    def _target(self) -> Scheduler:
+        if self._scheduler is not None:
+            return self._scheduler
+        from aiocompile._scheduler import default_scheduler
+
+        return default_scheduler()
+
+    def collect(self) -> Iterator[Any]:
+        scheduler = self._target()
+        stats = scheduler.statistics()
+        histograms = scheduler._metrics.histograms()
+        names = list(self._labels)
+        values = list(self._labels.values())
+        bounds = _bounds()
+
+        def histogram(name: str, doc: str, label: str | None,
+                      series: Mapping[str, tuple[list[int], float]]) -> HistogramMetricFamily:
+            family = HistogramMetricFamily(name, doc, labels=names + ([label] if label else []), unit="seconds")
+            for value, (cumulative, total) in sorted(series.items()):
+                family.add_metric(values + ([value] if label else []), list(zip(bounds, cumulative)), total)
+            return family
+
+        yield histogram("aiocompile_compile_seconds", "Run time in a worker of jobs that ran.", "backend",
+                        histograms.compile_seconds)
+        yield histogram("aiocompile_compile_stage_seconds", "Time in each stage of the compiler.", "stage",
+                        histograms.stage_seconds)
+        yield histogram("aiocompile_queue_wait_seconds", "Time from submission to a worker starting the job.",
+                        None, {"": histograms.queue_wait_seconds})
+
+        requests = CounterMetricFamily("aiocompile_requests", "Answered requests, by outcome.",
+                                       labels=names + ["outcome"])
+        for outcome in OUTCOMES:
+            requests.add_metric(values + [outcome], stats.outcomes[outcome])
+        yield requests
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=names)
+            family.add_metric(values, value)
+            return family
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=names)
+            family.add_metric(values, value)
+            return family
+
+        yield gauge("aiocompile_requests_in_flight", "Requests not answered yet.", stats.in_flight)
+        yield gauge("aiocompile_queue_depth", "Jobs waiting for a worker now.", stats.queue_depth)
+        yield gauge("aiocompile_queue_depth_max", "The most jobs that waited for a worker at once.",
+                    stats.queue_depth_max)
+        yield gauge("aiocompile_workers", "Worker processes now.", stats.workers)
+        yield gauge("aiocompile_busy_workers", "Worker processes running a job now.", stats.busy_workers)
+        yield counter("aiocompile_worker_crashes", "Worker processes that died unasked.", stats.worker_crashes)
+        yield counter("aiocompile_job_retries", "Jobs started again after their worker died.", stats.retries)
+        yield counter("aiocompile_job_timeouts", "Jobs stopped at their timeout.", stats.timeouts)
+        yield counter("aiocompile_workers_started", "Worker processes started.", stats.workers_started)
+        yield gauge("aiocompile_cache_entries", "Compiled results in the memory cache.", stats.cache_entries)
+        yield gauge("aiocompile_cache_bytes", "Bytes of compiled results in the memory cache.", stats.cache_bytes)
+        yield counter("aiocompile_cache_evictions", "Results dropped from the memory cache.", stats.cache_evictions)

@@ -1,0 +1,411 @@
+"""Guarantee 5: every request is measured and counted exactly once, and the records reach
+each sink (logging, the JSON-lines file, listeners, Prometheus) as the same facts."""
+
+import functools
+import io
+import json
+import logging
+import uuid
+
+import anyio
+import jobs
+import pytest
+from triton_kernels import ADD_SIGNATURE, add_kernel, type_error_kernel
+
+import aiocompile
+from aiocompile._metrics import FAILURES, OUTCOMES
+from aiocompile._progress import Progress
+
+SCALE_SOURCE = '''
+import triton
+import triton.language as tl
+
+@triton.jit
+def scale_{tag}(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) * 2.0, mask=mask)
+'''
+
+
+def fresh_kernel():
+    """A kernel no cache has seen: Triton really compiles it."""
+    tag = uuid.uuid4().hex[:12]
+    return aiocompile.TritonSource(SCALE_SOURCE.format(tag=tag), f"scale_{tag}")
+
+
+def scale_args(target="cuda:90"):
+    return {"signature": {"x_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32"}, "constexprs": {"BLOCK": 128},
+            "target": target}
+
+
+class TTY(io.StringIO):
+    def isatty(self):
+        return True
+
+
+async def started_in_worker(sched, name):
+    """Wait until a job called ``name`` has started in a worker (from the pool's events)."""
+    started = anyio.Event()
+    token = anyio.lowlevel.current_token()
+
+    def listener(event):
+        if event.event == "job_started" and event.name == name:
+            anyio.from_thread.run_sync(started.set, token=token)
+
+    unsubscribe = sched.subscribe(listener)
+    try:
+        await started.wait()
+    finally:
+        unsubscribe()
+
+
+async def every_outcome(sched, other_sched_with_same_cache_dir):
+    """Ends one request (or more) in each outcome; returns the outcomes expected."""
+    kernel = fresh_kernel()
+    await sched.compile_triton(kernel, **scale_args())                           # compiled
+    await sched.compile_triton(kernel, **scale_args())                           # cache_hit
+    await other_sched_with_same_cache_dir.compile_triton(kernel, **scale_args())  # disk_hit (there)
+
+    async with anyio.create_task_group() as group:                               # compiled + joined
+        for _ in range(2):
+            group.start_soon(functools.partial(sched.run, jobs.sleep_then, 0.3, "shared", key="k1"))
+
+    with pytest.raises(aiocompile.CompileError):                                 # error
+        await sched.compile_triton(type_error_kernel, signature={"x_ptr": "*fp32", "n": "i32"},
+                                   constexprs={"BLOCK": 64}, target="cuda:80")
+    with pytest.raises(aiocompile.CompileError):                                 # error_hit
+        await sched.compile_triton(type_error_kernel, signature={"x_ptr": "*fp32", "n": "i32"},
+                                   constexprs={"BLOCK": 64}, target="cuda:80")
+    with pytest.raises(aiocompile.WorkerCrashedError):                           # crashed (2 deaths)
+        await sched.run(jobs.exit_now, 3)
+    with pytest.raises(aiocompile.CompileTimeout):                               # timeout
+        await sched.run(jobs.hang, timeout=0.5)
+    with anyio.move_on_after(0.3):                                               # cancelled
+        await sched.run(jobs.sleep_then, 3.0)
+
+    closed = []
+
+    async def outlive_the_scheduler():
+        try:
+            await sched.run(jobs.sleep_then, 30.0)
+        except aiocompile.SchedulerClosed as exc:
+            closed.append(exc)
+
+    async with anyio.create_task_group() as group:                               # closed
+        group.start_soon(outlive_the_scheduler)
+        await started_in_worker(sched, "sleep_then")
+        await sched.aclose(grace=0)
+    assert len(closed) == 1
+    return {"compiled": 2, "cache_hit": 1, "joined": 1, "error": 1, "error_hit": 1, "crashed": 1, "timeout": 1,
+            "cancelled": 1, "closed": 1}
+
+
+def expected_counts(expected):
+    return {outcome: expected.get(outcome, 0) for outcome in OUTCOMES}
+
+
+async def test_every_request_ends_in_exactly_one_outcome(tmp_path):
+    other = aiocompile.Scheduler(workers=1, cache_dir=tmp_path / "cache")
+    sched = aiocompile.Scheduler(workers=2, max_crashes=2, cache_dir=tmp_path / "cache")
+    try:
+        expected = await every_outcome(sched, other)
+    finally:
+        await other.aclose()
+        await sched.aclose()
+    stats = sched.statistics()
+    assert stats.outcomes == expected_counts(expected)
+    assert stats.submitted == sum(expected.values()) == sum(stats.outcomes.values())
+    assert stats.in_flight == 0
+    assert stats.failed == sum(stats.outcomes[name] for name in FAILURES) == 4
+    assert (stats.compiled, stats.cache_hits, stats.joined, stats.error_hits, stats.cancelled) == (2, 1, 1, 1, 1)
+    assert other.statistics().outcomes == expected_counts({"disk_hit": 1})
+
+    records = sched.records()
+    assert sorted(r.outcome for r in records) == sorted(o for o, n in expected.items() for _ in range(n))
+    by_outcome = {}
+    for record in records:
+        by_outcome.setdefault(record.outcome, []).append(record)
+
+    compiled = by_outcome["compiled"][0]
+    assert compiled.backend == "triton" and compiled.target == "cuda:90" and compiled.name.startswith("scale_")
+    assert compiled.queued_at <= compiled.started_at <= compiled.finished_at
+    assert compiled.queue_wait >= 0 and compiled.run_time > 0 and compiled.load_time >= 0
+    assert compiled.total_time >= compiled.run_time
+    assert compiled.attempts == 1 and compiled.worker_pid and compiled.worker_rss > 0
+    assert compiled.artifact_size > 1000 and compiled.error is None
+
+    hit = by_outcome["cache_hit"][0]
+    assert (hit.queue_wait, hit.run_time, hit.started_at, hit.attempts) == (None, None, None, 0)
+    assert hit.key == compiled.key and hit.artifact_size == compiled.artifact_size
+
+    joined = by_outcome["joined"][0]
+    assert joined.run_time is None and joined.attempts == 0 and joined.worker_pid is not None
+
+    crashed = by_outcome["crashed"][0]
+    assert crashed.attempts == 2 and crashed.error.startswith("WorkerCrashedError")
+    timeout = by_outcome["timeout"][0]
+    assert timeout.attempts == 1 and timeout.run_time is None and timeout.error.startswith("CompileTimeout")
+    assert by_outcome["error"][0].error.startswith("CompileError") and by_outcome["error"][0].run_time > 0
+    assert by_outcome["error_hit"][0].attempts == 0
+    assert by_outcome["closed"][0].error.startswith("SchedulerClosed")
+
+    # Summaries cover the jobs that ran; total_time every answered request.
+    assert stats.total_time.count == stats.submitted
+    assert stats.run_time.count == 3  # the compile, the shared run(), the compile error
+    assert stats.run_time.p50 <= stats.run_time.p95 <= stats.run_time.max <= stats.run_time.total
+    json.dumps(stats.to_dict())  # JSON-ready
+
+
+async def test_sinks_see_the_same_events(tmp_path, caplog):
+    caplog.set_level(logging.DEBUG, logger="aiocompile")
+    seen = []
+    log_path = tmp_path / "events.jsonl"
+    other = aiocompile.Scheduler(workers=1, cache_dir=tmp_path / "cache")
+    sched = aiocompile.Scheduler(workers=2, cache_dir=tmp_path / "cache", event_log=log_path, on_event=seen.append)
+    try:
+        await every_outcome(sched, other)
+    finally:
+        await other.aclose()
+        await sched.aclose()
+
+    lines = [json.loads(line) for line in log_path.read_text().splitlines()]
+    assert len(lines) == len(seen)
+    assert [line["event"] for line in lines] == [event.event for event in seen]
+    requests = [line for line in lines if line["event"] == "request"]
+    assert [r["outcome"] for r in requests] == [r.outcome for r in sched.records()]
+    assert requests[0] == {"event": "request", **sched.records()[0].to_dict()}
+    assert set(requests[0]["stages"]) >= {"ttir", "ttgir", "llir", "ptx", "cubin"}
+
+    def count(event, status=None):
+        return sum(1 for line in lines if line["event"] == event and (status is None or line["status"] == status))
+
+    # Every attempt that started ended, with the status the request saw.
+    assert count("job_started") == count("job_ended")
+    assert count("job_ended", "crashed") == 2 and count("worker_exited", "crashed") == 2
+    assert count("job_ended", "timeout") == 1 and count("worker_exited", "timeout") == 1
+    assert count("job_ended", "error") == 1
+    # A cancelled wait leaves its started job running (cancel_running="keep"): it is killed
+    # at close with the one whose caller got SchedulerClosed.
+    assert count("job_ended", "cancelled") == 0 and count("job_ended", "closed") == 2
+    started = count("worker_started")
+    assert started == sched.statistics().workers_started
+    assert count("worker_exited") == started  # every worker's end is reported, at close too
+    for line in lines:
+        if line["event"] == "job_ended":
+            assert line["started_at"] <= line["time"] and line["pid"] and line["job_id"]
+
+    # The logger got one record per event, the fields in extra.
+    # (Other schedulers log to the same logger: ``other`` for one.)
+    logged = [r for r in caplog.records if r.name == "aiocompile" and hasattr(r, "event")]
+    mine = {(line["event"], line.get("time", line.get("finished_at"))) for line in lines}
+    logged = [r for r in logged if (r.event, getattr(r, "time", getattr(r, "finished_at", None))) in mine]
+    assert len(logged) == len(lines)
+    compiled = next(r for r in logged if getattr(r, "outcome", None) == "compiled")
+    assert compiled.levelno == logging.INFO and compiled.kernel.startswith("scale_")
+    assert compiled.run_time > 0 and compiled.worker_pid and "cubin" in compiled.stages
+    assert "compiled scale_" in compiled.getMessage()
+    levels = {(r.event, getattr(r, "outcome", None) or r.status): r.levelno for r in logged}
+    assert levels[("request", "crashed")] == logging.WARNING
+    assert levels[("request", "timeout")] == logging.WARNING
+    assert levels[("request", "cache_hit")] == logging.DEBUG
+    assert levels[("worker_exited", "crashed")] == logging.WARNING
+
+
+async def test_stage_times_come_from_the_compiler(scheduler):
+    kernel = fresh_kernel()
+    await scheduler.compile_triton(kernel, **scale_args("cuda:90"))
+    record = scheduler.records()[-1]
+    stages = [stage for stage, _ in record.stages]
+    assert stages[0] == "make_ir" and stages[-1] == "store"
+    assert stages[1:-1] == ["ttir", "ttgir", "llir", "ptx", "cubin"]
+    assert all(seconds >= 0 for _, seconds in record.stages)
+    assert sum(seconds for _, seconds in record.stages) <= record.run_time
+    assert record.compiler_cache_hit is False
+    assert set(scheduler.statistics().stages) >= set(stages)
+
+    amd = fresh_kernel()
+    await scheduler.compile_triton(amd, **scale_args("hip:gfx942"))
+    assert [stage for stage, _ in scheduler.records()[-1].stages][1:-1] == ["ttir", "ttgir", "llir", "amdgcn", "hsaco"]
+
+    # A scheduler with an empty memory cache finds it in Triton's own cache in the worker.
+    async with aiocompile.Scheduler(workers=1) as other:
+        await other.compile_triton(kernel, **scale_args("cuda:90"))
+        again = other.records()[-1]
+    assert again.outcome == "compiled" and again.compiler_cache_hit is True and again.stages == ()
+
+
+async def test_prometheus_exposition():
+    prometheus = pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from aiocompile.prometheus import SchedulerCollector
+
+    async with aiocompile.Scheduler(workers=2) as sched:
+        registry = prometheus.CollectorRegistry()
+        registry.register(SchedulerCollector(sched, labels={"pool": "test"}))
+        for _ in range(2):
+            await sched.compile_triton(fresh_kernel(), **scale_args())
+        await sched.compile_triton(add_kernel, signature=ADD_SIGNATURE, constexprs={"BLOCK": 64}, target="cuda:80")
+        await sched.compile_triton(add_kernel, signature=ADD_SIGNATURE, constexprs={"BLOCK": 64}, target="cuda:80")
+        with pytest.raises(aiocompile.CompileError):
+            await sched.compile_triton(type_error_kernel, signature={"x_ptr": "*fp32", "n": "i32"},
+                                       constexprs={"BLOCK": 64}, target="cuda:80")
+        stats = sched.statistics()
+        text = prometheus.generate_latest(registry).decode()
+
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+
+    def samples(name):
+        return [s for s in families[name].samples if s.name == name or s.name.startswith(name + "_")]
+
+    requests = {s.labels["outcome"]: s.value for s in families["aiocompile_requests"].samples
+                if s.name == "aiocompile_requests_total"}
+    assert requests == {outcome: float(n) for outcome, n in stats.outcomes.items()}
+    assert requests["compiled"] == 3 and requests["cache_hit"] == 1 and requests["error"] == 1
+    assert all(s.labels["pool"] == "test" for family in families.values() for s in family.samples)
+
+    histogram = families["aiocompile_compile_seconds"]
+    assert histogram.type == "histogram"
+    buckets = [s for s in histogram.samples if s.name.endswith("_bucket")]
+    assert all(s.labels["backend"] == "triton" for s in buckets)
+    counts = [s.value for s in buckets]
+    assert counts == sorted(counts) and buckets[-1].labels["le"] == "+Inf"
+    (count,) = [s.value for s in histogram.samples if s.name.endswith("_count")]
+    (total,) = [s.value for s in histogram.samples if s.name.endswith("_sum")]
+    assert count == counts[-1] == stats.run_time.count == 4  # three compiles and the compile error
+    assert total == pytest.approx(stats.run_time.total)
+
+    stage_buckets = [s for s in families["aiocompile_compile_stage_seconds"].samples if s.name.endswith("_count")]
+    assert {s.labels["stage"] for s in stage_buckets} >= {"ttir", "ttgir", "llir", "ptx", "cubin"}
+    for name, value in [("aiocompile_queue_depth", 0), ("aiocompile_busy_workers", 0),
+                        ("aiocompile_requests_in_flight", 0), ("aiocompile_cache_entries", stats.cache_entries)]:
+        assert families[name].type == "gauge" and samples(name)[0].value == value
+    assert samples("aiocompile_queue_depth_max")[0].value == stats.queue_depth_max >= 1
+    assert families["aiocompile_workers_started"].type == "counter"
+    assert samples("aiocompile_workers_started")[0].value == stats.workers_started
+
+
+def test_prometheus_collector_follows_the_default_scheduler():
+    prometheus = pytest.importorskip("prometheus_client")
+    from aiocompile.prometheus import SchedulerCollector
+
+    registry = prometheus.CollectorRegistry()
+    registry.register(SchedulerCollector())
+    assert b"aiocompile_requests_total" in prometheus.generate_latest(registry)
+    with pytest.raises(ValueError, match="outcome"):
+        SchedulerCollector(labels={"outcome": "x"})
+
+
+async def test_listeners_come_and_go_and_a_failing_one_harms_nothing(caplog):
+    seen = []
+
+    def broken(event):
+        raise RuntimeError("listener bug")
+
+    async with aiocompile.Scheduler(workers=1) as sched:
+        unsubscribe = sched.subscribe(seen.append)
+        sched.subscribe(broken)
+        assert await sched.run(jobs.echo, 1) == 1
+        assert await sched.run(jobs.echo, 2) == 2
+        unsubscribe()
+        count = len(seen)
+        assert await sched.run(jobs.echo, 3) == 3
+    assert len(seen) == count
+    assert [e.outcome for e in seen if e.event == "request"] == ["compiled", "compiled"]
+    assert sum("event listener raised" in r.getMessage() for r in caplog.records) == 1
+    with pytest.raises(TypeError):
+        sched.subscribe("not callable")
+    with pytest.raises(TypeError):
+        aiocompile.Scheduler(on_event=42)
+
+
+async def test_metrics_off_keeps_exact_counts_and_nothing_else(tmp_path):
+    seen = []
+    config = aiocompile.SchedulerConfig(workers=1, metrics=False)
+    async with aiocompile.Scheduler(config=config, on_event=seen.append, event_log=tmp_path / "e.jsonl") as sched:
+        kernel = fresh_kernel()
+        await sched.compile_triton(kernel, **scale_args())
+        await sched.compile_triton(kernel, **scale_args())
+        with pytest.raises(aiocompile.CompileTimeout):
+            await sched.run(jobs.hang, timeout=0.3)
+        stats = sched.statistics()
+    assert sched.records() == [] and seen == []
+    assert not (tmp_path / "e.jsonl").exists()
+    assert (stats.compiled, stats.cache_hits, stats.failed, stats.in_flight) == (1, 1, 1, 0)
+    assert stats.outcomes["timeout"] == 1 and stats.submitted == 3
+    assert stats.run_time.count == 0 and stats.slowest == ()
+
+
+def test_configuration_from_the_environment(tmp_path):
+    config = aiocompile.SchedulerConfig.from_env(
+        {"AIOCOMPILE_METRICS": "0", "AIOCOMPILE_EVENT_LOG": str(tmp_path / "x.jsonl")})
+    assert config.metrics is False and config.event_log == str(tmp_path / "x.jsonl")
+    assert aiocompile.SchedulerConfig.from_env({}).metrics is True
+    with pytest.raises(ValueError, match="AIOCOMPILE_METRICS"):
+        aiocompile.SchedulerConfig.from_env({"AIOCOMPILE_METRICS": "maybe"})
+    with pytest.raises(ValueError, match="metrics"):
+        aiocompile.SchedulerConfig(metrics="yes")
+
+
+# -- progress and wait() ------------------------------------------------------------------
+
+
+async def test_progress_names_what_runs_on_a_terminal(monkeypatch):
+    pytest.importorskip("tqdm")
+    terminal = TTY()
+    monkeypatch.setattr("sys.stderr", terminal)
+    async with aiocompile.Scheduler(workers=2) as sched:
+        results = await sched.wait([sched.run(jobs.sleep_then, 0.4, i) for i in range(4)], progress=True)
+    assert results == [0, 1, 2, 3]
+    shown = terminal.getvalue()
+    assert "compiling" in shown and "4/4" in shown
+    assert "sleep_then" in shown  # the name of what a worker was running
+
+
+async def test_progress_stays_quiet_off_a_terminal_or_unasked(monkeypatch):
+    pipe = io.StringIO()
+    monkeypatch.setattr("sys.stderr", pipe)
+    async with aiocompile.Scheduler(workers=1) as sched:
+        await sched.compile_many([{"kernel": add_kernel, "signature": ADD_SIGNATURE, "constexprs": {"BLOCK": 64},
+                                   "target": "cuda:80"}], progress=True)
+        await sched.wait([sched.run(jobs.echo, 1)])
+    assert pipe.getvalue() == ""
+    assert not Progress(3, enabled=True, stream=pipe).enabled
+    assert not Progress(3, enabled=False, stream=TTY()).enabled
+
+
+def test_progress_tracks_running_kernels_from_worker_events():
+    bar = Progress(5, enabled=True, stream=TTY(), names={"a", "b", "c"})
+    event = aiocompile.WorkerEvent
+    for name in ("a", "b", "c", "other"):
+        bar.on_event(event("job_started", 0.0, 1, name=name))
+    bar.on_event(event("job_started", 0.0, 1, name="a", warm_up=True))
+    assert bar.postfix() == "a, b +1"
+    bar.on_event(event("job_ended", 0.0, 1, name="a", status="ok"))
+    bar.on_event(event("job_ended", 0.0, 1, name="b", status="crashed"))
+    assert bar.postfix() == "c"
+    bar.close()
+
+
+async def test_wait_fills_a_scope_in_place_and_keeps_order():
+    import concurrent.futures as cf
+
+    async with aiocompile.Scheduler(workers=2) as sched:
+        done = cf.Future()
+        done.set_result("from a thread")
+        scope = {"first": sched.run(jobs.sleep_then, 0.2, "a"), "plain": 42, "second": sched.run(jobs.echo, "b"),
+                 "future": done}
+        assert await sched.wait(scope) is scope
+        assert scope == {"first": "a", "plain": 42, "second": "b", "future": "from a thread"}
+        assert await sched.wait([sched.run(jobs.echo, i) for i in range(5)]) == list(range(5))
+        assert await sched.wait([]) == []
+        assert await aiocompile.wait([anyio.sleep(0), sched.run(jobs.echo, 7)]) == [None, 7]
+        with pytest.raises(TypeError, match="not awaitable"):
+            await sched.wait([1, 2])
+
+        failing = [sched.run(jobs.echo, 1), sched.run(jobs.exit_now, 3)]
+        results = await sched.wait(failing, return_exceptions=True)
+        assert results[0] == 1 and isinstance(results[1], aiocompile.WorkerCrashedError)
+        with pytest.raises(aiocompile.CompileTimeout):
+            await sched.wait([sched.run(jobs.hang, timeout=0.3), sched.run(jobs.sleep_then, 0.1, 1)])
