@@ -31,6 +31,9 @@ from aiocompile._metrics import FAILURES, JobRecord, WorkerEvent
 
 logger = logging.getLogger("aiocompile")
 
+# How long the event file's writer lets events gather before it writes them.
+_BATCH_SECONDS = 0.05
+
 Event = Union[JobRecord, WorkerEvent]
 Listener = Callable[[Event], None]
 
@@ -96,10 +99,10 @@ def log_event(event: Event) -> None:
 class JsonLinesSink:
     """Appends each event as one JSON line to a file, from a writer thread of its own.
 
-    Lines are written in batches (whatever has queued up since the last write) with one
-    ``write()`` each on a file opened for appending, so several processes can share one
-    file without tearing lines. ``close()`` writes what is queued and closes the file; at
-    interpreter exit an open sink does the same.
+    Lines are written in batches, what has queued up in 50 ms, with one ``write()`` each
+    on a file opened for appending, so several processes can share one file without
+    tearing lines. ``flush()`` waits until what is queued is written; ``close()`` writes
+    it and closes the file, and at interpreter exit an open sink does the same.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -111,6 +114,7 @@ class JsonLinesSink:
         self._queue: queue.SimpleQueue[dict[str, Any] | threading.Event | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._write_loop, name="aiocompile-event-log", daemon=True)
         self._closed = False
+        self._hurry = threading.Event()
         self.write_errors = 0
         self._thread.start()
         _open_sinks.add(self)
@@ -127,6 +131,11 @@ class JsonLinesSink:
             markers: list[threading.Event] = []
             stop = False
             item = self._queue.get()
+            # Let events gather for a moment: one wake-up and one write per batch rather
+            # than per event keeps this thread off the GIL while jobs are dispatched.
+            # flush() and close() cut the wait short.
+            self._hurry.wait(_BATCH_SECONDS)
+            self._hurry.clear()
             while True:
                 if item is None:
                     stop = True
@@ -165,6 +174,7 @@ class JsonLinesSink:
             return True
         marker = threading.Event()
         self._queue.put(marker)
+        self._hurry.set()
         return marker.wait(timeout)
 
     def close(self, timeout: float = 5.0) -> None:
@@ -172,6 +182,7 @@ class JsonLinesSink:
             return
         self._closed = True
         self._queue.put(None)
+        self._hurry.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
         _open_sinks.discard(self)

@@ -565,8 +565,6 @@ class WorkerPool(cf.Executor):
         worker.jobs_run += 1
         worker.rss = rss
         worker.last_used = time.monotonic()
-        if job is not None and job.id == job_id:
-            emit_event(self.on_event, "job_ended", worker.proc.pid, job, status="ok" if ok else "error")
         if self.max_worker_rss is not None and rss > self.max_worker_rss:
             # Compilers leak; a worker that has grown too big is replaced once its job is
             # done (the result is already here).
@@ -590,12 +588,14 @@ class WorkerPool(cf.Executor):
                 result = pickle.loads(data)
             except Exception as exc:
                 self._set_exception(job, TypeError(f"the job's result could not be unpickled here: {exc!r}"))
-                return
-            self._set_result(job, result)
+            else:
+                self._set_result(job, result)
         else:
             if output_size:
                 job.last_output = worker.proc.output_tail()
             self._set_exception(job, self._rebuild_failure(job, pickle.loads(data)))
+        # After the answer: the caller need not wait for the report.
+        emit_event(self.on_event, "job_ended", worker.proc.pid, job, status="ok" if ok else "error")
 
     def _rebuild_failure(self, job: Job, failure: _Failure) -> BaseException:
         exc = failure.exc

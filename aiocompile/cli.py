@@ -9,6 +9,14 @@ the same DIR compiles only what changed.
 
 KERNELS is a Python file or module whose ``KERNELS`` list holds ``compile_triton``'s
 keyword arguments per kernel, the kernel itself under ``"kernel"`` and a ``"label"``.
+``--events FILE`` appends every request's record and every worker event to FILE, a
+JSON-lines event log (``Scheduler(event_log=FILE)``).
+
+``aiocompile report EVENTS [--timeline PNG]`` reads such a log back, written by a build or
+by any scheduler given ``event_log=``, and prints a summary: requests by outcome, a line
+per kernel with its run and stage times, a line per worker, every crash and timeout.
+``--timeline PNG`` also draws the workers over time, a bar per attempt at a job (needs
+matplotlib: ``pip install 'aiocompile[plot]'``).
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from aiocompile._config import SchedulerConfig
 from aiocompile._diskcache import DiskCache
@@ -103,7 +111,7 @@ async def _build(args: argparse.Namespace) -> int:
     print(f"aiocompile: building {len(kernels)} kernels for {len(targets)} target(s) "
           f"({', '.join(targets)}) with {config.workers} workers", file=sys.stderr)
     started = time.perf_counter()
-    async with Scheduler(config=config, cache_dir=out) as sched:
+    async with Scheduler(config=config, cache_dir=out, event_log=args.events) as sched:
         show_progress = not args.no_progress and sys.stderr.isatty()
         results = await sched.compile_many([spec for _, _, spec in specs], progress=show_progress,
                                            return_exceptions=True)
@@ -144,7 +152,39 @@ async def _build(args: argparse.Namespace) -> int:
     }, indent=2).encode())
 
     _print_summary(rows, failures, wall, stats, config.workers, out)
+    if args.events:
+        print(f"events appended to {args.events} (aiocompile report {args.events})")
     return 1 if failures else 0
+
+
+def _usage_error(message: str) -> NoReturn:
+    # Exit status 2, as argparse gives for a bad command line: the input was wrong, not
+    # the work.
+    print(f"aiocompile: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from aiocompile._report import draw_timeline, read_events, summary_table
+
+    try:
+        events = read_events(args.events)
+    except FileNotFoundError:
+        _usage_error(f"no such file: {args.events}")
+    except OSError as exc:
+        _usage_error(f"cannot read {args.events}: {exc.strerror or exc}")
+    if events.empty:
+        skipped = f" ({events.skipped} unreadable line(s) skipped)" if events.skipped else ""
+        _usage_error(f"no events in {args.events}{skipped}")
+    print(f"aiocompile report: {args.events}")
+    print(summary_table(events), end="")
+    if args.timeline:
+        try:
+            draw_timeline(events, args.timeline)
+        except (ImportError, ValueError) as exc:
+            _usage_error(str(exc))
+        print(f"\ntimeline written to {args.timeline}")
+    return 0
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -192,9 +232,17 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("--timeout", type=float, default=None, help="per-kernel timeout in seconds")
     build.add_argument("--start-method", choices=["forkserver", "spawn", "fork"], default=None)
     build.add_argument("--no-progress", action="store_true", help="no progress bar (none unless on a terminal)")
+    build.add_argument("--events", metavar="FILE", default=None,
+                       help="append every request's record and worker event to FILE (JSON lines)")
+    report = commands.add_parser("report", help="summarise an event log, and draw its timeline")
+    report.add_argument("events", metavar="EVENTS", help="a JSON-lines event log (event_log=, build --events)")
+    report.add_argument("--timeline", metavar="PNG", default=None,
+                        help="also draw the workers over time into this PNG (needs matplotlib)")
     args = parser.parse_args(argv)
     if args.command == "build":
         return asyncio.run(_build(args))
+    if args.command == "report":
+        return _report(args)
     return 2  # pragma: no cover - argparse requires a command
 
 
