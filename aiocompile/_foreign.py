@@ -44,6 +44,9 @@ from aiocompile._pool import Job, PoolCounters, emit_event
 from aiocompile._worker import _JobState
 
 ExecutorFactory = Callable[[], cf.Executor]
+
+# How long a closed stdlib pool's idle processes may take to exit before they are killed.
+_JOIN_TIMEOUT = 10.0
 ExecutorSpec = Union[cf.Executor, ExecutorFactory]
 
 _state = _JobState()
@@ -199,6 +202,9 @@ class ForeignPool:
                 _, not_done = cf.wait(running, timeout=grace)
                 if not_done:
                     _kill(processes)
+                # shutdown(wait=False) only asked them to go: make sure they are gone
+                # before returning, as a closed scheduler leaves no process behind.
+                _join(processes, _JOIN_TIMEOUT)
         with self._lock:
             for sent in list(self._sent.values()):
                 self._fail(sent.job, closed)
@@ -352,6 +358,21 @@ class ForeignPool:
             if not job.future.running():
                 job.future.set_running_or_notify_cancel()
             job.future.set_exception(exc)
+
+
+def _join(processes: list[Any], timeout: float) -> None:
+    """Wait for the processes of a stdlib process pool to exit; kill those that take
+    longer than ``timeout`` seconds in all."""
+    deadline = time.monotonic() + timeout
+    for process in processes:
+        join = getattr(process, "join", None)
+        if join is not None:
+            join(max(0.0, deadline - time.monotonic()))
+    _kill([p for p in processes if getattr(p, "is_alive", lambda: False)()])
+    for process in processes:
+        join = getattr(process, "join", None)
+        if join is not None:
+            join(1.0)
 
 
 def _kill(processes: list[Any]) -> None:

@@ -8,6 +8,7 @@ import time
 import anyio
 import jobs
 import pytest
+from conftest import alive, child_pids
 from test_faults import gather
 from triton_kernels import ADD_SIGNATURE, add_kernel
 
@@ -119,3 +120,13 @@ async def test_an_executor_that_breaks_and_cannot_be_rebuilt_fails_clearly():
 def test_bad_executor_argument():
     with pytest.raises(TypeError):
         ForeignPool(42)
+
+
+async def test_aclose_leaves_no_process_of_a_stdlib_pool_behind():
+    before = child_pids()
+    async with aiocompile.Scheduler(executor=cf.ProcessPoolExecutor(2)) as sched:
+        assert await sched.run(jobs.echo, 1) == 1
+        workers = set(sched.worker_pids())
+        assert workers and workers <= child_pids()
+    assert not alive(workers)
+    assert child_pids() == before

@@ -409,3 +409,32 @@ async def test_wait_fills_a_scope_in_place_and_keeps_order():
         assert results[0] == 1 and isinstance(results[1], aiocompile.WorkerCrashedError)
         with pytest.raises(aiocompile.CompileTimeout):
             await sched.wait([sched.run(jobs.hang, timeout=0.3), sched.run(jobs.sleep_then, 0.1, 1)])
+
+
+async def test_a_foreign_executor_reports_its_attempts_too():
+    import concurrent.futures as cf
+
+    seen = []
+    async with aiocompile.Scheduler(executor=cf.ProcessPoolExecutor(1), on_event=seen.append) as sched:
+        assert await sched.run(jobs.echo, 5) == 5
+        pid = await sched.run(jobs.pid)
+    ended = [e for e in seen if e.event == "job_ended"]
+    assert [e.status for e in ended] == ["ok", "ok"] and ended[-1].pid == pid
+    assert all(e.started_at <= e.time for e in ended)
+    record = sched.records()[-1]
+    assert record.outcome == "compiled" and record.worker_pid == pid and record.run_time >= 0
+
+
+def test_progress_shows_in_a_notebook_without_a_terminal(monkeypatch):
+    import sys
+    import types
+
+    class ZMQInteractiveShell:  # what a Jupyter kernel's shell is called
+        pass
+
+    fake = types.ModuleType("IPython")
+    fake.get_ipython = ZMQInteractiveShell
+    monkeypatch.setitem(sys.modules, "IPython", fake)
+    assert Progress(2, enabled=True, stream=io.StringIO()).enabled
+    fake.get_ipython = lambda: None  # plain IPython in a terminal, or no shell at all
+    assert not Progress(2, enabled=True, stream=io.StringIO()).enabled
