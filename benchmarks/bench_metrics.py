@@ -8,9 +8,9 @@ alike:
 - ``off``: ``SchedulerConfig(metrics=False)``, counters only;
 - ``on``: the default, a record per request and worker events, the ``aiocompile``
   logger with no handler wanting them (how most programs run);
-- ``on + all sinks``: as ``on``, plus a JSON-lines event file, an ``on_event`` callback,
-  a logging handler taking every record at DEBUG, and a Prometheus collector scraped
-  once per round;
+- ``on + event file``, ``on + callback``, ``on + DEBUG log handler``: one sink each (a
+  JSON-lines file; an ``on_event`` callback; a logging handler taking every record);
+- ``on + all sinks``: all three, and a Prometheus collector scraped once per round;
 - for scale, the stdlib ``ProcessPoolExecutor`` through ``loop.run_in_executor``.
 
     python benchmarks/bench_metrics.py [--calls 400] [--rounds 10] [--json out.json]
@@ -58,6 +58,9 @@ async def main(calls: int, rounds: int) -> dict[str, object]:
 
     off = aiocompile.Scheduler(config=aiocompile.SchedulerConfig(workers=1, metrics=False))
     on = aiocompile.Scheduler(workers=1)
+    file_only = aiocompile.Scheduler(workers=1, event_log=os.path.join(scratch, "file-only.jsonl"))
+    callback_only = aiocompile.Scheduler(workers=1, on_event=lambda event: None)
+    log_only = aiocompile.Scheduler(workers=1)
     sinks = aiocompile.Scheduler(workers=1, event_log=os.path.join(scratch, "events.jsonl"), on_event=events.append)
     if prometheus_client is not None:
         registry = prometheus_client.CollectorRegistry()
@@ -73,6 +76,9 @@ async def main(calls: int, rounds: int) -> dict[str, object]:
     modes = {
         "off": lambda: off.run(abs, -1),
         "on": lambda: on.run(abs, -1),
+        "on + event file": lambda: file_only.run(abs, -1),
+        "on + callback": lambda: callback_only.run(abs, -1),
+        "on + DEBUG log handler": lambda: log_only.run(abs, -1),
         "on + all sinks": lambda: sinks.run(abs, -1),
         "stdlib run_in_executor": via_stdlib,
     }
@@ -83,20 +89,22 @@ async def main(calls: int, rounds: int) -> dict[str, object]:
                 await call()
         for _ in range(rounds):
             for name, call in modes.items():
-                if name == "on + all sinks":
+                logs = name in ("on + all sinks", "on + DEBUG log handler")
+                if logs:
                     logger.addHandler(handler)
                     logger.setLevel(logging.DEBUG)
                 for _ in range(calls):
                     started = time.perf_counter()
                     await call()
                     samples[name].append(time.perf_counter() - started)
-                if name == "on + all sinks":
+                if logs:
                     logger.removeHandler(handler)
                     logger.setLevel(logging.NOTSET)
+                if name == "on + all sinks":
                     if registry is not None:
                         prometheus_client.generate_latest(registry)
     finally:
-        for sched in (off, on, sinks):
+        for sched in (off, on, file_only, callback_only, log_only, sinks):
             await sched.aclose()
         stdlib.shutdown()
 
@@ -118,9 +126,9 @@ if __name__ == "__main__":
     report = asyncio.run(main(options.calls, options.rounds))
     print(f"dispatch round trip of a trivial job, {report['calls_per_mode']} calls each, "
           f"{report['cpus']} CPUs")
-    print(f"{'':<24}{'p50 µs':>9}{'p90 µs':>9}{'mean µs':>9}{'p50 / off':>11}")
+    print(f"{'':<26}{'p50 µs':>9}{'p90 µs':>9}{'mean µs':>9}{'p50 / off':>11}")
     for name, values in report["results"].items():  # type: ignore[union-attr]
-        print(f"{name:<24}{values['p50_us']:9.1f}{values['p90_us']:9.1f}{values['mean_us']:9.1f}"
+        print(f"{name:<26}{values['p50_us']:9.1f}{values['p90_us']:9.1f}{values['mean_us']:9.1f}"
               f"{values['p50_vs_off']:11.2f}")
     print(f"(the file got {report['event_lines']} lines, the callback {report['callbacks']} events)")
     if options.json:
