@@ -36,6 +36,7 @@ import threading
 import time
 from concurrent.futures.process import ProcessPoolExecutor
 from dataclasses import dataclass
+from multiprocessing.connection import wait as wait_for_any
 from typing import Any, Callable, Union
 
 from aiocompile._errors import CompileTimeout, SchedulerClosed, WorkerCrashedError
@@ -362,17 +363,27 @@ class ForeignPool:
 
 def _join(processes: list[Any], timeout: float) -> None:
     """Wait for the processes of a stdlib process pool to exit; kill those that take
-    longer than ``timeout`` seconds in all."""
+    longer than ``timeout`` seconds.
+
+    This waits on each process's sentinel, without ``Process.join()``: the pool's own
+    management thread may be joining the same processes, and with a forkserver context two
+    joins race to read the one exit status the fork server sends.
+    """
+    sentinels = {}
+    for process in processes:
+        try:
+            sentinels[process.sentinel] = process
+        except (AttributeError, ValueError):  # not a multiprocessing.Process, or closed
+            continue
     deadline = time.monotonic() + timeout
-    for process in processes:
-        join = getattr(process, "join", None)
-        if join is not None:
-            join(max(0.0, deadline - time.monotonic()))
-    _kill([p for p in processes if getattr(p, "is_alive", lambda: False)()])
-    for process in processes:
-        join = getattr(process, "join", None)
-        if join is not None:
-            join(1.0)
+    while sentinels:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            _kill(list(sentinels.values()))
+            wait_for_any(list(sentinels), 1.0)
+            return
+        for sentinel in wait_for_any(list(sentinels), left):
+            sentinels.pop(sentinel, None)
 
 
 def _kill(processes: list[Any]) -> None:

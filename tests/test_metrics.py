@@ -10,6 +10,7 @@ import uuid
 import anyio
 import jobs
 import pytest
+from conftest import wait_until
 from triton_kernels import ADD_SIGNATURE, add_kernel, type_error_kernel
 
 import aiocompile
@@ -63,8 +64,10 @@ async def started_in_worker(sched, name):
 async def every_outcome(sched, other_sched_with_same_cache_dir):
     """Ends one request (or more) in each outcome; returns the outcomes expected."""
     kernel = fresh_kernel()
-    await sched.compile_triton(kernel, **scale_args())                           # compiled
+    compiled = await sched.compile_triton(kernel, **scale_args())                # compiled
     await sched.compile_triton(kernel, **scale_args())                           # cache_hit
+    # The file is written in the background, after the answer.
+    assert wait_until(lambda: sched._disk.path(compiled.key).exists())
     await other_sched_with_same_cache_dir.compile_triton(kernel, **scale_args())  # disk_hit (there)
 
     async with anyio.create_task_group() as group:                               # compiled + joined
