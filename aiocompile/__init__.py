@@ -36,6 +36,7 @@ _EXPORTS = {
     "statistics": "aiocompile._scheduler",
     "wait": "aiocompile._scheduler",
     "warm": "aiocompile._scheduler",
+    "warmup": "aiocompile._scheduler",
 }
 
 __all__ = [
@@ -62,6 +63,7 @@ __all__ = [
     "statistics",
     "wait",
     "warm",
+    "warmup",
 ]
 
 
@@ -98,6 +100,7 @@ if _typing.TYPE_CHECKING:
         statistics,
         wait,
         warm,
+        warmup,
     )
     from aiocompile._target import Target
     from aiocompile.backends._triton_kernel import TritonKernel

@@ -266,6 +266,47 @@ class Scheduler:
         result: TritonKernel = await self._execute(request, timeout)
         return result
 
+    async def warmup(
+        self,
+        kernel: Any,
+        *args: Any,
+        grid: Any = None,
+        target: Any = None,
+        timeout: float | None = None,
+        **kwargs: Any,
+    ) -> TritonKernel:
+        """Compile, in the pool, what Triton's JIT would compile for
+        ``kernel[grid](*args, **kwargs)``, and prime the JIT so that the next ordinary
+        launch with such arguments compiles nothing.
+
+        ``args`` are example arguments: tensors (or anything with ``data_ptr()`` and
+        ``dtype``; a torch dtype stands for a tensor of that type), integers,
+        floats; ``kwargs`` the constexprs and options the launch passes. The
+        specialisation is Triton's own: argument types, divisibility by 16, integers equal
+        to 1, constexprs and options (see ``aiocompile.backends._triton_warmup``). ``grid``
+        is accepted so that a launch can be copied as it is; it plays no part in the
+        compile.
+
+        With ``target=None`` the kernel is compiled for the current device and put into
+        its JIT cache, binary loaded and launcher built (in a thread). With an explicit
+        target (``"cuda:90"``...) nothing is primed: that is for building ahead on a
+        machine that will not launch. Returns the ``TritonKernel``.
+
+        Errors, timeouts and crashes are those of ``compile_triton``; a kernel wrapped by
+        ``triton.autotune``/``heuristics`` raises ``TypeError``. Cancelling the await lets
+        a started compile finish (and be cached) but primes nothing.
+        """
+        from aiocompile.backends import _triton_warmup
+
+        if grid is not None and not (callable(grid) or isinstance(grid, (tuple, list, int))):
+            raise TypeError(f"grid must be a tuple of ints or a callable, as for a launch; got {grid!r}")
+        self._check_open()
+        plan = await anyio.to_thread.run_sync(lambda: _triton_warmup.plan(kernel, args, kwargs, target))
+        compiled: TritonKernel = await self.compile_triton(plan.fn, timeout=timeout, **plan.request())
+        if plan.device is not None:
+            await anyio.to_thread.run_sync(lambda: _triton_warmup.prime(plan, compiled))
+        return compiled
+
     async def compile_many(
         self,
         specs: Iterable[Mapping[str, Any]],
@@ -640,6 +681,11 @@ async def run(fn: Callable[..., Any], *args: Any, key: str | None = None, timeou
 async def wait(awaitables: Any, **kwargs: Any) -> Any:
     """``Scheduler.wait`` on the default scheduler (whose compiles the progress bar names)."""
     return await _default.get().wait(awaitables, **kwargs)
+
+
+async def warmup(kernel: Any, *args: Any, **kwargs: Any) -> TritonKernel:
+    """``Scheduler.warmup`` on the default scheduler."""
+    return await _default.get().warmup(kernel, *args, **kwargs)
 
 
 async def warm(target: Any = "cuda:90") -> None:

@@ -21,3 +21,13 @@ def type_error_kernel(x_ptr, n, BLOCK: tl.constexpr):
     offsets = tl.arange(0, BLOCK)
     # A pointer cannot be multiplied by a pointer: Triton rejects this at compile time.
     tl.store(x_ptr + offsets, x_ptr * x_ptr)
+
+
+@triton.jit
+def axpy_kernel(x_ptr, y_ptr, out_ptr, alpha, n, BLOCK: tl.constexpr, SQUARE: tl.constexpr = False):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    x = tl.load(x_ptr + offsets, mask=mask)
+    if SQUARE:
+        x = x * x
+    tl.store(out_ptr + offsets, alpha * x + tl.load(y_ptr + offsets, mask=mask), mask=mask)

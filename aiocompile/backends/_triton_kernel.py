@@ -173,7 +173,7 @@ class TritonKernel:
     def _ensure_loaded(self, device: int | None = None) -> Any:
         with self._load_lock:
             if self._compiled is None:
-                self._compiled = _rebuild_compiled_kernel(self)
+                self._compiled = rebuild_compiled_kernel(self)
             if getattr(self._compiled, "function", None) is None:
                 if device is not None:
                     from triton.runtime import driver
@@ -248,7 +248,9 @@ class _LaunchFn:
         self.launch_metadata = None
 
 
-def _rebuild_compiled_kernel(kernel: TritonKernel) -> Any:
+def rebuild_compiled_kernel(kernel: TritonKernel, src: Any = None) -> Any:
+    """Triton's ``CompiledKernel`` for ``kernel``'s binary. ``src`` is the source it
+    claims (by default one naming the kernel's arguments, enough for launching it)."""
     from triton.compiler.compiler import ASTSource, CompiledKernel
 
     scratch = tempfile.mkdtemp(prefix="aiocompile-load-")
@@ -263,7 +265,8 @@ def _rebuild_compiled_kernel(kernel: TritonKernel) -> Any:
         with open(path, "w") as f:
             f.write(kernel._metadata_json)
         group[f"{kernel.name}.json"] = path
-        src = ASTSource(_LaunchFn(kernel.name, kernel.arg_names), dict(kernel.signature), dict(kernel.constexprs))
+        if src is None:
+            src = ASTSource(_LaunchFn(kernel.name, kernel.arg_names), dict(kernel.signature), dict(kernel.constexprs))
         # CompiledKernel reads every file now, so the scratch directory can go at once.
         return CompiledKernel(src, group, kernel.triton_hash)
     finally:

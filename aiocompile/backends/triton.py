@@ -122,8 +122,10 @@ class TritonSpec:
     key: str
 
     def triton_attrs(self) -> dict[tuple[int, ...], list[list[Any]]]:
-        """``attrs`` the way ``ASTSource`` takes them (and hashes them)."""
-        return {(self.arg_names.index(name),): [list(a) for a in values] for name, values in self.attrs}
+        """``attrs`` the way ``ASTSource`` takes them, in argument order as the JIT gives
+        them: ``ASTSource.hash`` hashes their text, so the order is part of the key."""
+        by_index = sorted((self.arg_names.index(name), values) for name, values in self.attrs)
+        return {(index,): [list(a) for a in values] for index, values in by_index}
 
     def ast_source(self, fn: Any) -> Any:
         from triton.compiler import ASTSource
