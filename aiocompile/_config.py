@@ -20,6 +20,7 @@ AIOCOMPILE_EVENT_LOG       JSON-lines file every record and worker event is appe
                            (default: none)
 AIOCOMPILE_METRICS         0 keeps only the counters: no records, summaries or events
                            (default: 1)
+AIOCOMPILE_WORKER_NICE     how much nicer than this process workers run (default: 10)
 =========================  ============================================================
 """
 
@@ -88,6 +89,9 @@ class SchedulerConfig:
     """A worker whose resident memory exceeds this many bytes after a job is replaced."""
     idle_timeout: float | None = None
     """Workers idle this many seconds are stopped; new ones start on demand."""
+    worker_nice: int = 10
+    """How many steps nicer (lower CPU priority) than this process workers run, so that
+    compiles on every core leave this process's event loop on time. 0 keeps them equal."""
     metrics: bool = True
     """Keep a timing record per request, duration summaries and worker events, and report
     them (logging, ``event_log``, listeners). False keeps only the counters."""
@@ -117,6 +121,8 @@ class SchedulerConfig:
             raise ValueError(f"cache_bytes must be >= 0, got {self.cache_bytes!r}")
         if self.error_ttl < 0:
             raise ValueError(f"error_ttl must be >= 0, got {self.error_ttl!r}")
+        if not isinstance(self.worker_nice, int) or not 0 <= self.worker_nice <= 19:
+            raise ValueError(f"worker_nice must be an integer from 0 to 19, got {self.worker_nice!r}")
         if not isinstance(self.metrics, bool):
             raise ValueError(f"metrics must be True or False, got {self.metrics!r}")
         if self.cache_dir_bytes is not None and self.cache_dir_bytes <= 0:
@@ -149,6 +155,7 @@ class SchedulerConfig:
         changes["cache_dir"] = environ.get("AIOCOMPILE_CACHE_DIR", "").strip() or None
         changes["cache_dir_bytes"] = number("AIOCOMPILE_CACHE_DIR_BYTES", int)
         changes["event_log"] = environ.get("AIOCOMPILE_EVENT_LOG", "").strip() or None
+        changes["worker_nice"] = number("AIOCOMPILE_WORKER_NICE", int)
         metrics = environ.get("AIOCOMPILE_METRICS", "").strip().lower()
         if metrics:
             if metrics not in ("0", "1", "true", "false", "yes", "no", "on", "off"):

@@ -143,6 +143,21 @@ class PoolCounters:
     queue_depth_max: int = 0
 
 
+def _lower_priority(pid: int, nice: int) -> None:
+    """Make a worker ``nice`` steps nicer than this process.
+
+    Compiles use every core they get; the event loop of the process that asked for them
+    must still wake up on time. Done while the worker is single-threaded (it has just said
+    it is ready, and compilers start their threads in the first compile), so its later
+    threads inherit it. A worker that cannot be reniced runs as it is.
+    """
+    try:
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        os.setpriority(os.PRIO_PROCESS, pid, min(19, mine + nice))
+    except (OSError, AttributeError):
+        pass
+
+
 def _death_statuses(kill_reason: str | None, machinery_failed: bool) -> tuple[str, str]:
     """(worker_exited status, job_ended status) for a worker that died holding a job."""
     if kill_reason == "undelivered":
@@ -204,6 +219,7 @@ class WorkerPool(cf.Executor):
         max_crashes: int = 2,
         max_worker_rss: int | None = None,
         idle_timeout: float | None = None,
+        worker_nice: int = 0,
     ) -> None:
         if max_workers < 1:
             raise ValueError(f"max_workers must be at least 1, got {max_workers}")
@@ -213,6 +229,7 @@ class WorkerPool(cf.Executor):
         self.max_crashes = max_crashes
         self.max_worker_rss = max_worker_rss
         self.idle_timeout = idle_timeout
+        self.worker_nice = worker_nice
         self.start_method = start_method
         self._preload = preload
         self._pid = os.getpid()
@@ -549,6 +566,8 @@ class WorkerPool(cf.Executor):
             return
         message = pickle.loads(data)
         if message[0] == "ready":
+            if self.worker_nice:
+                _lower_priority(worker.proc.pid, self.worker_nice)
             worker.state = "idle"
             self._start_failures = 0
             self._retry_start_at = None

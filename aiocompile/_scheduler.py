@@ -109,6 +109,7 @@ class Scheduler:
                 max_crashes=self.config.max_crashes,
                 max_worker_rss=self.config.max_worker_rss,
                 idle_timeout=self.config.idle_timeout,
+                worker_nice=self.config.worker_nice,
             )
         self._cache = KernelCache(self.config.cache_entries, self.config.cache_bytes, self.config.error_ttl)
         self._disk = None if self.config.cache_dir is None else DiskCache(self.config.cache_dir,

@@ -238,3 +238,16 @@ def test_workers_exit_when_the_parent_is_killed(start_method):
         time.sleep(0.02)
     assert not alive(descendants), f"still running 2 s after the parent died: {alive(descendants)}"
 
+
+
+def test_workers_run_nicer_than_this_process():
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    with WorkerPool(1, preload=(), worker_nice=7) as pool:
+        pid = pool.submit(jobs.pid).result(timeout=60)
+        assert os.getpriority(os.PRIO_PROCESS, pid) == min(19, mine + 7)
+    with WorkerPool(1, preload=()) as pool:
+        pid = pool.submit(jobs.pid).result(timeout=60)
+        assert os.getpriority(os.PRIO_PROCESS, pid) == mine
+    assert aiocompile.SchedulerConfig().worker_nice == 10
+    with pytest.raises(ValueError, match="worker_nice"):
+        aiocompile.SchedulerConfig(worker_nice=25)

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import struct
+import sys
 import tempfile
 import threading
 from collections.abc import Mapping
@@ -15,6 +16,11 @@ from typing import Any, Callable
 from aiocompile._target import Target, parse_target
 
 # -- TritonKernel -----------------------------------------------------------------------------
+
+# One load at a time in a process. Loading a binary and building a launcher is mostly
+# work that holds the GIL; done by many threads at once, it gains nothing and the event
+# loop's thread waits in the crowd for its turn (tens of milliseconds with 32 loads).
+LOAD_LOCK = threading.Lock()
 
 _MAGIC = b"AIOCOMPILE-TRITON\n"
 _FORMAT_VERSION = 1
@@ -172,14 +178,17 @@ class TritonKernel:
 
     def _ensure_loaded(self, device: int | None = None) -> Any:
         with self._load_lock:
-            if self._compiled is None:
-                self._compiled = rebuild_compiled_kernel(self)
-            if getattr(self._compiled, "function", None) is None:
-                if device is not None:
-                    from triton.runtime import driver
+            if self._compiled is not None and getattr(self._compiled, "function", None) is not None:
+                return self._compiled
+            with LOAD_LOCK:
+                if self._compiled is None:
+                    self._compiled = rebuild_compiled_kernel(self)
+                if getattr(self._compiled, "function", None) is None:
+                    if device is not None:
+                        from triton.runtime import driver
 
-                    driver.active.set_current_device(device)
-                self._compiled._init_handles()
+                        driver.active.set_current_device(device)
+                    self._compiled._init_handles()
             return self._compiled
 
     def __getitem__(self, grid: Any) -> Callable[..., None]:
@@ -231,10 +240,18 @@ def _decode_constexpr(value: Any) -> Any:
 
 
 def _current_device() -> int | None:
-    try:
-        from triton.runtime import driver
+    """The caller's current device, if knowing it is cheap; None otherwise.
 
-        return int(driver.active.get_current_device())
+    The current device belongs to the calling thread, so it is read here, before the load
+    moves to a thread. But reading it must not be what initialises CUDA (or imports
+    torch) in the event loop's thread: until this process has done so, the current device
+    is the default one, which is what the loading thread gets anyway.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    try:
+        return int(torch.cuda.current_device())
     except Exception:
         return None
 

@@ -243,6 +243,9 @@ class TritonBackend:
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
+        # Keys are computed one at a time: the work holds the GIL, so threads computing
+        # them side by side only crowd the event loop's thread out (see LOAD_LOCK).
+        self._keys_lock = threading.Lock()
         self._kernels: weakref.WeakKeyDictionary[Any, _Kernel] = weakref.WeakKeyDictionary()
         self._backends: dict[Any, Any] = {}
         self._options: dict[Any, Any] = {}
@@ -288,6 +291,10 @@ class TritonBackend:
         resolved: Target = parsed_target
 
         def build() -> Request:
+            with self._keys_lock:
+                return build_locked()
+
+        def build_locked() -> Request:
             known = self._kernel(kernel)
             spec = TritonSpec(known.ref, name, arg_names, full_signature, ordered_constexprs, norm_attrs,
                               norm_options, resolved, key="")
