@@ -17,11 +17,6 @@ from aiocompile._target import Target, parse_target
 
 # -- TritonKernel -----------------------------------------------------------------------------
 
-# One load at a time in a process. Loading a binary and building a launcher is mostly
-# work that holds the GIL; done by many threads at once, it gains nothing and the event
-# loop's thread waits in the crowd for its turn (tens of milliseconds with 32 loads).
-LOAD_LOCK = threading.Lock()
-
 _MAGIC = b"AIOCOMPILE-TRITON\n"
 _FORMAT_VERSION = 1
 
@@ -178,17 +173,14 @@ class TritonKernel:
 
     def _ensure_loaded(self, device: int | None = None) -> Any:
         with self._load_lock:
-            if self._compiled is not None and getattr(self._compiled, "function", None) is not None:
-                return self._compiled
-            with LOAD_LOCK:
-                if self._compiled is None:
-                    self._compiled = rebuild_compiled_kernel(self)
-                if getattr(self._compiled, "function", None) is None:
-                    if device is not None:
-                        from triton.runtime import driver
+            if self._compiled is None:
+                self._compiled = rebuild_compiled_kernel(self)
+            if getattr(self._compiled, "function", None) is None:
+                if device is not None:
+                    from triton.runtime import driver
 
-                        driver.active.set_current_device(device)
-                    self._compiled._init_handles()
+                    driver.active.set_current_device(device)
+                self._compiled._init_handles()
             return self._compiled
 
     def __getitem__(self, grid: Any) -> Callable[..., None]:

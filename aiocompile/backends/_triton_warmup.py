@@ -141,20 +141,19 @@ def prime(plan: Plan, kernel: Any, *, load: bool = True) -> Any:
     run it in a thread."""
     from triton.compiler.compiler import ASTSource
 
-    from aiocompile.backends._triton_kernel import LOAD_LOCK, rebuild_compiled_kernel
+    from aiocompile.backends._triton_kernel import rebuild_compiled_kernel
 
     if plan.device is None:
         raise ValueError("a specialisation for an explicit target has no JIT cache to prime")
     if kernel.triton_hash != kernel.key:  # pragma: no cover - checked when it was compiled
         raise ValueError("the kernel's binary does not match its key")
     src = ASTSource(plan.fn, dict(plan.signature), dict(plan.constexprs), dict(plan.attrs))
-    with LOAD_LOCK:
-        compiled = rebuild_compiled_kernel(kernel, src)
-        if load:
-            from triton.runtime import driver
+    compiled = rebuild_compiled_kernel(kernel, src)
+    if load:
+        from triton.runtime import driver
 
-            driver.active.set_current_device(plan.device)
-            compiled._init_handles()
+        driver.active.set_current_device(plan.device)
+        compiled._init_handles()
     kernel_cache = plan.fn.device_caches[plan.device][0]
     with _PRIME_LOCK:
         # A launch that compiled it meanwhile keeps its own.

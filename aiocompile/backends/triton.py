@@ -244,7 +244,7 @@ class TritonBackend:
     def __init__(self) -> None:
         self._lock = threading.RLock()
         # Keys are computed one at a time: the work holds the GIL, so threads computing
-        # them side by side only crowd the event loop's thread out (see LOAD_LOCK).
+        # them side by side gain nothing and only crowd the event loop's thread out.
         self._keys_lock = threading.Lock()
         self._kernels: weakref.WeakKeyDictionary[Any, _Kernel] = weakref.WeakKeyDictionary()
         self._backends: dict[Any, Any] = {}
