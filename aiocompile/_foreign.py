@@ -207,9 +207,17 @@ class ForeignPool:
                 # before returning, as a closed scheduler leaves no process behind.
                 _join(processes, _JOIN_TIMEOUT)
         with self._lock:
-            for sent in list(self._sent.values()):
-                self._fail(sent.job, closed)
+            # Killing the busy processes above breaks the executor, and its callbacks
+            # may have sorted the lost jobs into suspects and held jobs meanwhile.
+            left = [sent.job for sent in self._sent.values()] + list(self._suspects) + list(self._held)
+            if self._alone is not None:
+                left.append(self._alone)
             self._sent.clear()
+            self._suspects.clear()
+            self._held.clear()
+            self._alone = None
+        for job in left:
+            self._fail(job, closed)
 
     # -- sending and receiving (the lock is held in every method below) ---------------------
 
@@ -271,7 +279,11 @@ class ForeignPool:
         if exc is not None:
             emit_event(self.on_event, "job_ended", None, job, status="error")
             self._fail(job, exc)
-        elif not future.cancelled():
+        elif future.cancelled():
+            # Only the executor's own shutdown cancels a future we still track (ours are
+            # withdrawn from _sent before they are cancelled): the job never ran.
+            self._fail(job, SchedulerClosed("the scheduler was closed before the job started"))
+        else:
             result, run_time, pid, started_wall = future.result()
             job.run_time, job.worker_pid = run_time, pid
             job.started_at = job.attempt_started_at = time.monotonic() - (time.time() - started_wall)
@@ -306,6 +318,9 @@ class ForeignPool:
             job = sent.job
             if job.future.done():
                 continue  # timed out or cancelled already: nobody waits for a re-run
+            if self._closed:
+                self._fail(job, SchedulerClosed("the scheduler was closed while the job ran"))
+                continue
             if job is alone:
                 self._crashed(job)  # it ran alone: the culprit, for certain
                 continue
