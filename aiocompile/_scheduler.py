@@ -19,6 +19,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import inspect
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterable, Mapping, MutableMapping
@@ -366,12 +367,14 @@ class Scheduler:
         return_exceptions: bool = False,
     ) -> Any:
         """Wait for many compiles at once: coroutines, tasks or futures
-        (``asyncio``/``concurrent.futures``), awaited concurrently.
+        (``asyncio``/``concurrent.futures``, and PyTorch Inductor's compile futures, whose
+        blocking ``result()`` runs in a thread), awaited concurrently.
 
         Given a mutable mapping, such as a module's ``globals()``, each value that is
         awaitable is replaced in place by its result and the mapping is returned; other
-        values are left alone. Given an iterable, the list of results is returned in its
-        order. ``progress=True`` shows a progress bar, as ``compile_many`` does.
+        values (a kernel already compiled, say) are left alone. Given an iterable, the list
+        of results is returned in its order. ``progress=True`` shows a progress bar, as
+        ``compile_many`` does.
 
         The first failure is raised once the others have been let go (cancelled; a compile
         that already started finishes in the background and is cached), unless
@@ -399,7 +402,12 @@ class Scheduler:
 
         async def one(ident: int, value: Any, scope_: anyio.CancelScope) -> None:
             try:
-                result = await _bridge.wait(value) if isinstance(value, cf.Future) else await value
+                if isinstance(value, cf.Future):
+                    result = await _bridge.wait(value)
+                elif _is_inductor_future(value):
+                    result = await _await_inductor_future(value)
+                else:
+                    result = await value
             except Exception as exc:
                 bar.finished(type(exc).__name__, ok=False)
                 outcome[ident] = exc
@@ -616,9 +624,146 @@ class Scheduler:
         self._metrics.finish(record)
         self._events.emit(record)
 
+    # -- PyTorch Inductor --------------------------------------------------------------------
+
+    async def inductor_triton(
+        self, kernel_name: str, source_code: str, *, device_str: str = "cuda", timeout: float | None = None
+    ) -> Any:
+        """Compile a kernel that PyTorch Inductor generated, and return the kernel object
+        Inductor expects: what ``async_compile.triton(kernel_name, source_code,
+        device_str=...)`` in Inductor's output code yields (a ``CachingAutotuner``, its
+        launchers built).
+
+        ``source_code`` is the kernel's whole module source, ``kernel_name`` the kernel it
+        defines. A wrong type raises ``TypeError`` at once; a source that does not parse,
+        defines no such kernel, or was generated for another device than ``device_str``
+        raises ``ValueError`` before any worker is involved.
+
+        The worker does what Inductor's own compile workers do (every autotuning
+        configuration through Triton); this process then builds the launchers, in a
+        thread. Concurrent requests for one source share one compile, keyed as Inductor
+        keys it (the source and ``torch_key()``). ``CompileError`` if it does not compile
+        (the worker's traceback as its cause), ``CompileTimeout`` past ``timeout``
+        seconds of worker time (its worker is killed, no other), ``WorkerCrashedError``
+        after ``max_crashes`` worker deaths; a death before that is retried on a fresh
+        worker. Cancelling the await lets a started compile finish, kept for the next
+        caller. Needs torch; a worker imports it on its first such job, unless the fork
+        server preloads it (``aiocompile.torch.PRELOAD`` in ``config.preload``).
+        """
+        from aiocompile.backends import inductor
+
+        request = await inductor.prepare(self._context, kernel_name, source_code, device_str)
+        artifact: inductor.InductorArtifact = await self._execute(request, timeout)
+        return await anyio.to_thread.run_sync(artifact.ready)
+
+    def _prepare_pool(self) -> None:
+        """Start loading the fork server now (its preload), without waiting."""
+        self._check_open()
+        self._pool.start()
+
+    def _warm_workers(self, fn: Callable[..., Any], args: tuple[Any, ...] = ()) -> None:
+        """Start every worker and run ``fn(*args)`` once in each not yet warmed, without
+        waiting (a backend's warm-up, such as importing torch for Inductor's kernels)."""
+        self._check_open()
+        self._pool.warm(fn, args)
+
+    def _execute_sync(self, request: Request, timeout: float | None) -> cf.Future[Any]:
+        """``_execute`` for a caller outside any event loop (Inductor's synchronous
+        compile path): the same cache, single flight, retries and timeouts, answered
+        through a ``concurrent.futures.Future``.
+
+        Each request is recorded exactly once: when it is answered, in the thread that
+        answers it (at once for a cache hit; the pool's supervisor thread for a job), or
+        when the caller cancels the future, which counts as a cancelled await: a queued
+        job nobody else waits for is dropped, a started one runs on (or is killed, with
+        ``cancel_running="kill"``). Raises ``SchedulerClosed`` at once when closed.
+        """
+        self._check_open()
+        arrived, wall = time.monotonic(), time.time()
+        self._metrics.submit()
+        if timeout is None:
+            timeout = self.config.timeout
+        answer: cf.Future[Any] = cf.Future()
+        try:
+            how, found = self._cache.join_or_start(request.key, lambda entry: self._start(entry, request, timeout))
+        except BaseException as exc:
+            self._record(request, _sync_failure_outcome(exc), wall, arrived, None, error=exc)
+            raise
+        if how == "hit":
+            self._record(request, "cache_hit", wall, arrived, None, result=found)
+            answer.set_result(found)
+            return answer
+        if how == "error":
+            self._record(request, "error_hit", wall, arrived, None, error=found)
+            answer.set_exception(found)
+            return answer
+        entry: Entry = found
+
+        def on_cancelled(done: cf.Future[Any]) -> None:
+            if done.cancelled():
+                self._cache.leave(entry, self._stop_abandoned)
+                self._record(request, "cancelled", wall, arrived, entry)
+
+        def on_finished(job_done: cf.Future[Any]) -> None:
+            # Either this or on_cancelled records the request: once ``answer`` is running
+            # it can no longer be cancelled, and once cancelled it cannot run.
+            if not answer.set_running_or_notify_cancel():
+                return
+            self._cache.leave(entry)
+            if job_done.cancelled():  # withdrawn with nobody waiting: not expected here
+                self._record(request, "cancelled", wall, arrived, entry)
+                answer.set_exception(cf.CancelledError())
+                return
+            exc = job_done.exception()
+            if exc is not None:
+                outcome = _sync_failure_outcome(exc) if how == "started" else "joined"
+                self._record(request, outcome, wall, arrived, entry, error=exc)
+                answer.set_exception(exc)
+                return
+            result = job_done.result()
+            if how == "joined":
+                outcome = "joined"
+            else:
+                outcome = "disk_hit" if entry.source == "disk" else "compiled"
+            self._record(request, outcome, wall, arrived, entry, result=result)
+            answer.set_result(result)
+
+        answer.add_done_callback(on_cancelled)
+        entry.future.add_done_callback(on_finished)
+        return answer
+
+
+def _sync_failure_outcome(exc: BaseException) -> str:
+    """``_failure_outcome`` with no event loop to ask for its cancellation class."""
+    if isinstance(exc, (CompileTimeout, WorkerCrashedError, SchedulerClosed)):
+        return _failure_outcome(exc)
+    return "cancelled" if isinstance(exc, cf.CancelledError) else "error"
+
+
+def _is_inductor_future(value: Any) -> bool:
+    """An Inductor compile future (``LambdaFuture`` and kin, with a blocking
+    ``result()``), recognised without importing torch."""
+    codecache = sys.modules.get("torch._inductor.codecache")
+    base = getattr(codecache, "CodeCacheFuture", None)
+    return isinstance(base, type) and isinstance(value, base)
+
+
+async def _await_inductor_future(value: Any) -> Any:
+    # Wait for the compile itself without holding a thread, where the future shows it (an
+    # Inductor LambdaFuture carries the worker's concurrent future); then take the result,
+    # which may load the kernel, in a thread. Its error, if any, comes from result(), in
+    # Inductor's words.
+    inner = getattr(value, "future", None)
+    if isinstance(inner, cf.Future):
+        try:
+            await _bridge.wait(inner)
+        except Exception:
+            pass
+    return await anyio.to_thread.run_sync(value.result)
+
 
 def _is_waitable(value: Any) -> bool:
-    return isinstance(value, cf.Future) or inspect.isawaitable(value)
+    return isinstance(value, cf.Future) or inspect.isawaitable(value) or _is_inductor_future(value)
 
 
 def _failure_outcome(exc: BaseException) -> str:
@@ -697,3 +842,8 @@ async def warm(target: Any = "cuda:90") -> None:
 def statistics() -> Statistics:
     """``Scheduler.statistics`` of the default scheduler."""
     return _default.get().statistics()
+
+
+async def inductor_triton(kernel_name: str, source_code: str, **kwargs: Any) -> Any:
+    """``Scheduler.inductor_triton`` on the default scheduler."""
+    return await _default.get().inductor_triton(kernel_name, source_code, **kwargs)

@@ -95,3 +95,9 @@ def return_unpicklable():
 
 def big_result(megabytes):
     return b"\x01" * (megabytes * 1024 * 1024)
+
+
+def loaded_modules(names):
+    """Which of ``names`` this worker had imported before the job, and its BLAS thread
+    count setting."""
+    return [name in sys.modules for name in names], os.environ.get("OPENBLAS_NUM_THREADS")

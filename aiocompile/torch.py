@@ -1,0 +1,416 @@
+"""``torch.compile`` with aiocompile underneath: Inductor's Triton compiles run in an
+aiocompile pool.
+
+::
+
+    import aiocompile.torch
+
+    sched = aiocompile.torch.install()  # or: with aiocompile.torch.installed() as sched: ...
+    model = torch.compile(model)
+    model(x)                            # its Triton kernels compiled by aiocompile's workers
+    sched.statistics()                  # ... and counted there
+    aiocompile.torch.uninstall()
+
+Nothing else changes for the program: Inductor generates the same kernels and gets the
+same kernel objects back (see ``aiocompile.backends.inductor``). What it gains:
+
+- a worker that dies in a compile (a segfault in LLVM or ptxas, an OOM kill) costs a
+  retry of that kernel on a fresh worker, not the whole ``torch.compile``; a kernel that
+  kills ``max_crashes`` workers fails it with ``WorkerCrashedError`` naming the kernel;
+- a per-kernel ``timeout`` (``install(timeout=...)``, else the scheduler's): a compile
+  that runs past it fails with ``CompileTimeout`` and only its worker is killed;
+- one compile per kernel source across graphs and threads, and every compile in
+  ``statistics()``, ``records()``, the ``aiocompile`` logger and the event log.
+
+What is patched, on ``torch._inductor.async_compile.AsyncCompile`` (``uninstall()`` puts
+back exactly what was there):
+
+- ``triton``: submits the kernel to the scheduler and returns an Inductor
+  ``LambdaFuture`` that Inductor's own ``wait()`` resolves (or, when Inductor runs with
+  one compile thread, the kernel itself, compiled in the pool all the same); a kernel
+  Inductor already holds (its ``CompiledTritonKernels``, filled from its caches) is
+  answered as Inductor would; ``TRITON_INTERPRET=1`` keeps Inductor's own path;
+- ``use_process_pool``: true whenever Inductor would compile in parallel, so that
+  Inductor starts compiles early, during code generation; Inductor's own compile pool is
+  never started;
+- ``warm_pool``, ``wakeup``, ``wait_pool_ready``: Inductor's pool warm-up; instead, the
+  first ``torch.compile`` starts every aiocompile worker (``warm=False``: workers start
+  on demand).
+
+``install()`` with no scheduler makes one of its own, configured from the environment
+(``SchedulerConfig.from_env()``), whose fork server imports torch before forking
+(``PRELOAD``), so that every worker starts with torch loaded; ``uninstall()`` closes it.
+A scheduler of your own serves too; give its configuration ``PRELOAD`` as well, or each of
+its workers imports torch (seconds) on its first kernel.
+
+Only Triton kernels move: C++, CUTLASS and other kernels compile as Inductor compiles
+them. Installing twice raises ``RuntimeError`` (uninstall first, or use ``installed()``
+once); ``uninstall()`` when nothing is installed does nothing.
+
+Importing this module does not import torch; ``install()`` does.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import functools
+import importlib
+import os
+import threading
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from aiocompile._config import SchedulerConfig
+from aiocompile._scheduler import Scheduler
+from aiocompile.backends._inductor_worker import PRELOAD
+
+__all__ = ["PRELOAD", "install", "installed", "is_installed", "uninstall"]
+
+# The attributes of AsyncCompile that install() replaces, with what replaces them below.
+PATCHED = ("triton", "use_process_pool", "warm_pool", "wakeup", "wait_pool_ready")
+
+
+@dataclass(eq=False)
+class _Installation:
+    """One ``install()``: where compiles go and what was patched."""
+
+    scheduler: Scheduler
+    owned: bool
+    """The scheduler was made by ``install()``, and ``uninstall()`` closes it."""
+    timeout: float | None
+    warm: bool
+    target: type
+    originals: dict[str, tuple[bool, Any]] = field(default_factory=dict)
+    """Attribute name -> (whether it was the class's own, the raw value there)."""
+    warmed: bool = False
+    pid: int = field(default_factory=os.getpid)
+
+    def current_scheduler(self) -> Scheduler:
+        """The scheduler; in a forked child, a scheduler ``install()`` made is made anew
+        there (the parent's pool is the parent's), one you gave raises ``SchedulerClosed``
+        when used, as it does anywhere."""
+        if self.owned and self.pid != os.getpid():
+            with _state.lock:
+                if self.pid != os.getpid():
+                    self.scheduler = _own_scheduler()
+                    self.pid = os.getpid()
+                    self.warmed = False
+        return self.scheduler
+
+    def original(self, name: str) -> Any:
+        own, raw = self.originals[name]
+        if own:
+            return raw.__get__(None, self.target)
+        return getattr(super(self.target, self.target), name)
+
+
+class _State:
+    """The one installation there can be: patching a library is process-wide by nature."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.current: _Installation | None = None
+
+
+_state = _State()
+
+
+def _async_compile_module() -> Any:
+    try:
+        return importlib.import_module("torch._inductor.async_compile")
+    except ImportError as exc:
+        raise ImportError(
+            f"aiocompile.torch needs PyTorch with Inductor (pip install 'aiocompile[torch]'): {exc}"
+        ) from exc
+
+
+def install(scheduler: Scheduler | None = None, *, timeout: float | None = None, warm: bool = True) -> Scheduler:
+    """Make Inductor's Triton compiles run in ``scheduler`` and return it; with None, in
+    a scheduler of its own (configured from the environment, its workers forked with torch
+    already imported), which starts loading at once and which ``uninstall()`` closes.
+
+    ``timeout`` is the per-kernel compile timeout in seconds (None: the scheduler's).
+    With ``warm`` (the default), the first ``torch.compile`` starts every worker, while
+    Inductor traces and generates code, as Inductor does with its own pool. Raises
+    ``RuntimeError`` if already installed, ``ImportError`` without torch.
+    """
+    if scheduler is not None and not isinstance(scheduler, Scheduler):
+        raise TypeError(f"scheduler must be an aiocompile.Scheduler or None, got {type(scheduler).__name__}")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    if scheduler is not None and scheduler.closed:
+        raise ValueError("the scheduler is closed")
+    module = _async_compile_module()
+    target = module.AsyncCompile
+    missing = [name for name in ("triton", "use_process_pool") if not hasattr(target, name)]
+    if missing:
+        raise RuntimeError(f"this torch's AsyncCompile has no {', '.join(missing)}: unsupported torch version")
+    with _state.lock:
+        if _state.current is not None:
+            raise RuntimeError("aiocompile.torch is already installed; call aiocompile.torch.uninstall() first")
+        owned = scheduler is None
+        if scheduler is None:
+            scheduler = _own_scheduler()
+        installation = _Installation(scheduler, owned, timeout, warm, target)
+        for name in PATCHED:
+            if name in target.__dict__:
+                installation.originals[name] = (True, target.__dict__[name])
+            elif hasattr(target, name):
+                installation.originals[name] = (False, None)
+        for name in installation.originals:
+            setattr(target, name, _REPLACEMENTS[name])
+        _state.current = installation
+    return scheduler
+
+
+def _own_scheduler() -> Scheduler:
+    config = SchedulerConfig.from_env()
+    scheduler = Scheduler(config=config.with_changes(preload=(*config.preload, PRELOAD)))
+    # The fork server imports torch now, while the program goes on to torch.compile.
+    scheduler._prepare_pool()
+    return scheduler
+
+
+def uninstall() -> bool:
+    """Put back what ``install()`` replaced; returns whether anything was installed.
+
+    Kernels already handed to Inductor stay valid. A scheduler ``install()`` made is
+    closed (compiles still running get its ``close_grace``); one you gave is left open.
+    An attribute that someone else replaced after ``install()`` is left as it is, with a
+    ``RuntimeWarning``.
+    """
+    with _state.lock:
+        installation = _state.current
+        if installation is None:
+            return False
+        target = installation.target
+        for name, (own, raw) in installation.originals.items():
+            if target.__dict__.get(name) is not _REPLACEMENTS[name]:
+                warnings.warn(f"AsyncCompile.{name} was replaced by someone else after aiocompile.torch.install(); "
+                              "left as it is", RuntimeWarning, stacklevel=2)
+                continue
+            if own:
+                setattr(target, name, raw)
+            else:
+                delattr(target, name)
+        _state.current = None
+    if installation.owned and installation.pid == os.getpid():
+        installation.scheduler.close()
+    return True
+
+
+@contextlib.contextmanager
+def installed(
+    scheduler: Scheduler | None = None, *, timeout: float | None = None, warm: bool = True
+) -> Iterator[Scheduler]:
+    """``install()`` for the duration of a ``with`` block, which gets the scheduler."""
+    sched = install(scheduler, timeout=timeout, warm=warm)
+    try:
+        yield sched
+    finally:
+        uninstall()
+
+
+def is_installed() -> bool:
+    return _state.current is not None
+
+
+# -- what replaces Inductor's methods ------------------------------------------------------------
+
+
+def _active(cls: type, name: str) -> _Installation | None:
+    installation = _state.current
+    if installation is None and cls.__dict__.get(name) is _REPLACEMENTS[name]:  # pragma: no cover - invariant
+        raise RuntimeError(f"AsyncCompile.{name} is aiocompile's, but nothing is installed")
+    return installation
+
+
+def _triton(self: Any, kernel_name: str, source_code: str, device_str: str = "cuda") -> Any:
+    installation = _active(type(self), "triton")
+    if installation is None:
+        # A reference taken while installed, used after uninstall(): Inductor's own path.
+        return type(self).triton(self, kernel_name, source_code, device_str)
+    return _submit(installation, self, kernel_name, source_code, device_str)
+
+
+def _use_process_pool(cls: Any) -> bool:
+    installation = _active(cls, "use_process_pool")
+    if installation is None:
+        return bool(cls.use_process_pool())
+    return _parallel()
+
+
+def _warm_pool(cls: type) -> None:
+    installation = _state.current
+    if installation is not None and installation.warm:
+        _warm(installation)
+
+
+def _no_op(cls: type, *args: Any, **kwargs: Any) -> None:
+    return None
+
+
+_REPLACEMENTS: dict[str, Any] = {
+    "triton": _triton,
+    "use_process_pool": classmethod(_use_process_pool),
+    "warm_pool": classmethod(_warm_pool),
+    "wakeup": classmethod(_no_op),
+    "wait_pool_ready": classmethod(_no_op),
+}
+
+
+def _parallel() -> bool:
+    """Whether Inductor compiles in parallel, i.e. whether its ``wait()`` resolves
+    futures: more than one compile thread, and no Proton profiling (which needs the
+    compile in this process; then the kernel is compiled in the pool but waited for at
+    once)."""
+    module = _async_compile_module()
+    from torch._inductor import config
+
+    if module.get_compile_threads() <= 1:
+        return False
+    return not getattr(getattr(config, "triton", None), "proton_profiling", False)
+
+
+def _warm(installation: _Installation) -> None:
+    scheduler = installation.current_scheduler()
+    with _state.lock:
+        if installation.warmed:
+            return
+        installation.warmed = True
+    from aiocompile.backends import _inductor_worker
+
+    try:
+        scheduler._warm_workers(_inductor_worker.warm_up)
+    except Exception:  # a closed scheduler, a pool that cannot start: the compile will say
+        pass
+
+
+def _submit(installation: _Installation, async_compile: Any, kernel_name: str, source_code: str,
+            device_str: str) -> Any:
+    """``AsyncCompile.triton`` through the scheduler: the same bookkeeping as Inductor's,
+    the compile in the pool."""
+    module = _async_compile_module()
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        # The interpreter runs kernels in this process; nothing to compile.
+        return installation.original("triton")(async_compile, kernel_name, source_code, device_str)
+    import torch
+    from torch._dynamo.utils import counters
+
+    from aiocompile.backends import inductor
+
+    counters["inductor"]["async_compile_cache_miss"] += 1
+    code_log = getattr(module, "kernel_code_log", None)
+    if code_log is not None:
+        code_log.info("Triton Kernel:\n%s", source_code)
+    compile_start = getattr(module, "_compile_start", None)
+    if compile_start is not None:
+        compile_start()
+    parallel = _parallel()
+    compile_id = torch._guards.CompileContext.current_compile_id()
+    is_backward = bool(getattr(module.V.graph, "is_backward", False)) if hasattr(module, "V") else False
+
+    held = _held_by_inductor(module, kernel_name, source_code)
+    if held is not None:
+        counters["inductor"]["async_compile_cache_hit"] += 1
+        return held if parallel else held.result()
+
+    request = inductor.build_request(kernel_name, source_code, strict=False)
+    answer = installation.current_scheduler()._execute_sync(request, installation.timeout)
+
+    def get_result() -> Any:
+        artifact: inductor.InductorArtifact = _result(answer)
+        kernel = artifact.ready((compile_id, is_backward))
+        if artifact.elapsed_us is not None:
+            _report_compile_time(module, kernel, kernel_name, artifact.elapsed_us)
+        return kernel
+
+    if not parallel:
+        return get_result()
+    # Inductor reads ``future`` too: autotuning waits on it for (kernel, microseconds).
+    exposed = _chain(answer, lambda artifact: (artifact.kernel, artifact.elapsed_us or 0))
+    return _lambda_future(module, get_result, exposed)
+
+
+def _report_compile_time(module: Any, kernel: Any, kernel_name: str, elapsed_us: int) -> None:
+    """Tell Inductor's own metrics what the compile took, as its own path does."""
+    emit = getattr(module, "_emit_triton_kernel_compile_metric", None)
+    if emit is not None:
+        emit(kernel, kernel_name, elapsed_us)
+        return
+    add_info = getattr(module, "_add_triton_kernel_info", None)
+    metrics_context = getattr(module, "get_metrics_context", None)
+    if add_info is None or metrics_context is None:
+        return
+    metrics_context().add_top_n("triton_kernel_compile_times_us", kernel_name, elapsed_us)
+    info = getattr(kernel, "autotune_cache_info", None) or {}
+    info["compile_time_us"] = elapsed_us
+    add_info(kernel_name, info)
+
+
+def _held_by_inductor(module: Any, kernel_name: str, source_code: str) -> Any:
+    """A kernel Inductor itself holds for this source: a statically launchable autotuner
+    its caches loaded (``StaticAutotunerFuture``), or a future of its own from before
+    ``install()``. Answered as Inductor answers it."""
+    kernels = getattr(module, "CompiledTritonKernels", None)
+    if kernels is None:
+        return None
+    held = kernels.get(source_code)
+    if held is None:
+        return None
+    static = getattr(module, "StaticAutotunerFuture", None)
+    if static is not None and isinstance(held, static):
+        kernels.remove_future(source_code)
+        from torch._inductor.codecache import _load_triton_kernel_from_source
+
+        held.reload_kernel_from_src = functools.partial(_load_triton_kernel_from_source, kernel_name, source_code)
+    return held
+
+
+def _lambda_future(module: Any, result_fn: Callable[[], Any], future: cf.Future[Any]) -> Any:
+    lambda_future = module.LambdaFuture
+    try:
+        return lambda_future(result_fn, future=future)
+    except TypeError:  # older torch: LambdaFuture(result_fn) only
+        made = lambda_future(result_fn)
+        made.future = future
+        return made
+
+
+def _result(answer: cf.Future[Any]) -> Any:
+    """The answer, waiting for it; its error raised afresh (several callers may share it)."""
+    exc = answer.exception()
+    if exc is not None:
+        raise exc.with_traceback(None)
+    return answer.result()
+
+
+def _chain(answer: cf.Future[Any], convert: Callable[[Any], Any]) -> cf.Future[Any]:
+    """A future of ``convert(answer's result)``; cancelling it cancels ``answer``."""
+    exposed: cf.Future[Any] = cf.Future()
+
+    def forward(done: cf.Future[Any]) -> None:
+        if done.cancelled():
+            exposed.cancel()
+            return
+        if not exposed.set_running_or_notify_cancel():
+            return
+        exc = done.exception()
+        if exc is not None:
+            exposed.set_exception(exc)
+            return
+        try:
+            exposed.set_result(convert(done.result()))
+        except BaseException as error:  # noqa: BLE001 - it belongs to whoever waits
+            exposed.set_exception(error)
+
+    def backward(done: cf.Future[Any]) -> None:
+        if done.cancelled():
+            answer.cancel()
+
+    exposed.add_done_callback(backward)
+    answer.add_done_callback(forward)
+    return exposed
