@@ -10,6 +10,7 @@ import anyio
 import jobs
 import pytest
 from conftest import ROOT, example_spec, subprocess_env
+from test_faults import gather
 from triton_kernels import ADD_SIGNATURE, add_kernel, type_error_kernel
 
 import aiocompile
@@ -18,22 +19,6 @@ from aiocompile._report import draw_timeline, read_events, summary_table
 from aiocompile.cli import main
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-
-
-async def gather(*coroutine_functions):
-    """Run them concurrently; return each result or exception, in order."""
-    results = [None] * len(coroutine_functions)
-
-    async def one(i, fn):
-        try:
-            results[i] = await fn()
-        except Exception as exc:  # noqa: BLE001 - collected for the test to inspect
-            results[i] = exc
-
-    async with anyio.create_task_group() as group:
-        for i, fn in enumerate(coroutine_functions):
-            group.start_soon(one, i, fn)
-    return results
 
 
 def compile_add(sched):

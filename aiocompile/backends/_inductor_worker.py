@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from aiocompile._errors import CompileError
+from aiocompile.backends._triton_worker import StageTimes
 
 PRELOAD = "aiocompile.backends._inductor_worker:prepare_process"
 """The fork server preload entry (see ``SchedulerConfig.preload``) that imports torch's
@@ -137,7 +138,7 @@ def compile_triton(
     worker = compile_tasks._worker_compile_triton
     load = functools.partial(_load_kernel, kernel_name, source_code)
     arguments = _torch_arguments(worker, {"load_kernel": load, "extra_env": env, "extra_config": extra_config})
-    with _StageTotals() as stages:
+    with StageTimes() as stages:
         try:
             answer = worker(*arguments)
         except Exception as exc:
@@ -164,48 +165,3 @@ def _format_error(exc: BaseException) -> str:
     text = str(exc).strip()
     name = type(exc).__name__
     return f"{name}: {text}" if text else name
-
-
-class _StageTotals:
-    """Triton's stage times (``knobs.compilation.listener``, Triton 3.4 and later),
-    summed over the several compiles of one autotuner (one per configuration), in the
-    order the stages first appear. ``cache_hit`` is True when every compile was found in
-    Triton's disk cache, False when any was built, None when none was reported."""
-
-    def __init__(self) -> None:
-        self._totals: dict[str, float] = {}
-        self.cache_hit: bool | None = None
-        self._knobs: Any = None
-        self._previous: Any = None
-
-    @property
-    def stages(self) -> list[tuple[str, float]]:
-        return list(self._totals.items())
-
-    def __enter__(self) -> _StageTotals:
-        try:
-            from triton import knobs
-        except ImportError:
-            return self
-        if not hasattr(knobs, "compilation") or not hasattr(knobs.compilation, "listener"):
-            return self
-        self._knobs = knobs
-        self._previous = knobs.compilation.listener
-        knobs.compilation.listener = self._listen
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self._knobs is not None:
-            self._knobs.compilation.listener = self._previous
-
-    def _listen(self, *, src: Any, metadata: Any, metadata_group: Any, times: Any, cache_hit: bool) -> None:
-        self.cache_hit = bool(cache_hit) if self.cache_hit is None else (self.cache_hit and bool(cache_hit))
-        if not cache_hit:
-            stages = [("make_ir", times.ir_initialization)]
-            stages.extend((str(name), duration) for name, duration in times.lowering_stages)
-            stages.append(("store", times.store_results))
-            for name, duration in stages:
-                self._totals[name] = self._totals.get(name, 0.0) + duration / 1e6  # microseconds
-        if self._previous is not None:
-            self._previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times,
-                           cache_hit=cache_hit)

@@ -132,7 +132,7 @@ def compile_kernel(spec: Any) -> dict[str, Any]:
                 f"({', '.join(spec.arg_names)}); was its module changed after it was imported?"
             )
         started = time.perf_counter()
-        with _StageTimes() as stages:
+        with StageTimes() as stages:
             compiled = triton.compile(spec.ast_source(fn), target=spec.target.to_gpu_target(),
                                       options=dict(spec.options))
         compile_time = time.perf_counter() - started
@@ -154,23 +154,30 @@ def compile_kernel(spec: Any) -> dict[str, Any]:
     }
 
 
-class _StageTimes:
+class StageTimes:
     """Triton's per-stage compile times, through its compilation listener
-    (``knobs.compilation.listener``, Triton 3.4 and later; nothing on older ones).
+    (``knobs.compilation.listener``, Triton 3.4 and later; nothing on older ones), while
+    the ``with`` block runs.
 
     Stages come in Triton's order, in seconds: ``make_ir`` (Python AST to the first IR),
     then one per lowering stage named by its file extension (``ttir``, ``ttgir``,
     ``llir``, ``ptx``/``amdgcn``, ``cubin``/``hsaco``), then ``store`` (writing Triton's
-    cache). ``cache_hit`` says Triton found the kernel in its own disk cache.
+    cache). Several compiles in one block (an Inductor autotuner's configurations) are
+    summed per stage. ``cache_hit`` is True when every compile was found in Triton's own
+    disk cache, False when any was built, None when none was reported.
     """
 
     def __init__(self) -> None:
-        self.stages: list[tuple[str, float]] = []
+        self._totals: dict[str, float] = {}
         self.cache_hit: bool | None = None
         self._knobs: Any = None
         self._previous: Any = None
 
-    def __enter__(self) -> _StageTimes:
+    @property
+    def stages(self) -> list[tuple[str, float]]:
+        return list(self._totals.items())
+
+    def __enter__(self) -> StageTimes:
         try:
             from triton import knobs
         except ImportError:
@@ -187,12 +194,13 @@ class _StageTimes:
             self._knobs.compilation.listener = self._previous
 
     def _listen(self, *, src: Any, metadata: Any, metadata_group: Any, times: Any, cache_hit: bool) -> None:
-        self.cache_hit = bool(cache_hit)
+        self.cache_hit = bool(cache_hit) if self.cache_hit is None else (self.cache_hit and bool(cache_hit))
         if not cache_hit:
             stages = [("make_ir", times.ir_initialization)]
             stages.extend((str(name), duration) for name, duration in times.lowering_stages)
             stages.append(("store", times.store_results))
-            self.stages = [(name, duration / 1e6) for name, duration in stages]  # microseconds
+            for name, duration in stages:
+                self._totals[name] = self._totals.get(name, 0.0) + duration / 1e6  # microseconds
         if self._previous is not None:
             self._previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times,
                            cache_hit=cache_hit)
