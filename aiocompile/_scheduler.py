@@ -458,7 +458,11 @@ class Scheduler:
 
     # -- the request path ---------------------------------------------------------------------
 
-    async def _execute(self, request: Request, timeout: float | None) -> Any:
+    def _admit(self, request: Request, timeout: float | None) -> tuple[str, Any, float, float]:
+        """Count a request, then answer it from the cache, join it to the job under way, or
+        start one: ``(how, found, wall, arrived)`` as ``KernelCache.join_or_start`` says,
+        with the arrival times. A hit, a remembered error and a failure to start are
+        recorded here; the other requests are recorded when their job ends."""
         self._check_open()
         arrived, wall = time.monotonic(), time.time()
         self._metrics.submit()
@@ -471,9 +475,15 @@ class Scheduler:
             raise
         if how == "hit":
             self._record(request, "cache_hit", wall, arrived, None, result=found)
+        elif how == "error":
+            self._record(request, "error_hit", wall, arrived, None, error=found)
+        return how, found, wall, arrived
+
+    async def _execute(self, request: Request, timeout: float | None) -> Any:
+        how, found, wall, arrived = self._admit(request, timeout)
+        if how == "hit":
             return found
         if how == "error":
-            self._record(request, "error_hit", wall, arrived, None, error=found)
             raise found.with_traceback(None)
         entry: Entry = found
         try:
@@ -488,11 +498,7 @@ class Scheduler:
                 self._record(request, outcome, wall, arrived, entry, error=exc)
             raise
         self._cache.leave(entry)
-        if how == "joined":
-            outcome = "joined"
-        else:
-            outcome = "disk_hit" if entry.source == "disk" else "compiled"
-        self._record(request, outcome, wall, arrived, entry, result=result)
+        self._record(request, _success_outcome(how, entry), wall, arrived, entry, result=result)
         return result
 
     def _stop_abandoned(self, entry: Entry) -> bool:
@@ -678,23 +684,12 @@ class Scheduler:
         job nobody else waits for is dropped, a started one runs on (or is killed, with
         ``cancel_running="kill"``). Raises ``SchedulerClosed`` at once when closed.
         """
-        self._check_open()
-        arrived, wall = time.monotonic(), time.time()
-        self._metrics.submit()
-        if timeout is None:
-            timeout = self.config.timeout
+        how, found, wall, arrived = self._admit(request, timeout)
         answer: cf.Future[Any] = cf.Future()
-        try:
-            how, found = self._cache.join_or_start(request.key, lambda entry: self._start(entry, request, timeout))
-        except BaseException as exc:
-            self._record(request, _sync_failure_outcome(exc), wall, arrived, None, error=exc)
-            raise
         if how == "hit":
-            self._record(request, "cache_hit", wall, arrived, None, result=found)
             answer.set_result(found)
             return answer
         if how == "error":
-            self._record(request, "error_hit", wall, arrived, None, error=found)
             answer.set_exception(found)
             return answer
         entry: Entry = found
@@ -716,28 +711,17 @@ class Scheduler:
                 return
             exc = job_done.exception()
             if exc is not None:
-                outcome = _sync_failure_outcome(exc) if how == "started" else "joined"
+                outcome = _failure_outcome(exc) if how == "started" else "joined"
                 self._record(request, outcome, wall, arrived, entry, error=exc)
                 answer.set_exception(exc)
                 return
             result = job_done.result()
-            if how == "joined":
-                outcome = "joined"
-            else:
-                outcome = "disk_hit" if entry.source == "disk" else "compiled"
-            self._record(request, outcome, wall, arrived, entry, result=result)
+            self._record(request, _success_outcome(how, entry), wall, arrived, entry, result=result)
             answer.set_result(result)
 
         answer.add_done_callback(on_cancelled)
         entry.future.add_done_callback(on_finished)
         return answer
-
-
-def _sync_failure_outcome(exc: BaseException) -> str:
-    """``_failure_outcome`` with no event loop to ask for its cancellation class."""
-    if isinstance(exc, (CompileTimeout, WorkerCrashedError, SchedulerClosed)):
-        return _failure_outcome(exc)
-    return "cancelled" if isinstance(exc, cf.CancelledError) else "error"
 
 
 def _is_inductor_future(value: Any) -> bool:
@@ -767,16 +751,24 @@ def _is_waitable(value: Any) -> bool:
 
 
 def _failure_outcome(exc: BaseException) -> str:
-    """The outcome of a request whose own job raised ``exc``."""
+    """The outcome of a request whose own job raised ``exc``. (A cancelled await is told
+    apart where it is caught, by its event loop's own cancellation class.)"""
     if isinstance(exc, CompileTimeout):
         return "timeout"
     if isinstance(exc, WorkerCrashedError):
         return "crashed"
     if isinstance(exc, SchedulerClosed):
         return "closed"
-    if isinstance(exc, anyio.get_cancelled_exc_class()):
+    if isinstance(exc, cf.CancelledError):
         return "cancelled"
     return "error"
+
+
+def _success_outcome(how: str, entry: Entry) -> str:
+    """The outcome of a request whose job (or disk read) succeeded."""
+    if how == "joined":
+        return "joined"
+    return "disk_hit" if entry.source == "disk" else "compiled"
 
 
 def _identity(value: Any) -> Any:
