@@ -153,7 +153,12 @@ async def test_a_thousand_concurrent_requests_compile_once():
                     group.start_soon(request, i)
         assert all(r is results[0] for r in results)
         stats = sched.statistics()
-        assert (stats.submitted, stats.compiled, stats.joined, stats.failed) == (1000, 1, 999, 0)
+        assert (stats.submitted, stats.compiled, stats.failed) == (1000, 1, 0)
+        # A request admitted while the compile runs joins it; one admitted after it ended
+        # (its key is computed in a thread, so the order is up to the loop) finds it in
+        # memory. Either way nothing compiles twice.
+        assert stats.joined + stats.cache_hits == 999
+        assert stats.joined > 0
         assert stats.run_time.count == 1
 
 

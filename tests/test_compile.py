@@ -130,7 +130,10 @@ async def test_concurrent_requests_share_one_compile_and_later_ones_hit_memory()
                                            target="cuda:90")
         assert again is results[0]
         stats = sched.statistics()
-        assert (stats.submitted, stats.compiled, stats.joined, stats.cache_hits) == (21, 1, 19, 1)
+        # The last request hits memory; of the 20 concurrent ones, those admitted before the
+        # compile ended join it and any admitted after find it in memory.
+        assert (stats.submitted, stats.compiled, stats.joined + stats.cache_hits) == (21, 1, 20)
+        assert stats.cache_hits >= 1
         assert stats.run_time.count == 1 and stats.run_time.total > 0
 
 
