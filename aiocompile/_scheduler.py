@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import anyio
 
-from aiocompile import _bridge
+from aiocompile import _bridge, _threads
 from aiocompile._cache import Entry, KernelCache
 from aiocompile._config import SchedulerConfig
 from aiocompile._diskcache import DiskCache
@@ -53,7 +53,7 @@ class _Context:
         return await self._scheduler.run(fn, *args)
 
     async def to_thread(self, fn: Callable[[], Any]) -> Any:
-        return await anyio.to_thread.run_sync(fn)
+        return await _threads.KEYS.run(fn)
 
 
 class Scheduler:
@@ -124,6 +124,7 @@ class Scheduler:
         self._triton = TritonBackend()
         self._pid = os.getpid()
         self._closed = False
+        _threads.preload_for_current_loop()
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -132,6 +133,7 @@ class Scheduler:
         # Let the fork server load the compiler while the caller gets on with its own
         # start-up; workers still start on demand.
         self._pool.start()
+        _threads.preload_for_current_loop()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -295,18 +297,18 @@ class Scheduler:
         machine that will not launch. Returns the ``TritonKernel``.
 
         Errors, timeouts and crashes are those of ``compile_triton``; a kernel wrapped by
-        ``triton.autotune``/``heuristics`` raises ``TypeError``. Cancelling the await lets
-        a started compile finish (and be cached) but primes nothing.
+        ``triton.autotune``/``heuristics`` raises ``TypeError``. Cancelling the await while
+        the compile runs lets it finish (and be cached) and primes nothing.
         """
         from aiocompile.backends import _triton_warmup
 
         if grid is not None and not (callable(grid) or isinstance(grid, (tuple, list, int))):
             raise TypeError(f"grid must be a tuple of ints or a callable, as for a launch; got {grid!r}")
         self._check_open()
-        plan = await anyio.to_thread.run_sync(lambda: _triton_warmup.plan(kernel, args, kwargs, target))
+        plan = await _threads.LOADS.run(lambda: _triton_warmup.plan(kernel, args, kwargs, target))
         compiled: TritonKernel = await self.compile_triton(plan.fn, timeout=timeout, **plan.request())
         if plan.device is not None:
-            await anyio.to_thread.run_sync(lambda: _triton_warmup.prime(plan, compiled))
+            await _threads.LOADS.run(lambda: _triton_warmup.prime(plan, compiled))
         return compiled
 
     async def compile_many(
@@ -660,7 +662,7 @@ class Scheduler:
 
         request = await inductor.prepare(self._context, kernel_name, source_code, device_str)
         artifact: inductor.InductorArtifact = await self._execute(request, timeout)
-        return await anyio.to_thread.run_sync(artifact.ready)
+        return await _threads.LOADS.run(artifact.ready)
 
     def _prepare_pool(self) -> None:
         """Start loading the fork server now (its preload), without waiting."""

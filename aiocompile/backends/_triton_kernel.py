@@ -165,10 +165,10 @@ class TritonKernel:
     async def load(self) -> TritonKernel:
         """Load the binary on the current GPU and build its launcher, in a thread so that
         the event loop keeps running. Returns the kernel itself."""
-        import anyio
+        from aiocompile._threads import LOADS
 
         device = _current_device()
-        await anyio.to_thread.run_sync(lambda: self._ensure_loaded(device))
+        await LOADS.run(lambda: self._ensure_loaded(device))
         return self
 
     def _ensure_loaded(self, device: int | None = None) -> Any:
