@@ -18,6 +18,9 @@ AIOCOMPILE_CACHE_DIR       directory of the disk cache shared by processes (defa
 AIOCOMPILE_CACHE_DIR_BYTES bound of that directory in bytes (default: 4 GiB)
 AIOCOMPILE_EVENT_LOG       JSON-lines file every record and worker event is appended to
                            (default: none)
+AIOCOMPILE_COST_HISTORY    JSON file of compile times, for starting a batch's longest
+                           compiles first (default: costs.json in the cache directory if
+                           there is one, else kept in memory only)
 AIOCOMPILE_METRICS         0 keeps only the counters: no records, summaries or events
                            (default: 1)
 AIOCOMPILE_WORKER_NICE     how much nicer than this process workers run (default: 10)
@@ -97,6 +100,10 @@ class SchedulerConfig:
     them (logging, ``event_log``, listeners). False keeps only the counters."""
     event_log: str | None = None
     """A JSON-lines file every record and worker event is appended to."""
+    cost_history: str | None = None
+    """A JSON file of how long each kernel took to compile, read by later processes so that
+    ``compile_many`` starts the longest compiles first. None: ``costs.json`` in
+    ``cache_dir`` if there is one, else the history lasts as long as the scheduler."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 1:
@@ -155,6 +162,7 @@ class SchedulerConfig:
         changes["cache_dir"] = environ.get("AIOCOMPILE_CACHE_DIR", "").strip() or None
         changes["cache_dir_bytes"] = number("AIOCOMPILE_CACHE_DIR_BYTES", int)
         changes["event_log"] = environ.get("AIOCOMPILE_EVENT_LOG", "").strip() or None
+        changes["cost_history"] = environ.get("AIOCOMPILE_COST_HISTORY", "").strip() or None
         changes["worker_nice"] = number("AIOCOMPILE_WORKER_NICE", int)
         metrics = environ.get("AIOCOMPILE_METRICS", "").strip().lower()
         if metrics:

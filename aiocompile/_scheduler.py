@@ -30,6 +30,7 @@ import anyio
 from aiocompile import _bridge, _threads
 from aiocompile._cache import Entry, KernelCache
 from aiocompile._config import SchedulerConfig
+from aiocompile._costs import CostHistory, longest_first
 from aiocompile._diskcache import DiskCache
 from aiocompile._errors import CompileError, CompileTimeout, SchedulerClosed, WorkerCrashedError
 from aiocompile._events import EventHub, Listener
@@ -120,6 +121,10 @@ class Scheduler:
                                 on_event=on_event)
         if self.config.metrics:
             self._pool.on_event = self._events.emit
+        history = self.config.cost_history
+        if history is None and self.config.cache_dir is not None:
+            history = os.path.join(self.config.cache_dir, "costs.json")
+        self._costs = CostHistory(history)
         self._context = _Context(self)
         self._triton = TritonBackend()
         self._pid = os.getpid()
@@ -161,6 +166,8 @@ class Scheduler:
         self._pool.shutdown(wait=True, cancel_futures=True, grace=grace)
         if self._disk is not None:
             self._disk.close(wait=True)  # results compiled before the close reach the disk
+        if self._pid == os.getpid():
+            self._costs.save()
         self._events.close()  # after the pool: its last worker events reach the file
 
     def _check_open(self) -> None:
@@ -329,34 +336,71 @@ class Scheduler:
         """
         spec_list = [dict(spec) for spec in specs]
         for index, spec in enumerate(spec_list):
-            if "kernel" not in spec:
-                raise TypeError(f"spec #{index} has no 'kernel'")
+            for needed in ("kernel", "signature"):
+                if needed not in spec:
+                    raise TypeError(f"spec #{index} has no {needed!r}")
         results: list[Any] = [None] * len(spec_list)
+        requests: list[Request | None] = [None] * len(spec_list)
+        timeouts: list[float | None] = [spec.pop("timeout", None) for spec in spec_list]
+        labels = [str(spec.pop("label", None) or getattr(spec["kernel"], "__name__", None)
+                      or getattr(spec["kernel"], "name", "?")) for spec in spec_list]
         first_error: list[BaseException] = []
         bar = self._progress(len(spec_list), progress)
 
-        async def one(index: int, spec: dict[str, Any], scope: anyio.CancelScope) -> None:
-            kernel = spec.pop("kernel")
-            label = str(spec.pop("label", None) or getattr(kernel, "__name__", None) or getattr(kernel, "name", "?"))
-            try:
-                results[index] = await self.compile_triton(kernel, **spec)
-            except Exception as exc:
-                bar.finished(label, ok=False)
-                if return_exceptions:
-                    results[index] = exc
-                    return
-                if not first_error:
-                    first_error.append(exc)
+        def failed(index: int, exc: Exception, scope: anyio.CancelScope) -> None:
+            bar.finished(labels[index], ok=False)
+            if return_exceptions:
+                results[index] = exc
+            elif not first_error:
+                first_error.append(exc)
                 scope.cancel()
+
+        # First every key (checked arguments, Triton's hash: in one thread, in order), so
+        # that the compiles can start longest first: a batch ends when its last compile
+        # does, and a long one started last runs alone at the end.
+        async def prepare(index: int, spec: dict[str, Any], scope: anyio.CancelScope) -> None:
+            kernel = spec.pop("kernel")
+            try:
+                requests[index] = await self._triton.prepare(
+                    self._context, kernel, signature=spec.pop("signature"), constexprs=spec.pop("constexprs", None),
+                    target=spec.pop("target", None), attrs=spec.pop("attrs", None), options=spec,
+                )
+            except Exception as exc:
+                failed(index, exc, scope)
+
+        async def execute(index: int, request: Request, admitted: Any, scope: anyio.CancelScope) -> None:
+            try:
+                results[index] = await self._await_admitted(request, admitted)
+            except Exception as exc:
+                failed(index, exc, scope)
                 return
-            bar.finished(label, ok=True)
+            bar.finished(labels[index], ok=True)
 
         try:
+            await _threads.LOADS.run(self._costs.load)
             async with anyio.create_task_group() as group:
                 for index, spec in enumerate(spec_list):
-                    group.start_soon(one, index, spec, group.cancel_scope)
+                    group.start_soon(prepare, index, spec, group.cancel_scope)
+            if not first_error:
+                ready = [(index, request) for index, request in enumerate(requests) if request is not None]
+                estimates = [self._costs.estimate(r.key, r.name, r.backend, r.target) for _, r in ready]
+                async with anyio.create_task_group() as group:
+                    # Admitted here, in this order, and not by the tasks: the pool's queue is
+                    # first come first served, while the order in which new tasks take their
+                    # first step is up to the event loop (trio shuffles it on purpose).
+                    for position in longest_first(estimates):
+                        index, request = ready[position]
+                        try:
+                            admitted = self._admit(request, timeouts[index])
+                        except Exception as exc:
+                            failed(index, exc, group.cancel_scope)
+                            if first_error:
+                                break
+                            continue
+                        group.start_soon(execute, index, request, admitted, group.cancel_scope)
         finally:
             bar.close()
+            _threads.LOADS.submit(self._costs.save)
         if first_error:
             raise first_error[0]
         return results
@@ -482,7 +526,13 @@ class Scheduler:
         return how, found, wall, arrived
 
     async def _execute(self, request: Request, timeout: float | None) -> Any:
-        how, found, wall, arrived = self._admit(request, timeout)
+        return await self._await_admitted(request, self._admit(request, timeout))
+
+    async def _await_admitted(self, request: Request, admitted: tuple[str, Any, float, float]) -> Any:
+        """The result of a request ``_admit`` let in. Its first await is inside the
+        bookkeeping below, so a caller that admits and then starts a task for this (under
+        anyio, whose tasks always run to their first checkpoint) loses no request."""
+        how, found, wall, arrived = admitted
         if how == "hit":
             return found
         if how == "error":
@@ -566,6 +616,8 @@ class Scheduler:
                 raw = done.result()
                 if request.details is not None and self.config.metrics:
                     entry.details = request.details(raw)
+                    if not entry.details.get("compiler_cache_hit") and job.run_time is not None:
+                        self._costs.note(request.key, request.name, request.backend, request.target, job.run_time)
                 started = time.perf_counter()
                 result = request.finish(raw)
                 entry.load_time = time.perf_counter() - started
