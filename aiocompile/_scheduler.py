@@ -178,7 +178,8 @@ class Scheduler:
 
     async def warm(self, target: Any = "cuda:90") -> None:
         """Start every worker now and run one tiny compile in each, so that the compiler's
-        per-process set-up is paid before the first real job.
+        per-process set-up is paid before the first real job; meanwhile, pay this process's
+        own first-key cost for ``target`` (hashing Triton, asking ptxas its version).
 
         Cancelling the await leaves the workers starting; they serve later jobs.
         """
@@ -187,9 +188,11 @@ class Scheduler:
         assert parsed is not None
         from aiocompile.backends import _triton_worker
 
+        keys = _threads.KEYS.submit(lambda: self._triton.warm_keys(parsed))
         jobs = self._pool.warm(_triton_worker.warm_up, ((parsed.backend, parsed.arch, parsed.warp_size),))
         for job in jobs:
             await _bridge.wait(job.future)
+        await _bridge.wait(keys)
 
     # -- introspection ----------------------------------------------------------------------
 

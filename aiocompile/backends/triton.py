@@ -378,6 +378,15 @@ class TritonBackend:
         text = get_cache_key(spec.ast_source(fn), backend, options, get_cache_invalidating_env_vars())
         return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
+    def warm_keys(self, target: Target) -> None:
+        """Pay, now, the parent's one-time cost of a first key for ``target``: hashing
+        Triton itself (about 0.4 s) and asking ptxas its version (blocking)."""
+        from triton.runtime.cache import triton_key
+
+        with self._lock:
+            triton_key()
+            self._backend(target)
+
     def _backend(self, target: Target) -> Any:
         backend = self._backends.get(target)
         if backend is None:
