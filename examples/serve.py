@@ -249,13 +249,8 @@ class PooledCompiler:
 
     async def start(self) -> None:
         if self._warm:
-            # warm() readies the workers. The first kernel key this process computes also
-            # hashes Triton's own build (about 0.4 s, in a thread): pay that now as well.
-            from triton.runtime.cache import triton_key
-
-            async with anyio.create_task_group() as group:
-                group.start_soon(self.scheduler.warm, self._target or "cuda:90")
-                group.start_soon(anyio.to_thread.run_sync, triton_key)
+            # Readies the workers, and pays this process's first-key cost (hashing Triton).
+            await self.scheduler.warm(self._target or "cuda:90")
 
     async def build(self, op: Op, block: int, num_warps: int, launching: bool) -> Built:
         records: list[aiocompile.JobRecord] = []
