@@ -1,0 +1,146 @@
+"""The 64 kernels bench_throughput.py compiles, and the functions its worker pools run.
+
+A module of its own (not the script's ``__main__``) so that worker processes of every pool
+import it by name. The kernels are those of ``examples/kernels.py`` in more tile, dtype,
+block and ``num_warps`` configurations; each spec holds ``compile_triton``'s keyword
+arguments, the kernel under ``"kernel"`` and a ``"label"``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if os.path.join(ROOT, "examples") not in sys.path:
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+import kernels as _examples  # noqa: E402  (examples/kernels.py)
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
+_MATMUL_TILES = [
+    (128, 128, 64, 8, 3), (128, 128, 32, 4, 4), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4),
+    (64, 64, 32, 4, 3), (64, 64, 64, 4, 4), (32, 64, 32, 2, 4), (64, 32, 32, 2, 5),
+    (128, 256, 64, 8, 3), (256, 64, 32, 8, 3), (32, 32, 32, 2, 3),
+]
+_FP32_MATMUL_TILES = [
+    (64, 64, 32, 4, 3), (128, 64, 32, 4, 3), (32, 64, 32, 2, 4), (64, 32, 32, 2, 5), (128, 128, 32, 8, 3),
+    (32, 32, 32, 2, 3),
+]
+
+
+def _matmul(dtype: str, tile: tuple[int, int, int, int, int]) -> dict:
+    block_m, block_n, block_k, warps, stages = tile
+    label = f"matmul_{dtype}_{block_m}x{block_n}x{block_k}_w{warps}_s{stages}"
+    spec: dict = _examples._matmul(label, dtype, block_m, block_n, block_k, warps, stages)
+    return spec
+
+
+def _rowwise(name: str, kernel: object, signature: dict, block: int, warps: int) -> dict:
+    spec: dict = _examples._rowwise(f"{name}_{block}_w{warps}", kernel, signature, block, warps)
+    return spec
+
+
+def _retyped(signature: dict, dtype: str) -> dict:
+    return {name: f"*{dtype}" if kind.startswith("*") else kind for name, kind in signature.items()}
+
+
+def specs(target: str) -> list[dict]:
+    """The 64 distinct kernels, each for ``target``: 28 matmuls (the long compiles)
+    interleaved with 36 vector adds, softmaxes and layer norms."""
+    out: list[dict] = []
+    for dtype in ("fp16", "bf16"):
+        out += [_matmul(dtype, tile) for tile in _MATMUL_TILES]
+    out += [_matmul("fp32", tile) for tile in _FP32_MATMUL_TILES]
+    add = {"x_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32"}
+    for dtype in ("fp32", "fp16", "bf16"):
+        for block, warps in ((256, 2), (1024, 4), (4096, 8)):
+            out.append(_rowwise(f"add_{dtype}", _examples.add_kernel, _retyped(add, dtype), block, warps))
+    for dtype in ("fp32", "fp16", "bf16"):
+        for block, warps in ((512, 4), (1024, 4), (2048, 8), (4096, 8), (8192, 16)):
+            out.append(_rowwise(f"softmax_{dtype}", _examples.softmax_kernel, _retyped(_examples._SOFTMAX, dtype),
+                                block, warps))
+    for dtype in ("fp16", "bf16", "fp32"):
+        for block, warps in ((512, 4), (1024, 4), (2048, 8), (4096, 8)):
+            signature = {**_retyped(_examples._LAYER_NORM, dtype), "eps": "fp32"}
+            out.append(_rowwise(f"layer_norm_{dtype}", _examples.layer_norm_kernel, signature, block, warps))
+    # Interleave long and short compiles, as a real request stream would mix them.
+    long, short = out[:28], out[28:]
+    mixed: list[dict] = []
+    while long or short:
+        if long:
+            mixed.append(long.pop(0))
+        if short:
+            mixed.append(short.pop(0))
+    labels = [spec["label"] for spec in mixed]
+    assert len(mixed) == 64 and len(set(labels)) == 64, labels
+    return [dict(spec, target=target) for spec in mixed]
+
+
+def triton_args(spec: dict) -> tuple:
+    """(ASTSource, GPUTarget, options) for ``triton.compile``, from one spec."""
+    from triton.compiler import ASTSource
+
+    from aiocompile._target import parse_target
+
+    kernel = spec["kernel"]
+    signature = dict(spec["signature"])
+    constexprs = dict(spec.get("constexprs", {}))
+    signature.update({name: "constexpr" for name in constexprs})
+    ordered = {name: signature[name] for name in kernel.arg_names}
+    options = {k: spec[k] for k in ("num_warps", "num_stages") if k in spec}
+    target = parse_target(spec["target"]).to_gpu_target()
+    return ASTSource(kernel, ordered, constexprs), target, options
+
+
+def compile_spec(spec: dict) -> float:
+    """``triton.compile`` one spec in this process; the seconds it took."""
+    import triton
+
+    src, target, options = triton_args(spec)
+    started = time.perf_counter()
+    triton.compile(src, target=target, options=options)
+    return time.perf_counter() - started
+
+
+def warm_up(target: str) -> None:
+    """One tiny compile in a scratch cache directory: pays the compiler's per-process set-up
+    (MLIR and LLVM initialisation, ``triton_key()``) without touching a measured cache."""
+    import tempfile
+
+    saved = os.environ.get("TRITON_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix="bench-warm-") as scratch:
+        os.environ["TRITON_CACHE_DIR"] = scratch
+        try:
+            spec = _rowwise("warm", _examples.add_kernel,
+                            {"x_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32"}, 64, 1)
+            compile_spec(dict(spec, target=target))
+        finally:
+            if saved is None:
+                os.environ.pop("TRITON_CACHE_DIR", None)
+            else:
+                os.environ["TRITON_CACHE_DIR"] = saved
+
+
+def warm_worker(target: str, hold: float) -> int:
+    """A pool's warm-up job: the tiny compile, then ``hold`` seconds busy so that the other
+    warm-up jobs land on other workers. Returns this worker's pid."""
+    warm_up(target)
+    time.sleep(hold)
+    return os.getpid()
+
+
+def compile_in_worker(index: int, target: str, cache_dir: str) -> tuple[int, float]:
+    """A pool's job: compile kernel ``index`` of ``specs(target)`` into ``cache_dir``."""
+    os.environ["TRITON_CACHE_DIR"] = cache_dir
+    return os.getpid(), compile_spec(_specs_for(target)[index])
+
+
+_SPECS: dict[str, list[dict]] = {}  # per-process memo: a worker builds the list once
+
+
+def _specs_for(target: str) -> list[dict]:
+    if target not in _SPECS:
+        _SPECS[target] = specs(target)
+    return _SPECS[target]
