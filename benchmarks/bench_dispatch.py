@@ -1,0 +1,102 @@
+"""Dispatch: the round trip of a trivial job through each process pool, from a coroutine.
+
+``abs(-1)`` sent to a warm worker and answered, awaited one call after another, so that
+what is measured is the pool's own cost per job (pickling, the hop to the worker and back,
+waking the coroutine), not the job's. One worker each, in one event loop:
+
+- ``aiocompile``: ``await sched.run(abs, -1)`` on ``Scheduler(workers=1)``, metrics on
+  (the default: a timing record per request);
+- ``ProcessPoolExecutor``: ``await loop.run_in_executor(pool, abs, -1)`` on a stdlib
+  pool of one worker (forkserver);
+- ``anyio to_process``: ``await anyio.to_process.run_sync(abs, -1)`` with a limiter of 1.
+
+They take turns in rounds, so that drift of the machine hits them all alike; after a
+warm-up of 200 calls each. ``benchmarks/bench_metrics.py`` measures, the same way, what
+aiocompile's metrics and sinks add to this.
+
+    python benchmarks/bench_dispatch.py [--calls 500] [--rounds 10] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures as cf
+import json
+import multiprocessing
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def summary(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+    pick = lambda p: ordered[min(len(ordered) - 1, int(p * len(ordered)))]  # noqa: E731
+    return {"p50_us": pick(0.50) * 1e6, "p99_us": pick(0.99) * 1e6, "mean_us": statistics.fmean(ordered) * 1e6,
+            "max_us": ordered[-1] * 1e6, "n": len(ordered)}
+
+
+async def measure(calls: int, rounds: int) -> dict[str, Any]:
+    import anyio
+    import anyio.to_process
+
+    import aiocompile
+
+    loop = asyncio.get_running_loop()
+    sched = aiocompile.Scheduler(workers=1)
+    stdlib = cf.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("forkserver"))
+    limiter = anyio.CapacityLimiter(1)
+    ways = {
+        "aiocompile": lambda: sched.run(abs, -1),
+        "ProcessPoolExecutor": lambda: loop.run_in_executor(stdlib, abs, -1),
+        "anyio to_process": lambda: anyio.to_process.run_sync(abs, -1, limiter=limiter),
+    }
+    samples: dict[str, list[float]] = {name: [] for name in ways}
+    try:
+        for call in ways.values():  # start every worker, warm every code path
+            for _ in range(200):
+                assert await call() == 1
+        for round_ in range(rounds):
+            names = list(ways)
+            names = names[round_ % len(names):] + names[:round_ % len(names)]
+            for name in names:
+                call = ways[name]
+                for _ in range(calls):
+                    started = time.perf_counter()
+                    await call()
+                    samples[name].append(time.perf_counter() - started)
+    finally:
+        await sched.aclose()
+        stdlib.shutdown()
+    results = {name: summary(values) for name, values in samples.items()}
+    fastest = min(row["p50_us"] for row in results.values())
+    for row in results.values():
+        row["p50_vs_fastest"] = row["p50_us"] / fastest
+        row["p50_vs_aiocompile"] = row["p50_us"] / results["aiocompile"]["p50_us"]
+    return {"cpus": os.cpu_count(), "calls_per_way": calls * rounds, "results": results}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=500, help="calls per way and round")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--json", help="write the results here too")
+    args = parser.parse_args()
+    report = asyncio.run(measure(args.calls, args.rounds))
+    print(f"round trip of a trivial job, {report['calls_per_way']} calls each, one worker, {report['cpus']} CPUs")
+    print(f"{'':22}{'p50 µs':>9}{'p99 µs':>9}{'mean µs':>9}{'p50 / fastest':>15}{'p50 / aiocompile':>18}")
+    for name, row in report["results"].items():
+        print(f"{name:22}{row['p50_us']:9.1f}{row['p99_us']:9.1f}{row['mean_us']:9.1f}{row['p50_vs_fastest']:15.2f}"
+              f"{row['p50_vs_aiocompile']:18.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
