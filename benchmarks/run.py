@@ -1,0 +1,720 @@
+"""Run every benchmark and write a report for this machine.
+
+Each ``benchmarks/bench_*.py`` runs as a subprocess with ``--json``, one after another,
+each with its own empty Triton cache and a time limit; a benchmark that fails or runs out
+of time is recorded as such and the others still run. Written to ``--out``
+(``docs/benchmarks`` by default), named after the machine (``--slug`` to choose):
+
+- ``<slug>.json``: every result, the command line, exit status, time and console output
+  of each benchmark, and the machine (CPU model, cores, RAM, GPU, Python, Triton, torch,
+  anyio and aiocompile versions, git commit, date, load average);
+- ``<slug>.md``: tables of the results and their ratios, with the charts below;
+- ``<slug>-throughput.png``, ``<slug>-loop-lag.png``, ``<slug>-dispatch.png``,
+  ``<slug>-startup-memory.png``.
+
+``--quick`` runs fewer repeats (about 8 minutes on 16 CPUs). ``--only a,b`` runs some
+benchmarks again and keeps the others' results from the existing JSON file. ``--render``
+rewrites the markdown and charts from the JSON file without running anything.
+Benchmarks that need what the machine lacks are skipped, with the reason: torch_compile
+needs torch with a CUDA GPU.
+
+    python benchmarks/run.py [--quick] [--out docs/benchmarks] [--slug NAME] [--only throughput,dispatch]
+        [--render]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+@dataclass(frozen=True)
+class Bench:
+    """How to run one benchmark script: its arguments, full and quick, and its time limit."""
+
+    name: str
+    script: str
+    args: tuple[str, ...] = ()
+    quick_args: tuple[str, ...] = ()
+    timeout: float = 600.0
+    quick_timeout: float = 300.0
+    needs: str | None = None  # "cuda": torch with a CUDA GPU
+    quick_flag_if_offered: bool = False  # pass --quick when the script's --help offers it
+
+
+# In the order they run; any other bench_*.py found in benchmarks/ runs after them with
+# just --json.
+KNOWN = [
+    Bench("throughput", "bench_throughput.py", ("--repeat", "3"), ("--repeat", "1"), 1800, 600),
+    Bench("dispatch", "bench_dispatch.py", (), ("--rounds", "4"), 300, 120),
+    Bench("loop_lag", "bench_loop_lag.py", (), (), 600, 300),
+    Bench("startup", "bench_startup.py", ("--repeat", "3"), ("--repeat", "1"), 900, 300),
+    Bench("memory", "bench_memory.py", ("--repeat", "3"), ("--repeat", "1"), 900, 300),
+    Bench("cache", "bench_cache.py", (), (), 600, 300),
+    Bench("crash", "bench_crash.py", (), (), 300, 120),
+    Bench("metrics", "bench_metrics.py", (), ("--rounds", "3"), 300, 120),
+    Bench("build", "bench_build.py", (), (), 900, 300),
+    Bench("serving", "bench_serving.py", (), (), 1200, 400, quick_flag_if_offered=True),
+    Bench("torch_compile", "bench_torch_compile.py", ("--repeat", "3"), ("--repeat", "1"), 2400, 900,
+          needs="cuda"),
+]
+
+
+# -- the machine ------------------------------------------------------------------------------
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _probe_torch() -> dict[str, Any]:
+    """torch's version and the GPU, asked in a subprocess (importing torch costs a second,
+    and initialising CUDA here would be inherited by nothing but still costs memory)."""
+    code = ("import json, torch; cuda = torch.cuda.is_available(); print(json.dumps({'torch': torch.__version__, "
+            "'cuda': cuda, 'gpu': torch.cuda.get_device_name() if cuda else None, "
+            "'gpus': torch.cuda.device_count() if cuda else 0}))")
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        found: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+        return found
+    except (subprocess.TimeoutExpired, ValueError, IndexError):
+        return {"torch": None, "cuda": False, "gpu": None, "gpus": 0}
+
+
+def _git(*args: str) -> str | None:
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def describe_machine() -> dict[str, Any]:
+    cpu_model = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu_model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    ram_gib = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    ram_gib = round(int(line.split()[1]) / 1024 ** 2, 1)
+    except OSError:
+        pass
+    torch_info = _probe_torch()
+    changed = _git("status", "--porcelain", "--untracked-files=no", "--", "aiocompile")
+    return {
+        "cpu_model": cpu_model,
+        "cpus": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "ram_gib": ram_gib,
+        "gpu": torch_info.get("gpu"),
+        "gpus": torch_info.get("gpus", 0),
+        "cuda": bool(torch_info.get("cuda")),
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "triton": _version("triton"),
+        "torch": torch_info.get("torch") or _version("torch"),
+        "anyio": _version("anyio"),
+        "aiocompile": _version("aiocompile"),
+        "git_commit": _git("rev-parse", "--short", "HEAD"),
+        "aiocompile_modified": bool(changed),  # the library had uncommitted changes when measured
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def slug_of(machine: dict[str, Any]) -> str:
+    """``nvidia-h200-16cpu`` on a GPU machine, ``amd-epyc-2cpu`` without one."""
+    name = machine["gpu"] or machine["cpu_model"]
+    name = re.sub(r"\((r|tm)\)|\bcpu\b|\bprocessor\b|@.*$|\d+-core", " ", name, flags=re.IGNORECASE)
+    words = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    return f"{words[:40].strip('-') or 'machine'}-{machine['cpus']}cpu"
+
+
+# -- running ----------------------------------------------------------------------------------
+
+def plan(only: set[str] | None) -> list[Bench]:
+    benches = list(KNOWN)
+    known_scripts = {b.script for b in KNOWN}
+    for path in sorted(glob.glob(os.path.join(HERE, "bench_*.py"))):
+        script = os.path.basename(path)
+        if script not in known_scripts:
+            benches.append(Bench(script[len("bench_"):-len(".py")], script))
+    benches = [b for b in benches if os.path.exists(os.path.join(HERE, b.script))]
+    if only is not None:
+        unknown = only - {b.name for b in benches}
+        if unknown:
+            raise SystemExit(f"no such benchmark: {', '.join(sorted(unknown))} "
+                             f"(there are: {', '.join(b.name for b in benches)})")
+        benches = [b for b in benches if b.name in only]
+    return benches
+
+
+def _offers_quick(script: str) -> bool:
+    try:
+        proc = subprocess.run([sys.executable, os.path.join(HERE, script), "--help"], capture_output=True, text=True,
+                              timeout=60, cwd=ROOT, env=_env(tempfile.gettempdir()))
+    except subprocess.TimeoutExpired:
+        return False
+    return "--quick" in proc.stdout
+
+
+def _env(triton_cache: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH", "")]))
+    env["TRITON_CACHE_DIR"] = triton_cache
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when it is unset
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _tail(text: str, limit: int) -> str:
+    return text if len(text) <= limit else "...\n" + text[-limit:]
+
+
+def run_one(bench: Bench, quick: bool, machine: dict[str, Any]) -> dict[str, Any]:
+    entry: dict[str, Any] = {"script": f"benchmarks/{bench.script}"}
+    if bench.needs == "cuda" and not machine["cuda"]:
+        entry.update(status="skipped", reason="needs torch with a CUDA GPU")
+        return entry
+    args = list(bench.quick_args if quick else bench.args)
+    if quick and bench.quick_flag_if_offered and _offers_quick(bench.script):
+        args.append("--quick")
+    timeout = bench.quick_timeout if quick else bench.timeout
+    scratch = tempfile.mkdtemp(prefix=f"bench-{bench.name}-")
+    out_json = os.path.join(scratch, "result.json")
+    cache = os.path.join(scratch, "triton-cache")
+    os.mkdir(cache)
+    command = [sys.executable, os.path.join("benchmarks", bench.script), *args, "--json", out_json]
+    entry["command"] = shlex.join(["python", os.path.join("benchmarks", bench.script), *args, "--json", "out.json"])
+    entry["timeout_s"] = timeout
+    entry["load_before"] = [round(x, 2) for x in os.getloadavg()]
+    stdout_path, stderr_path = os.path.join(scratch, "stdout"), os.path.join(scratch, "stderr")
+    started = time.monotonic()
+    with open(stdout_path, "w") as out, open(stderr_path, "w") as err:
+        # A session of its own, so that on a timeout the benchmark and every process it
+        # started (pools, fork servers) go together.
+        proc = subprocess.Popen(command, cwd=ROOT, env=_env(cache), stdout=out, stderr=err, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            os.killpg(proc.pid, signal.SIGKILL)
+            rc = proc.wait()
+    entry["seconds"] = round(time.monotonic() - started, 1)
+    entry["load_after"] = [round(x, 2) for x in os.getloadavg()]
+    entry["returncode"] = rc
+    with open(stdout_path, errors="replace") as f:
+        entry["stdout"] = _tail(f.read(), 20000)
+    with open(stderr_path, errors="replace") as f:
+        stderr = f.read()
+    result = None
+    if os.path.exists(out_json):
+        try:
+            with open(out_json) as f:
+                result = json.load(f)
+        except ValueError as exc:
+            stderr += f"\n(the JSON it wrote does not parse: {exc})"
+    if timed_out:
+        entry.update(status="timeout", reason=f"ran past {timeout:.0f} s and was killed")
+    elif rc != 0:
+        entry.update(status="failed", reason=f"exit status {rc}")
+    elif result is None:
+        entry.update(status="failed", reason="wrote no JSON")
+    else:
+        entry["status"] = "ok"
+    if entry["status"] != "ok":
+        entry["stderr"] = _tail(stderr, 6000)
+    entry["result"] = result
+    entry["finished_at"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    shutil.rmtree(scratch, ignore_errors=True)
+    return entry
+
+
+# -- the report ---------------------------------------------------------------------------------
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if value != value:  # NaN
+            return "-"
+        if abs(value) >= 1000:
+            return f"{value:,.0f}"
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _table(header: list[str], rows: list[list[Any]], digits: int | list[int] = 2) -> str:
+    """A markdown table; ``digits``: decimals for floats, for all columns or per column."""
+    per_column = digits if isinstance(digits, list) else [digits] * len(header)
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(_fmt(v, d) for v, d in zip(row, per_column)) + " |")
+    return "\n".join(lines)
+
+
+def _flatten(value: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if isinstance(value, dict):
+        items: list[tuple[str, Any]] = []
+        for key, sub in value.items():
+            items += _flatten(sub, f"{prefix}.{key}" if prefix else str(key))
+        return items
+    if isinstance(value, list):
+        if all(not isinstance(v, (dict, list)) for v in value) and len(value) <= 8:
+            return [(prefix, ", ".join(_fmt(v) for v in value))]
+        items = []
+        for index, sub in enumerate(value[:20]):
+            items += _flatten(sub, f"{prefix}[{index}]")
+        return items
+    return [(prefix, value)]
+
+
+def render_generic(result: Any) -> str:
+    rows = _flatten(result)
+    text = _table(["field", "value"], [[k, v] for k, v in rows[:80]], digits=3)
+    if len(rows) > 80:
+        text += f"\n\n({len(rows) - 80} more fields in the JSON file)"
+    return text
+
+
+def render_columns(result: Any) -> str:
+    """Side-by-side tables for any dict whose values are dicts of numbers (one column per
+    way of doing something, one row per measurement); empty if there is none."""
+    tables = []
+
+    def scalar(value: Any) -> bool:
+        return isinstance(value, (int, float, bool)) or (isinstance(value, str) and len(value) <= 24)
+
+    def walk(value: Any, depth: int) -> None:
+        if not isinstance(value, dict) or depth > 2:
+            return
+        columns = {k: v for k, v in value.items()
+                   if isinstance(v, dict) and sum(isinstance(x, (int, float)) for x in v.values()) >= 2}
+        if len(columns) >= 2:
+            keys: list[str] = []
+            for sub in columns.values():
+                keys += [k for k, x in sub.items() if scalar(x) and k not in keys]
+            rows = [[k] + [sub.get(k) for sub in columns.values()] for k in keys]
+            tables.append(_table([""] + list(columns), rows))
+        for key, sub in value.items():
+            if key not in columns:
+                walk(sub, depth + 1)
+
+    walk(result, 0)
+    return "\n\n".join(tables)
+
+
+def render_throughput(r: dict[str, Any]) -> str:
+    parts = [f"{r['kernels']} distinct kernels for `{r['target']}`, W = {r['workers']} workers, "
+             f"median of {r['repeat']} rounds (Triton {r.get('triton', '?')})."]
+    single = r.get("single")
+    if single:
+        parts.append(f"Single compiles (serially, in a warm process): sum {single['sum_s']:.2f} s, longest "
+                     f"{single['longest_s']:.2f} s (`{single['longest_label']}`); lower bound max(sum / W, longest) "
+                     f"= **{r['lower_bound_s']:.2f} s**.")
+    rows = []
+    for way, row in r["ways"].items():
+        if not row.get("available", True):
+            rows.append([way, "unavailable: " + row.get("reason", ""), None, None, None, None, None])
+            continue
+        walls = row.get("walls_s") or [row["wall_s"]]
+        rows.append([way, row["wall_s"], f"{min(walls):.2f}-{max(walls):.2f}", row.get("ratio_to_aiocompile"),
+                     row.get("efficiency"), row.get("wall_over_bound"), row.get("compile_s_in_workers")])
+    parts.append(_table(["way", "wall s", "rounds s", "ratio to aiocompile", "parallel efficiency",
+                         "wall / lower bound", "compile s summed where run"], rows))
+    parts.append("Parallel efficiency = (sum of single compile times / W) / wall. The last column adds up each "
+                 "compile's own time as measured where it ran (worker, thread or this process): above the serial "
+                 "sum when compiles slow each other down.")
+    return "\n\n".join(parts)
+
+
+def render_loop_lag(throughput: dict[str, Any] | None, loop_lag: dict[str, Any] | None) -> str:
+    parts = []
+    if throughput:
+        rows = [[way, row["lag"]["p50_ms"], row["lag"]["p99_ms"], row["lag"]["max_ms"], row["lag"]["over_10ms"],
+                 row["lag"]["ticks"]]
+                for way, row in throughput["ways"].items() if row.get("available", True)]
+        parts.append("A 1 ms ticker in the event loop while the 64 kernels compile (throughput benchmark), "
+                     "lateness over every tick of every round:")
+        parts.append(_table(["way", "p50 ms", "p99 ms", "max ms", "ticks > 10 ms", "ticks"], rows))
+    if loop_lag:
+        rows = [[name, row.get("wall_s"), row.get("p50_ms"), row.get("p99_ms"), row.get("max_ms"),
+                 row.get("over_10ms")]
+                for name, row in loop_lag.items() if isinstance(row, dict) and "p99_ms" in row]
+        parts.append(f"`bench_loop_lag.py`: 32 kernels{' compiled and loaded' if loop_lag.get('gpu') else ''}:")
+        parts.append(_table(["way", "wall s", "p50 ms", "p99 ms", "max ms", "ticks > 10 ms"], rows))
+    return "\n\n".join(parts)
+
+
+def render_dispatch(r: dict[str, Any]) -> str:
+    rows = [[way, row["p50_us"], row["p99_us"], row["mean_us"], row["p50_vs_fastest"]]
+            for way, row in r["results"].items()]
+    rows.sort(key=lambda row: row[1])
+    return (f"Round trip of a trivial job (`abs(-1)`), one warm worker each, {r['calls_per_way']} calls per way "
+            "in interleaved rounds:\n\n"
+            + _table(["way", "p50 µs", "p99 µs", "mean µs", "p50 / fastest"], rows, digits=[0, 1, 1, 1, 2]))
+
+
+def render_startup(r: dict[str, Any]) -> str:
+    results = r["results"]
+    base = results.get("ProcessPoolExecutor forkserver") or next(iter(results.values()))
+    rows = [[name, row["first_kernel"], row["first_kernel"] / base["first_kernel"], row["on_demand"],
+             row["on_demand"] / base["on_demand"], row["on_demand_run"]] for name, row in results.items()]
+    return (f"`bench_startup.py`, median of {r.get('repeat', '?')} fresh interpreters (ratios against the stdlib "
+            "pool with forkserver):\n\n"
+            + _table(["pool", "program start to 1st kernel s", "ratio", "kernel on a new worker s", "ratio",
+                      "of which compiling s"], rows, digits=[0, 3, 2, 3, 2, 3]))
+
+
+def render_memory(r: dict[str, Any]) -> str:
+    rows = [[way, row["import_s"], row["import_kernels_s"], row["pool_ready_s"], row["first_compile_s"],
+             row["worker_rss_mib"], row["worker_pss_mib"], row["worker_uss_mib"], row["pool_pss_mib"]]
+            for way, row in r["results"].items()]
+    return (f"`bench_memory.py`: {r['workers']} workers, median of {r['repeat']} fresh interpreters. Import: the "
+            "pool's library (kernels and Triton: "
+            + ", ".join(f"{row['import_kernels_s']:.2f} s" for row in r["results"].values())
+            + "); pool ready: until each worker has run a tiny compile; first compile: one matmul on the ready "
+            "pool. Memory after 16 compiles, in MiB: per worker (median), and the whole pool's PSS (workers and "
+            "any fork server).\n\n"
+            + _table(["pool", "import s", "+ kernels s", "pool ready s", "first compile s", "worker RSS",
+                      "worker PSS", "worker USS", "pool PSS"], rows, digits=[0, 3, 3, 3, 3, 0, 0, 0, 0]))
+
+
+def render_cache(r: dict[str, Any]) -> str:
+    results = r["results"]
+    base = results["triton.compile, warm Triton cache"]["p50_us"]
+    rows = [[name, results[name]["p50_us"], results[name]["p95_us"], results[name]["p99_us"],
+             results[name]["p50_us"] / base]
+            for name in ("memory hit", "disk hit", "triton.compile, warm Triton cache") if name in results]
+    cold, warm = results.get("1000 concurrent, cold", {}), results.get("1000 concurrent, warm", {})
+    return (_table(["request", "p50 µs", "p95 µs", "p99 µs", "p50 / triton.compile"], rows, digits=[0, 1, 1, 1, 3])
+            + f"\n\n1000 concurrent identical requests: cold {_fmt(cold.get('total_ms'), 0)} ms "
+            f"({cold.get('compiles', '?')} compile), warm {_fmt(warm.get('total_ms'), 1)} ms.")
+
+
+def render_crash(r: dict[str, Any]) -> str:
+    rows = [[name, row["death_to_work_again_ms"], row["innocent_reruns"], row["innocent_failures"], row["wall_s"],
+             row["poison"]] for name, row in r["results"].items()]
+    return (f"One poison job among {2 * r['workers']} innocent {r['seconds']:g} s jobs, {r['workers']} workers:\n\n"
+            + _table(["pool", "death to work again ms", "innocents re-run", "innocents failed", "wall s",
+                      "poison job ends with"], rows, digits=[0, 1, 0, 0, 2, 0]))
+
+
+def render_metrics(r: dict[str, Any]) -> str:
+    rows = [[name, row["p50_us"], row.get("p90_us"), row["mean_us"], row.get("p50_vs_off")]
+            for name, row in r["results"].items()]
+    return (f"Round trip of a trivial job with aiocompile's metrics off and on, {r['calls_per_mode']} calls each:\n\n"
+            + _table(["mode", "p50 µs", "p90 µs", "mean µs", "p50 / off"], rows, digits=[0, 1, 1, 1, 2]))
+
+
+def render_build(r: dict[str, Any]) -> str:
+    results = r["results"]
+    serial = next((row["wall"] for name, row in results.items() if name.startswith("serial")), None)
+    rows = [[name, row["wall"], serial / row["wall"] if serial else None, row.get("kernels")]
+            for name, row in results.items()]
+    return (f"Pre-building the example set for `{r['targets']}`, cold (fresh interpreter and cache each), "
+            f"{r['workers']} workers:\n\n" + _table(["way", "wall s", "speed-up over serial", "kernels"], rows))
+
+
+def render_torch_compile(runs: list[dict[str, Any]]) -> str:
+    groups: dict[tuple[str, str], dict[str, list[float]]] = {}
+    for run in runs:
+        groups.setdefault((run["scenario"], run["model"]), {}).setdefault(run["mode"], []).append(run["seconds"])
+    rows = []
+    for (scenario, model), modes in groups.items():
+        stock = sorted(modes.get("stock", []))
+        ours = sorted(modes.get("aiocompile", []))
+        med = lambda v: v[len(v) // 2] if v else None  # noqa: E731
+        rows.append([scenario, model, med(stock), med(ours),
+                     med(ours) / med(stock) if stock and ours else None])  # type: ignore[operator]
+    return _table(["scenario", "model", "stock Inductor s", "with aiocompile s", "ratio"], rows)
+
+
+RENDERERS: dict[str, tuple[str, Callable[[Any], str]]] = {
+    "throughput": ("Compile throughput: 64 kernels, five ways", render_throughput),
+    "dispatch": ("Dispatch round trip", render_dispatch),
+    "startup": ("Start-up", render_startup),
+    "memory": ("Cold start and worker memory", render_memory),
+    "cache": ("Cache hits", render_cache),
+    "crash": ("Crash recovery", render_crash),
+    "metrics": ("What measuring costs", render_metrics),
+    "build": ("Pre-building the example set", render_build),
+    "torch_compile": ("torch.compile with and without aiocompile", render_torch_compile),
+}
+
+
+def _png(figure: Any, path: str) -> str:
+    figure.savefig(path, dpi=110)
+    return os.path.basename(path)
+
+
+def _grouped_barh(ax: Any, names: list[str], series: list[tuple[str, list[float], str]], unit: str) -> None:
+    """One group of horizontal bars per name (first name on top), one bar per series,
+    each labelled with its value, on a log scale."""
+    height = 0.8 / len(series)
+    for k, (label, values, colour) in enumerate(series):
+        ys = [len(names) - 1 - i + 0.4 - height * (k + 0.5) for i in range(len(names))]
+        ax.barh(ys, values, height, color=colour, label=label)
+        for y, value in zip(ys, values):
+            ax.text(value, y, f" {value:,.1f} {unit}" if value < 100 else f" {value:,.0f} {unit}", va="center",
+                    fontsize=8)
+    ax.set_yticks(range(len(names)), names[::-1])
+    ax.set_xscale("log")
+    low = min(v for _, values, _ in series for v in values if v > 0)
+    high = max(v for _, values, _ in series for v in values)
+    ax.set_xlim(low / 3, high * 8)
+    ax.legend(loc="lower right", fontsize=8)
+
+
+def charts(report: dict[str, Any], out: str, slug: str) -> dict[str, str]:
+    """The PNGs, drawn with matplotlib's Figure API (no pyplot, no display)."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return {}
+    made: dict[str, str] = {}
+    results = {name: e.get("result") for name, e in report["benchmarks"].items() if e.get("status") == "ok"}
+    colours = {"aiocompile": "#1f77b4"}
+    other = "#9a9a9a"
+
+    tp = results.get("throughput")
+    if tp:
+        ways = [(w, r) for w, r in tp["ways"].items() if r.get("available", True)]
+        fig = Figure(figsize=(8, 0.55 * len(ways) + 1.6))
+        ax = fig.add_subplot()
+        names = [w for w, _ in ways][::-1]
+        walls = [r["wall_s"] for _, r in ways][::-1]
+        ax.barh(names, walls, color=[colours.get(n, other) for n in names])
+        for y, (name, wall) in enumerate(zip(names, walls)):
+            ratio = dict(ways)[name].get("ratio_to_aiocompile")
+            ax.text(wall, y, f" {wall:.1f} s" + (f" ({ratio:.2f}x)" if ratio else ""), va="center", fontsize=9)
+        if tp.get("lower_bound_s"):
+            ax.axvline(tp["lower_bound_s"], color="#d62728", linestyle="--", linewidth=1.2,
+                       label=f"lower bound {tp['lower_bound_s']:.1f} s = max(sum of single compiles / W, longest)")
+            ax.legend(loc="lower right", fontsize=8)
+        ax.set_xlim(0, max(walls + [tp.get("lower_bound_s") or 0]) * 1.3)
+        ax.set_ylim(-1.2, len(names) - 0.5)  # room for the legend under the bars
+        ax.set_xlabel("wall time, s (lower is better)")
+        ax.set_title(f"{tp['kernels']} kernels for {tp['target']}, {tp['workers']} workers, {tp['cpus']} CPUs")
+        fig.tight_layout()
+        made["throughput"] = _png(fig, os.path.join(out, f"{slug}-throughput.png"))
+
+        fig = Figure(figsize=(8, 0.75 * len(ways) + 1.6))
+        ax = fig.add_subplot()
+        _grouped_barh(ax, [w for w, _ in ways], [("p99", [r["lag"]["p99_ms"] for _, r in ways], "#1f77b4"),
+                                                 ("max", [r["lag"]["max_ms"] for _, r in ways], "#ff7f0e")], "ms")
+        ax.set_xlabel("lateness of a 1 ms ticker, ms (log scale, lower is better)")
+        ax.set_title("event-loop lag while the kernels compile")
+        fig.tight_layout()
+        made["loop_lag"] = _png(fig, os.path.join(out, f"{slug}-loop-lag.png"))
+
+    dispatch = results.get("dispatch")
+    if dispatch:
+        rows = list(dispatch["results"].items())
+        fig = Figure(figsize=(8, 0.75 * len(rows) + 1.6))
+        ax = fig.add_subplot()
+        _grouped_barh(ax, [n for n, _ in rows], [("p50", [r["p50_us"] for _, r in rows], "#1f77b4"),
+                                                 ("p99", [r["p99_us"] for _, r in rows], "#9a9a9a")], "µs")
+        ax.set_xlabel("round trip of a trivial job, µs (log scale, lower is better)")
+        ax.set_title(f"dispatch, one warm worker each, {dispatch['cpus']} CPUs")
+        fig.tight_layout()
+        made["dispatch"] = _png(fig, os.path.join(out, f"{slug}-dispatch.png"))
+
+    memory = results.get("memory")
+    if memory:
+        rows = list(memory["results"].items())
+        names = [n for n, _ in rows]
+        fig = Figure(figsize=(10, 3.6))
+        left, right = fig.subplots(1, 2)
+        x = range(len(rows))
+        width = 0.27
+        for offset, key, label in ((-width, "import_s", "import"), (0.0, "pool_ready_s", "pool ready"),
+                                   (width, "first_compile_s", "first compile")):
+            values = [r[key] for _, r in rows]
+            bars = left.bar([i + offset for i in x], values, width, label=label)
+            left.bar_label(bars, fmt="%.2f", fontsize=7)
+        left.set_xticks(list(x), names, fontsize=8)
+        left.set_ylabel("seconds")
+        left.set_title(f"cold start, {memory['workers']} workers")
+        for offset, key, label in ((-width, "worker_rss_mib", "worker RSS"), (0.0, "worker_pss_mib", "worker PSS"),
+                                   (width, "pool_pss_mib", "whole pool PSS")):
+            values = [r[key] or 0.0 for _, r in rows]
+            bars = right.bar([i + offset for i in x], values, width, label=label)
+            right.bar_label(bars, fmt="%.0f", fontsize=7)
+        right.set_xticks(list(x), names, fontsize=8)
+        right.set_ylabel("MiB")
+        right.set_title("memory after 16 compiles")
+        for axis in (left, right):
+            axis.set_ylim(0, axis.get_ylim()[1] * 1.25)
+            axis.legend(fontsize=8, ncol=3, loc="upper center")
+        fig.tight_layout()
+        made["memory"] = _png(fig, os.path.join(out, f"{slug}-startup-memory.png"))
+    return made
+
+
+def render_markdown(report: dict[str, Any], images: dict[str, str]) -> str:
+    m = report["machine"]
+    benches = report["benchmarks"]
+    lines = [f"# Benchmarks: {report['slug']}", ""]
+    lines.append(f"Written by `{report['command']}` on {m['date']}; every benchmark's output and result is in "
+                 f"[{report['slug']}.json]({report['slug']}.json).")
+    lines.append("")
+    lines.append(_table(["", ""], [
+        ["CPU", f"{m['cpu_model']}, {m['cpus']} CPUs ({m['cpus_usable']} usable)"],
+        ["RAM", f"{m['ram_gib']} GiB"],
+        ["GPU", f"{m['gpu']} x{m['gpus']}" if m["gpu"] else "none"],
+        ["OS", m["os"]],
+        ["Python / Triton / torch / anyio", f"{m['python']} / {m['triton']} / {m['torch'] or '-'} / {m['anyio']}"],
+        ["aiocompile", f"{m['aiocompile']} at {m['git_commit']}"
+                       + (" (with uncommitted changes to aiocompile/)" if m["aiocompile_modified"] else "")],
+    ]))
+    lines += ["", "## Runs", ""]
+    rows = []
+    for name, e in benches.items():
+        load = e.get("load_before")
+        rows.append([name, e["status"] + (f": {e['reason']}" if e.get("reason") and e["status"] != "ok" else ""),
+                     e.get("seconds"), f"`{e['command']}`" if e.get("command") else "-",
+                     "/".join(_fmt(x) for x in load) if load else "-"])
+    lines.append(_table(["benchmark", "status", "seconds", "command", "load average before (1/5/15 min)"], rows,
+                        digits=1))
+    results = {name: e.get("result") for name, e in benches.items() if e.get("status") == "ok"}
+
+    def section(title: str, body: str, image: str | None = None) -> None:
+        lines.extend(["", f"## {title}", "", body])
+        if image:
+            lines.extend(["", f"![{title}]({image})"])
+
+    def safe(name: str, render: Callable[[Any], str]) -> str:
+        try:
+            return render(results[name])
+        except (KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError, IndexError) as exc:
+            return (f"(this benchmark's JSON has a shape the report does not know: {type(exc).__name__}: {exc}; "
+                    "all of it:)\n\n" + render_generic(results[name]))
+
+    order = ["throughput", "loop_lag", "dispatch", "startup", "memory"]
+    order += [name for name in benches if name not in order]
+    for name in order:
+        if name == "loop_lag":
+            if "throughput" in results or "loop_lag" in results:
+                try:
+                    body = render_loop_lag(results.get("throughput"), results.get("loop_lag"))
+                except (KeyError, TypeError, ValueError) as exc:
+                    body = f"(unexpected shape: {exc})\n\n" + render_generic(results.get("loop_lag"))
+                section("Event-loop lag while compiling", body, images.get("loop_lag"))
+            continue
+        if name not in results:
+            continue
+        if name in RENDERERS:
+            title, render = RENDERERS[name]
+            section(title, safe(name, render), images.get(name))
+        else:  # a benchmark this report does not know: its numbers side by side, and what it printed
+            body = render_columns(results[name]) or render_generic(results[name])
+            printed = benches[name].get("stdout", "").strip()
+            if printed:
+                body += f"\n\n`{benches[name]['script']}` printed:\n\n```text\n{printed[-4000:]}\n```"
+            section(name.replace("_", " ").capitalize(), body)
+    failed = {name: e for name, e in benches.items() if e["status"] in ("failed", "timeout")}
+    if failed:
+        lines += ["", "## Failures", ""]
+        for name, e in failed.items():
+            lines += [f"### {name}: {e['reason']}", "", "```", (e.get("stderr") or "").strip()[-3000:], "```", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write_report(report: dict[str, Any], out: str) -> list[str]:
+    slug = report["slug"]
+    json_path = os.path.join(out, f"{slug}.json")
+    with open(json_path + ".tmp", "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(json_path + ".tmp", json_path)
+    images = charts(report, out, slug)
+    md_path = os.path.join(out, f"{slug}.md")
+    with open(md_path, "w") as f:
+        f.write(render_markdown(report, images))
+    return [json_path, md_path] + [os.path.join(out, image) for image in images.values()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer repeats (about 8 minutes on 16 CPUs)")
+    parser.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks"))
+    parser.add_argument("--slug", help="the report's name (default: from the GPU or CPU model and the CPU count)")
+    parser.add_argument("--only", help="comma-separated benchmark names to run; the others' results are kept")
+    parser.add_argument("--render", action="store_true", help="only rewrite the markdown and charts from the JSON")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    machine = describe_machine()
+    slug = args.slug or slug_of(machine)
+    json_path = os.path.join(args.out, f"{slug}.json")
+    previous: dict[str, Any] | None = None
+    if os.path.exists(json_path) and (args.only or args.render):
+        with open(json_path) as f:
+            previous = json.load(f)
+    if args.render:
+        if previous is None:
+            raise SystemExit(f"no {json_path} to render")
+        for path in write_report(previous, args.out):
+            print(f"wrote {os.path.relpath(path, ROOT)}")
+        return
+    only = {n for n in args.only.split(",") if n} if args.only else None
+    benches = plan(only)
+    command = "python benchmarks/run.py" + (" --quick" if args.quick else "")
+    report: dict[str, Any] = {"slug": slug, "command": command, "quick": args.quick, "machine": machine,
+                              "benchmarks": dict(previous["benchmarks"]) if previous else {}}
+    if previous and only:
+        report["command"] = previous.get("command", command) + f" (then --only {args.only})"
+    started = time.monotonic()
+    print(f"{len(benches)} benchmarks on {slug}: {', '.join(b.name for b in benches)}", flush=True)
+    for bench in benches:
+        print(f"\n== {bench.name} ({bench.script})", flush=True)
+        entry = run_one(bench, args.quick, machine)
+        report["benchmarks"][bench.name] = entry
+        print(entry.get("stdout", "").rstrip()[-6000:])
+        print(f"-> {entry['status']}" + (f" ({entry['reason']})" if entry.get("reason") else "")
+              + (f" in {entry['seconds']} s" if "seconds" in entry else ""), flush=True)
+        if entry["status"] in ("failed", "timeout"):
+            print(entry.get("stderr", "")[-2000:], flush=True)
+        report["total_seconds"] = round(time.monotonic() - started, 1)
+        write_report(report, args.out)  # after each benchmark, so that an interrupted run keeps what it did
+    paths = write_report(report, args.out)
+    print(f"\nall done in {time.monotonic() - started:.0f} s:")
+    for path in paths:
+        print(f"wrote {os.path.relpath(path, ROOT)}")
+    failed = [name for name, e in report["benchmarks"].items() if e["status"] in ("failed", "timeout")]
+    if failed:
+        print(f"failed: {', '.join(failed)}")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
