@@ -205,9 +205,9 @@ class WorkerPool(cf.Executor):
 
     ``submit()`` follows the ``Executor`` contract; ``submit_job()`` also takes a timeout,
     a crash budget and a name for error messages, and returns the :class:`Job` with its
-    timings. ``on_event``, if set, is called in the supervisor thread with a
-    :class:`~aiocompile.WorkerEvent` for each worker start and exit and each attempt at a
-    job; it must be quick.
+    timings. ``on_event``, if set, is called with a :class:`~aiocompile.WorkerEvent` for
+    each worker start and exit and each attempt at a job, in the supervisor thread (or,
+    for a job sent at once to an idle worker, in the submitting thread); it must be quick.
     """
 
     def __init__(
@@ -272,12 +272,28 @@ class WorkerPool(cf.Executor):
         key: str | None = None,
         warm_only: bool = False,
     ) -> Job:
-        """Queue ``fn(*args, **kwargs)``; raises ``TypeError`` at once if it cannot be sent."""
+        """Queue ``fn(*args, **kwargs)``; raises ``TypeError`` at once if it cannot be sent.
+
+        With a worker idle and nothing queued, the job is sent to it from this thread at
+        once: the round trip through the supervisor thread (a wake-up, and the GIL passed
+        from thread to thread) was a fifth of a trivial job's whole round trip. The
+        supervisor still reads the answer and watches the worker."""
         self._check_usable()
         job = Job.create(next(self._ids), fn, args, kwargs, timeout=timeout,
                          max_crashes=max_crashes or self.max_crashes, name=name, key=key, warm_only=warm_only)
-        self._command("submit", job)
+        worker = None if warm_only else self._claim_for_new(job)
+        if worker is None:
+            self._command("submit", job)
+        elif self._start_job(worker, job) and job.timeout is not None:
+            self._wake()  # the supervisor's next wait must end at this job's deadline
         return job
+
+    def _claim_for_new(self, job: Job) -> _Worker | None:
+        """An idle worker for a new job, taken now, if no job is waiting ahead of it."""
+        with self._lock:
+            if self._closed or self._thread is None or self._commands or self._pending or self._warm_pending:
+                return None
+            return self._claim_locked(lambda w: True, job)
 
     def kill(self, job: Job, reason: str = "cancelled") -> None:
         """Stop a job: cancel it if queued, kill its worker if running."""
@@ -431,8 +447,11 @@ class WorkerPool(cf.Executor):
                 if not self._commands:
                     return
                 kind, value = self._commands.popleft()
+                if kind == "submit":
+                    # Queued under the lock: a submitter that finds neither a command nor a
+                    # queued job may send its own job at once, and must not overtake this.
+                    (self._warm_pending if value.warm_only else self._pending).append(value)
             if kind == "submit":
-                (self._warm_pending if value.warm_only else self._pending).append(value)
                 depth = len(self._pending)
                 if depth > self.counters.queue_depth_max:
                     self.counters.queue_depth_max = depth
@@ -464,18 +483,22 @@ class WorkerPool(cf.Executor):
         # Warm-up jobs go only to workers that have not been warmed, one each; once every
         # slot holds a warmed worker, the ones left have nothing to do.
         while self._warm_pending:
-            worker = self._idle_worker(lambda w: not w.warmed)
+            job = self._warm_pending[0]
+            worker = self._claim(lambda w: not w.warmed, job)
             if worker is None:
                 if len(self._workers) >= self.max_workers and all(w.warmed for w in self._workers):
                     self._finish_noop(self._warm_pending.popleft())
                     continue
                 break
-            self._start_job(worker, self._warm_pending.popleft())
+            self._warm_pending.popleft()
+            self._start_job(worker, job)
         while self._pending:
-            worker = self._idle_worker(lambda w: True)
+            job = self._pending[0]
+            worker = self._claim(lambda w: True, job)
             if worker is None:
                 break
-            self._start_job(worker, self._pending.popleft())
+            self._pending.popleft()
+            self._start_job(worker, job)
         wanted = len(self._pending) + len(self._warm_pending)
         starting = sum(1 for w in self._workers if w.state == "starting")
         if self._retry_start_at is not None and time.monotonic() < self._retry_start_at:
@@ -492,14 +515,31 @@ class WorkerPool(cf.Executor):
                 queue.clear()
                 queue.extend(kept)
 
-    def _idle_worker(self, eligible: Callable[[_Worker], bool]) -> _Worker | None:
+    # Idle workers may be taken by the supervisor or, for a new job, by the thread that
+    # submits it; so a worker becomes idle, and is taken (made busy, given its job), only
+    # under the pool's lock. Everything else about workers is the supervisor's alone.
+
+    def _claim(self, eligible: Callable[[_Worker], bool], job: Job) -> _Worker | None:
+        with self._lock:
+            return self._claim_locked(eligible, job)
+
+    def _claim_locked(self, eligible: Callable[[_Worker], bool], job: Job) -> _Worker | None:
         # Most recently used first: its caches (Triton's in-process ones, the page cache)
         # are the warmest, and the others can then be left idle long enough to be stopped.
         best = None
         for worker in self._workers:
             if worker.state == "idle" and eligible(worker) and (best is None or worker.last_used > best.last_used):
                 best = worker
+        if best is not None:
+            best.state = "busy"
+            best.job = job
         return best
+
+    def _make_idle(self, worker: _Worker) -> None:
+        with self._lock:
+            worker.state = "idle"
+            worker.job = None
+            worker.deadline = None
 
     def _start_failed(self, error: str) -> None:
         # Try again after a pause that grows with each failure in a row; after a few, fail
@@ -534,18 +574,19 @@ class WorkerPool(cf.Executor):
         self.counters.workers_started += 1
         return True
 
-    def _start_job(self, worker: _Worker, job: Job) -> None:
+    def _start_job(self, worker: _Worker, job: Job) -> bool:
+        """Send ``job`` to ``worker``, which was claimed for it. False if the job was
+        cancelled meanwhile (the worker is idle again)."""
         # A retried job's future is RUNNING already; a queued one may have been cancelled.
         if not job.future.running() and not job.future.set_running_or_notify_cancel():
-            return
+            self._make_idle(worker)
+            return False
         now = time.monotonic()
         if job.started_at is None:
             job.started_at = now
         job.attempt_started_at = now
         job.attempts += 1
         job.worker_pid = worker.proc.pid
-        worker.state = "busy"
-        worker.job = job
         worker.deadline = None if job.timeout is None else now + job.timeout
         message = pickle.dumps(("run", job.id, job.env, job.sys_path, job.payload), protocol=pickle.HIGHEST_PROTOCOL)
         try:
@@ -555,6 +596,7 @@ class WorkerPool(cf.Executor):
             # is no crash of its. The socket's end is seen by the wait loop.
             job.kill_reason = "undelivered"
         emit_event(self.on_event, "job_started", worker.proc.pid, job)
+        return True
 
     # -- results and deaths -----------------------------------------------------------------
 
@@ -568,7 +610,7 @@ class WorkerPool(cf.Executor):
         if message[0] == "ready":
             if self.worker_nice:
                 _lower_priority(worker.proc.pid, self.worker_nice)
-            worker.state = "idle"
+            self._make_idle(worker)
             self._start_failures = 0
             self._retry_start_at = None
             emit_event(self.on_event, "worker_started", worker.proc.pid)
@@ -578,19 +620,21 @@ class WorkerPool(cf.Executor):
     def _on_done(self, worker: _Worker, message: tuple[Any, ...]) -> None:
         _, job_id, ok, data, run_time, output_size, rss = message
         job = worker.job
-        worker.state = "idle"
-        worker.job = None
-        worker.deadline = None
         worker.jobs_run += 1
         worker.rss = rss
         worker.last_used = time.monotonic()
         if self.max_worker_rss is not None and rss > self.max_worker_rss:
             # Compilers leak; a worker that has grown too big is replaced once its job is
             # done (the result is already here).
+            worker.job = None
+            worker.deadline = None
             self.counters.recycled += 1
             self._retire(worker, "recycled")
             if not self._stopping:
                 self._launch_worker()
+        else:
+            # Idle before the answer goes out: the caller's next job may take it at once.
+            self._make_idle(worker)
         if job is None or job.id != job_id:  # pragma: no cover - protocol invariant
             return
         if job.warm_only:
@@ -629,7 +673,8 @@ class WorkerPool(cf.Executor):
         """Stop a worker on purpose (idle, too big). It holds no job and nothing worth
         saving, so it is simply killed, and reaped here."""
         assert self._launcher is not None and worker.job is None
-        self._workers.remove(worker)
+        with self._lock:
+            self._workers.remove(worker)
         worker.proc.conn.close()
         self._launcher.kill(worker.proc)
         exitcode = self._launcher.wait_exit(worker.proc, _REAP_TIMEOUT)
@@ -644,10 +689,15 @@ class WorkerPool(cf.Executor):
         worker.proc.exitcode = exitcode
         tail = worker.proc.output_tail()
         worker.proc.close()
-        self._workers.remove(worker)
-        job = worker.job
+        with self._lock:
+            # From here no submitter can take it; one that took it just before has left
+            # its job in ``worker.job``, and that job is dealt with below.
+            state = worker.state
+            worker.state = "gone"
+            self._workers.remove(worker)
+            job = worker.job
         pid = worker.proc.pid
-        if worker.state == "starting":
+        if state == "starting":
             emit_event(self.on_event, "worker_exited", pid, status="start_failed", exitcode=exitcode)
             self._start_failed(f"a worker exited with {_signal_name(exitcode)} while starting:\n{tail}")
             return
@@ -710,10 +760,13 @@ class WorkerPool(cf.Executor):
     def _check_deadlines(self) -> None:
         now = time.monotonic()
         if self.idle_timeout is not None and not self._stopping:
-            for worker in [w for w in self._workers if w.state == "idle"]:
-                if now - worker.last_used >= self.idle_timeout:
-                    self.counters.idle_stopped += 1
-                    self._retire(worker, "idle")
+            with self._lock:
+                expired = [w for w in self._workers if w.state == "idle" and now - w.last_used >= self.idle_timeout]
+                for worker in expired:
+                    worker.state = "retiring"
+            for worker in expired:
+                self.counters.idle_stopped += 1
+                self._retire(worker, "idle")
         for worker in self._workers:
             if worker.deadline is not None and worker.deadline <= now and worker.job is not None:
                 worker.deadline = None

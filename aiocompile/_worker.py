@@ -28,7 +28,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import NoReturn
+from typing import Any, NoReturn
 
 # Environment variables that belong to a job rather than to the worker: they are carried
 # from the parent with every job, as they were when the job was submitted.
@@ -41,7 +41,24 @@ ENV_NAMES = frozenset(
 
 def job_env(environ: os._Environ[str] | dict[str, str] = os.environ) -> dict[str, str]:
     """The part of an environment that a job carries with it."""
+    if environ is os.environ and _RAW_ENV is not None:
+        # Every job pays this, in the caller's thread: filter os.environ's raw mapping and
+        # decode only what matches (6 µs rather than 38 µs for 35 variables, decoding all).
+        data, prefixes, names = _RAW_ENV
+        decode_key, decode_value = os.environ.decodekey, os.environ.decodevalue
+        return {decode_key(k): decode_value(v) for k, v in data.items() if k.startswith(prefixes) or k in names}
     return {k: v for k, v in environ.items() if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}
+
+
+def _raw_env() -> tuple[dict[Any, Any], tuple[Any, ...], frozenset[Any]] | None:
+    data = getattr(os.environ, "_data", None)
+    encode = getattr(os.environ, "encodekey", None)
+    if not isinstance(data, dict) or encode is None:
+        return None
+    return data, tuple(encode(p) for p in ENV_PREFIXES), frozenset(encode(n) for n in ENV_NAMES)
+
+
+_RAW_ENV = _raw_env()
 
 
 @dataclass
@@ -59,14 +76,31 @@ class _JobState:
 
     def __init__(self) -> None:
         self.sys_path: list[str] | None = None
+        self.output_written = True  # unknown at first: empty the capture file
+        try:
+            # Kept open: reading it is then one pread per job rather than open/read/close.
+            self._statm: int | None = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self._statm = None
+
+    def rss(self) -> int:
+        if self._statm is not None:
+            try:
+                return int(os.pread(self._statm, 128, 0).split()[1]) * _PAGE_SIZE
+            except (OSError, ValueError, IndexError):
+                pass
+        return _rss()
 
     def apply(self, env: dict[str, str], sys_path: list[str] | None) -> None:
         # A variable the job does not carry was unset in the parent when it was submitted:
         # unset it here too, so that no job sees another's (or the worker's) settings.
-        for name in list(os.environ):
-            if (name.startswith(ENV_PREFIXES) or name in ENV_NAMES) and name not in env:
-                del os.environ[name]
-        os.environ.update(env)
+        # Read afresh each time: the last job may have changed the environment itself.
+        current = job_env()
+        if current != env:
+            for name in current:
+                if name not in env:
+                    del os.environ[name]
+            os.environ.update(env)
         if sys_path is not None and sys_path != self.sys_path:
             sys.path[:] = sys_path
             self.sys_path = list(sys_path)
@@ -128,6 +162,9 @@ def _truncate_output() -> None:
         os.ftruncate(2, 0)
     except OSError:
         pass
+
+
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def _rss() -> int:
@@ -196,15 +233,18 @@ def serve(conn: Connection) -> NoReturn:
         kind, job_id, env, sys_path, payload = pickle.loads(message)
         if kind == "stop":
             os._exit(0)
-        _truncate_output()
+        if state.output_written:
+            _truncate_output()
         ok, data, run_time = run_one(state, env, sys_path, payload)
         for std in (sys.stdout, sys.stderr):
             try:
                 std.flush()
             except (OSError, ValueError, AttributeError):
                 pass
+        output_size = _output_size()
+        state.output_written = output_size != 0
         reply = pickle.dumps(
-            ("done", job_id, ok, data, run_time, _output_size(), _rss()), protocol=pickle.HIGHEST_PROTOCOL
+            ("done", job_id, ok, data, run_time, output_size, state.rss()), protocol=pickle.HIGHEST_PROTOCOL
         )
         del data
         try:
