@@ -273,6 +273,7 @@ class Scheduler:
         nor one that other callers are waiting for; a queued compile nobody waits for any
         more is dropped.
         """
+        _check_timeout(timeout)
         request = await self._triton.prepare(
             self._context, kernel, signature=signature, constexprs=constexprs, target=target,
             attrs=attrs, options=options,
@@ -345,6 +346,8 @@ class Scheduler:
         results: list[Any] = [None] * len(spec_list)
         requests: list[Request | None] = [None] * len(spec_list)
         timeouts: list[float | None] = [spec.pop("timeout", None) for spec in spec_list]
+        for timeout in timeouts:
+            _check_timeout(timeout)
         labels = [str(spec.pop("label", None) or getattr(spec["kernel"], "__name__", None)
                       or getattr(spec["kernel"], "name", "?")) for spec in spec_list]
         first_error: list[BaseException] = []
@@ -513,6 +516,7 @@ class Scheduler:
         with the arrival times. A hit, a remembered error and a failure to start are
         recorded here; the other requests are recorded when their job ends."""
         self._check_open()
+        _check_timeout(timeout)
         arrived, wall = time.monotonic(), time.time()
         self._metrics.submit()
         if timeout is None:
@@ -826,6 +830,14 @@ def _success_outcome(how: str, entry: Entry) -> str:
     if how == "joined":
         return "joined"
     return "disk_hit" if entry.source == "disk" else "compiled"
+
+
+def _check_timeout(timeout: Any) -> None:
+    # Checked here, in the caller's thread: a bad value found later, in the supervisor,
+    # would fail other callers' jobs too.
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not timeout > 0 or timeout != timeout or timeout == float("inf")):
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
 
 
 def _identity(value: Any) -> Any:

@@ -26,6 +26,10 @@ BAD_CALLS = [
     ("attrs for an unknown argument", dict(attrs={"q": [("tt.divisibility", 16)]}), ValueError),
     ("malformed attrs", dict(attrs={"x_ptr": ["tt.divisibility"]}), TypeError),
     ("unpicklable constexpr", dict(constexprs={"BLOCK": lambda: 1}), TypeError),
+    ("timeout as text", dict(timeout="5"), ValueError),
+    ("zero timeout", dict(timeout=0), ValueError),
+    ("negative timeout", dict(timeout=-1.0), ValueError),
+    ("timeout not a number", dict(timeout=float("nan")), ValueError),
 ]
 
 
@@ -41,6 +45,21 @@ async def test_bad_input_raises_before_any_worker(what, kwargs, exc):
         assert child_pids() == before
     finally:
         await sched.aclose()
+
+
+@pytest.mark.parametrize("timeout", ["5", 0, -1, True, float("nan"), float("inf")])
+async def test_a_bad_timeout_fails_its_own_call_and_nothing_else(timeout):
+    async with aiocompile.Scheduler(workers=1) as sched:
+        assert await sched.run(abs, -1) == 1  # a worker is up and idle: the fastest path
+        with pytest.raises(ValueError, match="timeout"):
+            await sched.run(abs, -2, timeout=timeout)
+        with pytest.raises(ValueError, match="timeout"):
+            await sched.compile_many([{"kernel": add_kernel, "signature": ADD_SIGNATURE,
+                                       "constexprs": {"BLOCK": 64}, "target": "cuda:80", "timeout": timeout}])
+        # The scheduler, its pool and its supervisor are as they were.
+        assert await sched.run(abs, -3) == 3
+        stats = sched.statistics()
+        assert (stats.submitted, stats.failed, stats.worker_crashes) == (2, 0, 0)
 
 
 async def test_not_a_kernel():
