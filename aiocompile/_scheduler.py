@@ -51,7 +51,12 @@ class _Context:
         self._scheduler = scheduler
 
     async def run_in_worker(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await self._scheduler.run(fn, *args)
+        # The backend's own errand, not a caller's request: the pool's crash handling, but
+        # no record and no count in the caller's statistics.
+        self._scheduler._check_open()
+        name = getattr(fn, "__qualname__", None) or type(fn).__name__
+        job = self._scheduler._pool.submit_job(fn, args, name=name)
+        return await _bridge.wait(job.future)
 
     async def to_thread(self, fn: Callable[[], Any]) -> Any:
         return await _threads.KEYS.run(fn)

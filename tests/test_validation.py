@@ -62,6 +62,20 @@ async def test_a_bad_timeout_fails_its_own_call_and_nothing_else(timeout):
         assert (stats.submitted, stats.failed, stats.worker_crashes) == (2, 0, 0)
 
 
+async def test_looking_for_the_current_gpu_is_not_counted_as_a_request():
+    async with aiocompile.Scheduler(workers=1) as sched:
+        try:
+            await sched.compile_triton(add_kernel, signature=ADD_SIGNATURE, constexprs={"BLOCK": 64}, target=None)
+        except ValueError as exc:  # no GPU here
+            assert "explicit target" in str(exc)
+            expected = []
+        else:
+            expected = ["add_kernel"]
+        assert [record.name for record in sched.records()] == expected
+        stats = sched.statistics()
+        assert (stats.submitted, stats.failed) == (len(expected), 0)
+
+
 async def test_not_a_kernel():
     sched = aiocompile.Scheduler(workers=1)
     try:

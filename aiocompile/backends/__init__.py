@@ -39,7 +39,10 @@ class Request:
 class BackendContext(Protocol):
     """What a backend may ask of the scheduler while it prepares a request."""
 
-    async def run_in_worker(self, fn: Callable[..., Any], *args: Any) -> Any: ...
+    async def run_in_worker(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` in a worker process, for the backend itself (not counted as a
+        request)."""
+        ...
 
     async def to_thread(self, fn: Callable[[], Any]) -> Any: ...
 
