@@ -1,7 +1,8 @@
 """Where records and worker events go: stdlib logging, a JSON-lines file, callbacks.
 
 Every :class:`~aiocompile.JobRecord` (one per request) and every
-:class:`~aiocompile.WorkerEvent` (from the pool's supervisor thread) goes through one
+:class:`~aiocompile.WorkerEvent` (from the pool's supervisor thread, or the submitting
+thread for a job sent at once to an idle worker) goes through one
 :class:`EventHub` per scheduler, which hands it to
 
 - the ``aiocompile`` logger: one record per event, its fields in ``extra`` (the kernel's
