@@ -44,16 +44,16 @@ def _load_kernel_set(spec: str) -> list[dict[str, Any]]:
     path = Path(spec)
     if path.suffix == ".py" or path.is_file():
         if not path.is_file():
-            raise SystemExit(f"aiocompile: no such file: {spec}")
+            _usage_error(f"no such file: {spec}")
         module = _import_path(path.resolve())
     else:
         try:
             module = importlib.import_module(spec)
         except ImportError as exc:
-            raise SystemExit(f"aiocompile: cannot import {spec!r}: {exc}") from None
+            _usage_error(f"cannot import {spec!r}: {exc}")
     kernels = getattr(module, "KERNELS", None)
     if not isinstance(kernels, Sequence) or not all(isinstance(k, Mapping) and "kernel" in k for k in kernels):
-        raise SystemExit(f"aiocompile: {spec} must define KERNELS, a list of dicts each with a 'kernel'")
+        _usage_error(f"{spec} must define KERNELS, a list of dicts each with a 'kernel'")
     return [dict(k) for k in kernels]
 
 
@@ -94,7 +94,7 @@ async def _build(args: argparse.Namespace) -> int:
                 try:
                     targets.append(str(parse_target(part)))
                 except ValueError as exc:
-                    raise SystemExit(f"aiocompile: {exc}") from None
+                    _usage_error(str(exc))
     targets = list(dict.fromkeys(targets))
     out = Path(args.out)
     config = SchedulerConfig.from_env().with_changes(workers=args.workers, timeout=args.timeout,
@@ -155,6 +155,20 @@ async def _build(args: argparse.Namespace) -> int:
     if args.events:
         print(f"events appended to {args.events} (aiocompile report {args.events})")
     return 1 if failures else 0
+
+
+def _positive(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not value > 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def _usage_error(message: str) -> NoReturn:
@@ -228,8 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("--target", "-t", action="append", required=True,
                        help="target such as cuda:80, cuda:90, hip:gfx942 (repeat, or comma-separate)")
     build.add_argument("--out", "-o", default="build/kernels", help="output directory (default: build/kernels)")
-    build.add_argument("--workers", "-j", type=int, default=None, help="worker processes (default: CPUs)")
-    build.add_argument("--timeout", type=float, default=None, help="per-kernel timeout in seconds")
+    build.add_argument("--workers", "-j", type=_positive(int), default=None, help="worker processes (default: CPUs)")
+    build.add_argument("--timeout", type=_positive(float), default=None, help="per-kernel timeout in seconds")
     build.add_argument("--start-method", choices=["forkserver", "spawn", "fork"], default=None)
     build.add_argument("--no-progress", action="store_true", help="no progress bar (none unless on a terminal)")
     build.add_argument("--events", metavar="FILE", default=None,

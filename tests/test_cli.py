@@ -94,8 +94,15 @@ def test_a_kernel_that_fails_is_reported_and_the_rest_are_built(tmp_path):
     assert manifest["failures"][0]["label"] == "bad"
 
 
-def test_bad_arguments_are_refused(tmp_path):
+def test_bad_arguments_are_refused_with_status_2(tmp_path):
+    # 2 as argparse gives for a bad command line; 1 is kept for kernels that failed.
     proc = _aiocompile("build", "examples/kernels.py", "-t", "cuda:9x", "--out", str(tmp_path))
-    assert proc.returncode != 0 and "cuda:9x" in proc.stderr
+    assert proc.returncode == 2 and "cuda:9x" in proc.stderr
     proc = _aiocompile("build", str(tmp_path / "missing.py"), "-t", "cuda:90")
-    assert proc.returncode != 0 and "no such file" in proc.stderr
+    assert proc.returncode == 2 and "no such file" in proc.stderr
+    (tmp_path / "empty.py").write_text("X = 1\n")
+    proc = _aiocompile("build", str(tmp_path / "empty.py"), "-t", "cuda:90")
+    assert proc.returncode == 2 and "must define KERNELS" in proc.stderr
+    for option, value in (("-j", "0"), ("--timeout", "-1"), ("--timeout", "soon")):
+        proc = _aiocompile("build", "examples/kernels.py", "-t", "cuda:90", option, value)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr and value in proc.stderr
