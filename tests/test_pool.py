@@ -6,14 +6,16 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+from typing import Any
 
 import jobs
 import pytest
 from conftest import ROOT, alive, child_pids, subprocess_env
 
 import aiocompile
-from aiocompile import WorkerPool
+from aiocompile import WorkerCrashedError, WorkerPool
 
 START_METHODS = ["forkserver", "spawn", "fork"]
 
@@ -251,3 +253,38 @@ def test_workers_run_nicer_than_this_process():
     assert aiocompile.SchedulerConfig().worker_nice == 10
     with pytest.raises(ValueError, match="worker_nice"):
         aiocompile.SchedulerConfig(worker_nice=25)
+
+
+def test_jobs_submitted_from_many_threads_at_once_each_run_once_amid_crashes():
+    """Idle workers are taken by whichever thread submits first, or by the supervisor:
+    from four threads at once, with workers dying under some jobs, every job runs and
+    answers exactly once, and crashes are charged to the jobs that caused them."""
+    pool = WorkerPool(3, max_crashes=1)
+    try:
+        results: dict[tuple[int, int], Any] = {}
+        lock = threading.Lock()
+
+        def submitter(thread: int) -> None:
+            for i in range(150):
+                if i % 25 == 24:
+                    future = pool.submit(jobs.exit_now, 3)
+                else:
+                    future = pool.submit(jobs.echo, (thread, i))
+                with lock:
+                    results[(thread, i)] = future
+
+        threads = [threading.Thread(target=submitter, args=(n,)) for n in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for (thread, i), future in results.items():
+            if i % 25 == 24:
+                with pytest.raises(WorkerCrashedError):
+                    future.result(timeout=120)
+            else:
+                assert future.result(timeout=120) == (thread, i)
+        assert pool.counters.worker_crashes == 4 * 6
+        assert pool.counters.retries == 0  # no innocent job was caught in a crash
+    finally:
+        pool.shutdown(wait=True)
