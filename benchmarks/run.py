@@ -14,7 +14,8 @@ of time is recorded as such and the others still run. Written to ``--out``
 
 ``--quick`` runs fewer repeats (about 8 minutes on 16 CPUs). ``--only a,b`` runs some
 benchmarks again and keeps the others' results from the existing JSON file. ``--render``
-rewrites the markdown and charts from the JSON file without running anything.
+rewrites the markdown and charts from the JSON file without running anything (with
+``--slug``, another machine's: a report made where matplotlib is missing gets its charts).
 Benchmarks that need what the machine lacks are skipped, with the reason: torch_compile
 needs torch with a CUDA GPU.
 
@@ -194,6 +195,60 @@ def _env(triton_cache: str) -> dict[str, str]:
     return env
 
 
+class OtherWork:
+    """Adds up the CPU time of the processes that are not the benchmark's, sampling
+    ``/proc`` a few times a second while it runs: other work on a shared machine, which
+    makes every figure noisier.
+
+    A process is the benchmark's if it descends from the benchmark's process (or from this
+    one), as seen in any sample. Only each process's own user and system time is counted
+    (a parent's total for reaped children would count them twice), so a process that lives
+    less than a sampling period is missed: the result is a lower bound.
+    """
+
+    def __init__(self, root: int) -> None:
+        self.ours = {root, os.getpid()}
+        self.seen: dict[int, int] = {}
+        self.other_ticks = 0
+        self.started = time.monotonic()
+        with open("/proc/uptime") as f:
+            self.boot_ticks_at_start = float(f.read().split()[0]) * os.sysconf("SC_CLK_TCK")
+        self.sample(first=True)
+
+    def sample(self, first: bool = False) -> None:
+        stats: dict[int, tuple[int, int, int]] = {}
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    text = f.read()
+            except OSError:
+                continue  # gone since the listing
+            rest = text[text.rfind(")") + 2:].split()
+            stats[int(name)] = (int(rest[1]), int(rest[11]) + int(rest[12]), int(rest[19]))
+        grew = True
+        while grew:  # descendants of ours, however deep, in this snapshot
+            grew = False
+            for pid, (ppid, _, _) in stats.items():
+                if ppid in self.ours and pid not in self.ours:
+                    self.ours.add(pid)
+                    grew = True
+        for pid, (_, ticks, start) in stats.items():
+            if pid in self.ours:
+                continue
+            if pid in self.seen:
+                self.other_ticks += max(0, ticks - self.seen[pid])
+            elif not first and start >= self.boot_ticks_at_start:
+                self.other_ticks += ticks  # started while the benchmark ran
+            self.seen[pid] = ticks
+
+    def share(self) -> float:
+        """Other processes' CPU time as a share of all the machine's CPU time so far."""
+        seconds = self.other_ticks / os.sysconf("SC_CLK_TCK")
+        return seconds / max(1e-9, (time.monotonic() - self.started) * (os.cpu_count() or 1))
+
+
 def _tail(text: str, limit: int) -> str:
     return text if len(text) <= limit else "...\n" + text[-limit:]
 
@@ -221,14 +276,21 @@ def run_one(bench: Bench, quick: bool, machine: dict[str, Any]) -> dict[str, Any
         # A session of its own, so that on a timeout the benchmark and every process it
         # started (pools, fork servers) go together.
         proc = subprocess.Popen(command, cwd=ROOT, env=_env(cache), stdout=out, stderr=err, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            os.killpg(proc.pid, signal.SIGKILL)
-            rc = proc.wait()
+        others = OtherWork(proc.pid)
+        timed_out = False
+        while True:
+            try:
+                rc = proc.wait(timeout=0.25)
+                break
+            except subprocess.TimeoutExpired:
+                others.sample()
+                if time.monotonic() - started > timeout:
+                    timed_out = True
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    rc = proc.wait()
+                    break
     entry["seconds"] = round(time.monotonic() - started, 1)
+    entry["other_processes_cpu_share"] = round(others.share(), 3)
     entry["load_after"] = [round(x, 2) for x in os.getloadavg()]
     entry["returncode"] = rc
     with open(stdout_path, errors="replace") as f:
@@ -496,12 +558,12 @@ def _grouped_barh(ax: Any, names: list[str], series: list[tuple[str, list[float]
     ax.legend(loc="lower right", fontsize=8)
 
 
-def charts(report: dict[str, Any], out: str, slug: str) -> dict[str, str]:
+def charts(report: dict[str, Any], out: str, slug: str) -> dict[str, str] | None:
     """The PNGs, drawn with matplotlib's Figure API (no pyplot, no display)."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
-        return {}
+        return None
     made: dict[str, str] = {}
     results = {name: e.get("result") for name, e in report["benchmarks"].items() if e.get("status") == "ok"}
     colours = {"aiocompile": "#1f77b4"}
@@ -582,12 +644,16 @@ def charts(report: dict[str, Any], out: str, slug: str) -> dict[str, str]:
     return made
 
 
-def render_markdown(report: dict[str, Any], images: dict[str, str]) -> str:
+def render_markdown(report: dict[str, Any], images: dict[str, str] | None) -> str:
     m = report["machine"]
     benches = report["benchmarks"]
     lines = [f"# Benchmarks: {report['slug']}", ""]
     lines.append(f"Written by `{report['command']}` on {m['date']}; every benchmark's output and result is in "
                  f"[{report['slug']}.json]({report['slug']}.json).")
+    if images is None:
+        lines += ["", "(No charts: matplotlib is not installed here. `python benchmarks/run.py --render --slug "
+                  f"{report['slug']}` draws them from the JSON file on a machine that has it.)"]
+        images = {}
     lines.append("")
     lines.append(_table(["", ""], [
         ["CPU", f"{m['cpu_model']}, {m['cpus']} CPUs ({m['cpus_usable']} usable)"],
@@ -602,11 +668,19 @@ def render_markdown(report: dict[str, Any], images: dict[str, str]) -> str:
     rows = []
     for name, e in benches.items():
         load = e.get("load_before")
+        share = e.get("other_processes_cpu_share")
         rows.append([name, e["status"] + (f": {e['reason']}" if e.get("reason") and e["status"] != "ok" else ""),
                      e.get("seconds"), f"`{e['command']}`" if e.get("command") else "-",
-                     "/".join(_fmt(x) for x in load) if load else "-"])
-    lines.append(_table(["benchmark", "status", "seconds", "command", "load average before (1/5/15 min)"], rows,
-                        digits=1))
+                     "/".join(_fmt(x) for x in load) if load else "-",
+                     f"{share * 100:.0f}%" if share is not None else "-"])
+    lines.append(_table(["benchmark", "status", "seconds", "command", "load average before (1/5/15 min)",
+                         "CPU used by other processes"], rows, digits=1))
+    lines.append("")
+    lines.append("The last column is the share of the machine's CPU time, while the benchmark ran, that went to "
+                 "processes other than the benchmark's own (at least that much: short-lived ones are missed): "
+                 "other work on a shared machine, which makes every figure of that benchmark noisier. "
+                 "aiocompile's workers run at a lower priority (`worker_nice`), so they yield to such work more "
+                 "than the other pools' workers do.")
     results = {name: e.get("result") for name, e in benches.items() if e.get("status") == "ok"}
 
     def section(title: str, body: str, image: str | None = None) -> None:
@@ -661,7 +735,7 @@ def write_report(report: dict[str, Any], out: str) -> list[str]:
     md_path = os.path.join(out, f"{slug}.md")
     with open(md_path, "w") as f:
         f.write(render_markdown(report, images))
-    return [json_path, md_path] + [os.path.join(out, image) for image in images.values()]
+    return [json_path, md_path] + [os.path.join(out, image) for image in (images or {}).values()]
 
 
 def main() -> None:
@@ -673,7 +747,7 @@ def main() -> None:
     parser.add_argument("--render", action="store_true", help="only rewrite the markdown and charts from the JSON")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    machine = describe_machine()
+    machine = {} if args.render and args.slug else describe_machine()
     slug = args.slug or slug_of(machine)
     json_path = os.path.join(args.out, f"{slug}.json")
     previous: dict[str, Any] | None = None
@@ -684,7 +758,7 @@ def main() -> None:
         if previous is None:
             raise SystemExit(f"no {json_path} to render")
         for path in write_report(previous, args.out):
-            print(f"wrote {os.path.relpath(path, ROOT)}")
+            print(f"wrote {path}")
         return
     only = {n for n in args.only.split(",") if n} if args.only else None
     benches = plan(only)
@@ -709,7 +783,7 @@ def main() -> None:
     paths = write_report(report, args.out)
     print(f"\nall done in {time.monotonic() - started:.0f} s:")
     for path in paths:
-        print(f"wrote {os.path.relpath(path, ROOT)}")
+        print(f"wrote {path}")
     failed = [name for name, e in report["benchmarks"].items() if e["status"] in ("failed", "timeout")]
     if failed:
         print(f"failed: {', '.join(failed)}")
