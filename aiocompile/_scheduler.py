@@ -399,7 +399,11 @@ class Scheduler:
                     # Admitted here, in this order, and not by the tasks: the pool's queue is
                     # first come first served, while the order in which new tasks take their
                     # first step is up to the event loop (trio shuffles it on purpose).
-                    for position in longest_first(estimates):
+                    for count, position in enumerate(longest_first(estimates), 1):
+                        if count % 16 == 0:
+                            # A thousand admissions in one go would hold the loop for tens
+                            # of milliseconds; those admitted so far have their tasks.
+                            await anyio.lowlevel.checkpoint()
                         index, request = ready[position]
                         try:
                             admitted = self._admit(request, timeouts[index])
