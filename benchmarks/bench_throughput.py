@@ -43,6 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -244,13 +245,14 @@ def measure(ways: list[str], workers: int, target: str, repeat: int, kernels: in
     lags: dict[str, list[float]] = {way: [] for way in ways}
     extra: dict[str, list[dict]] = {way: [] for way in ways}
     unavailable: dict[str, str] = {}
+    failed: dict[str, str] = {}  # a way that raised: reported, and left out of later rounds
     single: dict[str, list[float]] = {spec["label"]: [] for spec in specs}
     saved = os.environ.get("TRITON_CACHE_DIR")
     for round_ in range(repeat):
         # Rotate the order each round, so that drift of the machine hits every way alike.
         order = ways[round_ % len(ways):] + ways[:round_ % len(ways)]
         for way in order:
-            if way in unavailable:
+            if way in unavailable or way in failed:
                 continue
             cache_dir = tempfile.mkdtemp(prefix="bench-throughput-")
             ticker = Ticker()
@@ -259,6 +261,11 @@ def measure(ways: list[str], workers: int, target: str, repeat: int, kernels: in
             except Unavailable as exc:
                 unavailable[way] = str(exc)
                 print(f"{way}: unavailable ({exc})", flush=True)
+                continue
+            except Exception as exc:
+                failed[way] = f"{type(exc).__name__}: {exc}"
+                print(f"{way}: FAILED ({failed[way]})", flush=True)
+                traceback.print_exc()
                 continue
             finally:
                 if saved is None:
@@ -276,7 +283,7 @@ def measure(ways: list[str], workers: int, target: str, repeat: int, kernels: in
 
     report: dict[str, Any] = {"cpus": os.cpu_count(), "workers": workers, "target": target, "repeat": repeat,
                               "kernels": len(specs), "ways": {}}
-    if any(single.values()):
+    if all(single.values()):
         medians = {label: statistics.median(v) for label, v in single.items()}
         total = sum(medians.values())
         longest = max(medians, key=lambda label: medians[label])
@@ -286,6 +293,9 @@ def measure(ways: list[str], workers: int, target: str, repeat: int, kernels: in
     for way in ways:
         if way in unavailable:
             report["ways"][way] = {"available": False, "reason": unavailable[way]}
+            continue
+        if way in failed:
+            report["ways"][way] = {"available": True, "error": failed[way]}
             continue
         ordered = sorted(lags[way])
         row = {"available": True, "wall_s": statistics.median(walls[way]), "walls_s": walls[way],
@@ -300,7 +310,7 @@ def measure(ways: list[str], workers: int, target: str, repeat: int, kernels: in
         report["ways"][way] = row
     base = report["ways"].get(BASELINE, {}).get("wall_s")
     for row in report["ways"].values():
-        if base and row.get("available"):
+        if base and "wall_s" in row:
             row["ratio_to_aiocompile"] = row["wall_s"] / base
     return report
 
@@ -318,6 +328,9 @@ def print_report(report: dict) -> None:
     for way, row in report["ways"].items():
         if not row["available"]:
             print(f"{way:24} unavailable: {row['reason']}")
+            continue
+        if "error" in row:
+            print(f"{way:24} FAILED: {row['error']}")
             continue
         lag = row["lag"]
         print(f"{way:24}{row['wall_s']:8.2f}{row.get('ratio_to_aiocompile', float('nan')):7.2f}"
@@ -352,6 +365,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
+    if any("error" in row for row in report["ways"].values()):
+        sys.exit(1)  # the others' results are written all the same
 
 
 if __name__ == "__main__":
