@@ -409,6 +409,9 @@ def render_throughput(r: dict[str, Any]) -> str:
         if not row.get("available", True):
             rows.append([way, "unavailable: " + row.get("reason", ""), None, None, None, None, None])
             continue
+        if "wall_s" not in row:
+            rows.append([way, "failed: " + row.get("error", "?"), None, None, None, None, None])
+            continue
         walls = row.get("walls_s") or [row["wall_s"]]
         rows.append([way, row["wall_s"], f"{min(walls):.2f}-{max(walls):.2f}", row.get("ratio_to_aiocompile"),
                      row.get("efficiency"), row.get("wall_over_bound"), row.get("compile_s_in_workers")])
@@ -425,8 +428,9 @@ def render_loop_lag(throughput: dict[str, Any] | None, loop_lag: dict[str, Any] 
     if throughput:
         rows = [[way, row["lag"]["p50_ms"], row["lag"]["p99_ms"], row["lag"]["max_ms"], row["lag"]["over_10ms"],
                  row["lag"]["ticks"]]
-                for way, row in throughput["ways"].items() if row.get("available", True)]
-        parts.append("A 1 ms ticker in the event loop while the 64 kernels compile (throughput benchmark), "
+                for way, row in throughput["ways"].items() if "lag" in row]
+        parts.append(f"A 1 ms ticker in the event loop while the {throughput['kernels']} kernels compile "
+                     "(throughput benchmark), "
                      "lateness over every tick of every round:")
         parts.append(_table(["way", "p50 ms", "p99 ms", "max ms", "ticks > 10 ms", "ticks"], rows))
     if loop_lag:
@@ -558,89 +562,107 @@ def _grouped_barh(ax: Any, names: list[str], series: list[tuple[str, list[float]
     ax.legend(loc="lower right", fontsize=8)
 
 
+_AIOCOMPILE_BLUE, _GREY = "#1f77b4", "#9a9a9a"
+
+
+def chart_throughput(Figure: Any, tp: dict[str, Any]) -> Any:
+    ways = [(w, r) for w, r in tp["ways"].items() if "wall_s" in r]
+    fig = Figure(figsize=(8, 0.55 * len(ways) + 1.6))
+    ax = fig.add_subplot()
+    names = [w for w, _ in ways][::-1]
+    walls = [r["wall_s"] for _, r in ways][::-1]
+    ax.barh(names, walls, color=[_AIOCOMPILE_BLUE if n == "aiocompile" else _GREY for n in names])
+    for y, (name, wall) in enumerate(zip(names, walls)):
+        ratio = dict(ways)[name].get("ratio_to_aiocompile")
+        ax.text(wall, y, f" {wall:.1f} s" + (f" ({ratio:.2f}x)" if ratio else ""), va="center", fontsize=9)
+    if tp.get("lower_bound_s"):
+        ax.axvline(tp["lower_bound_s"], color="#d62728", linestyle="--", linewidth=1.2,
+                   label=f"lower bound {tp['lower_bound_s']:.1f} s = max(sum of single compiles / W, longest)")
+        ax.legend(loc="lower right", fontsize=8)
+    ax.set_xlim(0, max(walls + [tp.get("lower_bound_s") or 0]) * 1.3)
+    ax.set_ylim(-1.2, len(names) - 0.5)  # room for the legend under the bars
+    ax.set_xlabel("wall time, s (lower is better)")
+    ax.set_title(f"{tp['kernels']} kernels for {tp['target']}, {tp['workers']} workers, {tp['cpus']} CPUs")
+    return fig
+
+
+def chart_loop_lag(Figure: Any, tp: dict[str, Any]) -> Any:
+    ways = [(w, r) for w, r in tp["ways"].items() if "lag" in r]
+    fig = Figure(figsize=(8, 0.75 * len(ways) + 1.6))
+    ax = fig.add_subplot()
+    _grouped_barh(ax, [w for w, _ in ways], [("p99", [r["lag"]["p99_ms"] for _, r in ways], _AIOCOMPILE_BLUE),
+                                             ("max", [r["lag"]["max_ms"] for _, r in ways], "#ff7f0e")], "ms")
+    ax.set_xlabel("lateness of a 1 ms ticker, ms (log scale, lower is better)")
+    ax.set_title("event-loop lag while the kernels compile")
+    return fig
+
+
+def chart_dispatch(Figure: Any, dispatch: dict[str, Any]) -> Any:
+    rows = list(dispatch["results"].items())
+    fig = Figure(figsize=(8, 0.75 * len(rows) + 1.6))
+    ax = fig.add_subplot()
+    _grouped_barh(ax, [n for n, _ in rows], [("p50", [r["p50_us"] for _, r in rows], _AIOCOMPILE_BLUE),
+                                             ("p99", [r["p99_us"] for _, r in rows], _GREY)], "µs")
+    ax.set_xlabel("round trip of a trivial job, µs (log scale, lower is better)")
+    ax.set_title(f"dispatch, one warm worker each, {dispatch['cpus']} CPUs")
+    return fig
+
+
+def chart_memory(Figure: Any, memory: dict[str, Any]) -> Any:
+    rows = list(memory["results"].items())
+    names = [n for n, _ in rows]
+    fig = Figure(figsize=(10, 3.6))
+    left, right = fig.subplots(1, 2)
+    x = range(len(rows))
+    width = 0.27
+    for offset, key, label in ((-width, "import_s", "import"), (0.0, "pool_ready_s", "pool ready"),
+                               (width, "first_compile_s", "first compile")):
+        bars = left.bar([i + offset for i in x], [r[key] for _, r in rows], width, label=label)
+        left.bar_label(bars, fmt="%.2f", fontsize=7)
+    left.set_xticks(list(x), names, fontsize=8)
+    left.set_ylabel("seconds")
+    left.set_title(f"cold start, {memory['workers']} workers")
+    for offset, key, label in ((-width, "worker_rss_mib", "worker RSS"), (0.0, "worker_pss_mib", "worker PSS"),
+                               (width, "pool_pss_mib", "whole pool PSS")):
+        bars = right.bar([i + offset for i in x], [r[key] or 0.0 for _, r in rows], width, label=label)
+        right.bar_label(bars, fmt="%.0f", fontsize=7)
+    right.set_xticks(list(x), names, fontsize=8)
+    right.set_ylabel("MiB")
+    right.set_title("memory after 16 compiles")
+    for axis in (left, right):
+        axis.set_ylim(0, axis.get_ylim()[1] * 1.25)
+        axis.legend(fontsize=8, ncol=3, loc="upper center")
+    return fig
+
+
+# chart name -> (the benchmark it draws, how, the file's suffix)
+CHARTS = {
+    "throughput": ("throughput", chart_throughput, "throughput"),
+    "loop_lag": ("throughput", chart_loop_lag, "loop-lag"),
+    "dispatch": ("dispatch", chart_dispatch, "dispatch"),
+    "memory": ("memory", chart_memory, "startup-memory"),
+}
+
+
 def charts(report: dict[str, Any], out: str, slug: str) -> dict[str, str] | None:
-    """The PNGs, drawn with matplotlib's Figure API (no pyplot, no display)."""
+    """The PNGs, drawn with matplotlib's Figure API (no pyplot, no display); None without
+    matplotlib. A chart that cannot be drawn from its results is left out, with a warning."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
         return None
     made: dict[str, str] = {}
-    results = {name: e.get("result") for name, e in report["benchmarks"].items() if e.get("status") == "ok"}
-    colours = {"aiocompile": "#1f77b4"}
-    other = "#9a9a9a"
-
-    tp = results.get("throughput")
-    if tp:
-        ways = [(w, r) for w, r in tp["ways"].items() if r.get("available", True)]
-        fig = Figure(figsize=(8, 0.55 * len(ways) + 1.6))
-        ax = fig.add_subplot()
-        names = [w for w, _ in ways][::-1]
-        walls = [r["wall_s"] for _, r in ways][::-1]
-        ax.barh(names, walls, color=[colours.get(n, other) for n in names])
-        for y, (name, wall) in enumerate(zip(names, walls)):
-            ratio = dict(ways)[name].get("ratio_to_aiocompile")
-            ax.text(wall, y, f" {wall:.1f} s" + (f" ({ratio:.2f}x)" if ratio else ""), va="center", fontsize=9)
-        if tp.get("lower_bound_s"):
-            ax.axvline(tp["lower_bound_s"], color="#d62728", linestyle="--", linewidth=1.2,
-                       label=f"lower bound {tp['lower_bound_s']:.1f} s = max(sum of single compiles / W, longest)")
-            ax.legend(loc="lower right", fontsize=8)
-        ax.set_xlim(0, max(walls + [tp.get("lower_bound_s") or 0]) * 1.3)
-        ax.set_ylim(-1.2, len(names) - 0.5)  # room for the legend under the bars
-        ax.set_xlabel("wall time, s (lower is better)")
-        ax.set_title(f"{tp['kernels']} kernels for {tp['target']}, {tp['workers']} workers, {tp['cpus']} CPUs")
-        fig.tight_layout()
-        made["throughput"] = _png(fig, os.path.join(out, f"{slug}-throughput.png"))
-
-        fig = Figure(figsize=(8, 0.75 * len(ways) + 1.6))
-        ax = fig.add_subplot()
-        _grouped_barh(ax, [w for w, _ in ways], [("p99", [r["lag"]["p99_ms"] for _, r in ways], "#1f77b4"),
-                                                 ("max", [r["lag"]["max_ms"] for _, r in ways], "#ff7f0e")], "ms")
-        ax.set_xlabel("lateness of a 1 ms ticker, ms (log scale, lower is better)")
-        ax.set_title("event-loop lag while the kernels compile")
-        fig.tight_layout()
-        made["loop_lag"] = _png(fig, os.path.join(out, f"{slug}-loop-lag.png"))
-
-    dispatch = results.get("dispatch")
-    if dispatch:
-        rows = list(dispatch["results"].items())
-        fig = Figure(figsize=(8, 0.75 * len(rows) + 1.6))
-        ax = fig.add_subplot()
-        _grouped_barh(ax, [n for n, _ in rows], [("p50", [r["p50_us"] for _, r in rows], "#1f77b4"),
-                                                 ("p99", [r["p99_us"] for _, r in rows], "#9a9a9a")], "µs")
-        ax.set_xlabel("round trip of a trivial job, µs (log scale, lower is better)")
-        ax.set_title(f"dispatch, one warm worker each, {dispatch['cpus']} CPUs")
-        fig.tight_layout()
-        made["dispatch"] = _png(fig, os.path.join(out, f"{slug}-dispatch.png"))
-
-    memory = results.get("memory")
-    if memory:
-        rows = list(memory["results"].items())
-        names = [n for n, _ in rows]
-        fig = Figure(figsize=(10, 3.6))
-        left, right = fig.subplots(1, 2)
-        x = range(len(rows))
-        width = 0.27
-        for offset, key, label in ((-width, "import_s", "import"), (0.0, "pool_ready_s", "pool ready"),
-                                   (width, "first_compile_s", "first compile")):
-            values = [r[key] for _, r in rows]
-            bars = left.bar([i + offset for i in x], values, width, label=label)
-            left.bar_label(bars, fmt="%.2f", fontsize=7)
-        left.set_xticks(list(x), names, fontsize=8)
-        left.set_ylabel("seconds")
-        left.set_title(f"cold start, {memory['workers']} workers")
-        for offset, key, label in ((-width, "worker_rss_mib", "worker RSS"), (0.0, "worker_pss_mib", "worker PSS"),
-                                   (width, "pool_pss_mib", "whole pool PSS")):
-            values = [r[key] or 0.0 for _, r in rows]
-            bars = right.bar([i + offset for i in x], values, width, label=label)
-            right.bar_label(bars, fmt="%.0f", fontsize=7)
-        right.set_xticks(list(x), names, fontsize=8)
-        right.set_ylabel("MiB")
-        right.set_title("memory after 16 compiles")
-        for axis in (left, right):
-            axis.set_ylim(0, axis.get_ylim()[1] * 1.25)
-            axis.legend(fontsize=8, ncol=3, loc="upper center")
-        fig.tight_layout()
-        made["memory"] = _png(fig, os.path.join(out, f"{slug}-startup-memory.png"))
+    # A benchmark that failed may still have written results (some of its ways did run).
+    results = {name: e["result"] for name, e in report["benchmarks"].items() if e.get("result")}
+    for chart, (bench, draw, suffix) in CHARTS.items():
+        if bench not in results:
+            continue
+        try:
+            fig = draw(Figure, results[bench])
+            fig.tight_layout()
+            made[chart] = _png(fig, os.path.join(out, f"{slug}-{suffix}.png"))
+        except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError) as exc:
+            print(f"warning: no {chart} chart ({type(exc).__name__}: {exc})", file=sys.stderr)
     return made
 
 
@@ -681,7 +703,7 @@ def render_markdown(report: dict[str, Any], images: dict[str, str] | None) -> st
                  "other work on a shared machine, which makes every figure of that benchmark noisier. "
                  "aiocompile's workers run at a lower priority (`worker_nice`), so they yield to such work more "
                  "than the other pools' workers do.")
-    results = {name: e.get("result") for name, e in benches.items() if e.get("status") == "ok"}
+    results = {name: e["result"] for name, e in benches.items() if e.get("result")}
 
     def section(title: str, body: str, image: str | None = None) -> None:
         lines.extend(["", f"## {title}", "", body])
