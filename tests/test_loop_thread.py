@@ -27,6 +27,19 @@ BURST = textwrap.dedent('''
 
     sys.addaudithook(audit)
 
+    # Triton hashes a kernel (walks its source and callees) the first time its cache_key is
+    # asked for, and a JITFunction's hash() asks for it.
+    from triton.runtime import jit as triton_jit
+    hashed_in_loop = []
+    plain_init = triton_jit.DependenciesFinder.__init__
+
+    def watched_init(self, *args, **kwargs):
+        if watching and threading.current_thread() is threading.main_thread():
+            hashed_in_loop.append(kwargs.get("name", "?"))
+        plain_init(self, *args, **kwargs)
+
+    triton_jit.DependenciesFinder.__init__ = watched_init
+
     async def main():
         global watching
         async with aiocompile.Scheduler(workers=2) as sched:
@@ -42,7 +55,7 @@ BURST = textwrap.dedent('''
             watching = False
             new_threads = sorted(t.name for t in threading.enumerate() if t.ident not in threads_before)
             return {"kernels": len({k.key for k in kernels}), "new_threads": new_threads,
-                    "imported_in_loop": sorted(set(imported_in_loop)),
+                    "imported_in_loop": sorted(set(imported_in_loop)), "hashed_in_loop": hashed_in_loop,
                     "compiled": sched.statistics().compiled, "key_ready": key_ready}
 
     print(json.dumps(asyncio.run(main())))
@@ -60,3 +73,5 @@ def test_after_warm_a_burst_of_requests_starts_no_thread_per_request_and_imports
     assert all(name.startswith("aiocompile-keys") for name in result["new_threads"])
     # What the first requests need of anyio was imported in a helper thread, not the loop.
     assert not [name for name in result["imported_in_loop"] if name.startswith("anyio")], result["imported_in_loop"]
+    # Kernels are hashed in the key thread, never in the loop's.
+    assert result["hashed_in_loop"] == []

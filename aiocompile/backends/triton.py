@@ -195,6 +195,38 @@ class _Kernel:
 _MISSING = object()
 
 
+class _ByIdentity:
+    """What is known of each kernel object, by identity, held weakly.
+
+    Not a ``WeakKeyDictionary``: that hashes its keys, and a ``JITFunction``'s hash is its
+    ``cache_key``, which walks the kernel's source and its callees the first time
+    (milliseconds, in the event loop's thread, where requests are looked up) and changes
+    when a global it reads is redefined (so the entry would be lost under its old hash).
+    """
+
+    def __init__(self) -> None:
+        self._items: dict[int, tuple[weakref.ref[Any], _Kernel]] = {}
+
+    def get(self, obj: Any) -> _Kernel | None:
+        item = self._items.get(id(obj))
+        if item is None or item[0]() is not obj:
+            return None
+        return item[1]
+
+    def __setitem__(self, obj: Any, value: _Kernel) -> None:
+        key, items = id(obj), self._items
+
+        def forget(ref: weakref.ref[Any]) -> None:
+            current = items.get(key)
+            if current is not None and current[0] is ref:
+                del items[key]
+
+        items[key] = (weakref.ref(obj, forget), value)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
 def _global_names(jit: Any) -> set[str]:
     from aiocompile.backends._triton_ship import free_names
 
@@ -246,7 +278,7 @@ class TritonBackend:
         # Keys are computed one at a time: the work holds the GIL, so threads computing
         # them side by side gain nothing and only crowd the event loop's thread out.
         self._keys_lock = threading.Lock()
-        self._kernels: weakref.WeakKeyDictionary[Any, _Kernel] = weakref.WeakKeyDictionary()
+        self._kernels = _ByIdentity()
         self._backends: dict[Any, Any] = {}
         self._options: dict[Any, Any] = {}
         self._current_targets: dict[Any, Target] = {}
@@ -324,10 +356,7 @@ class TritonBackend:
     # -- kernels ----------------------------------------------------------------------------
 
     def _known(self, kernel: Any) -> _Kernel | None:
-        try:
-            known = self._kernels.get(kernel)
-        except TypeError:
-            return None
+        known = self._kernels.get(kernel)
         if known is not None and known.fresh():
             return known
         return None
