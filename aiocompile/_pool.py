@@ -577,8 +577,13 @@ class WorkerPool(cf.Executor):
     def _start_job(self, worker: _Worker, job: Job) -> bool:
         """Send ``job`` to ``worker``, which was claimed for it. False if the job was
         cancelled meanwhile (the worker is idle again)."""
-        # A retried job's future is RUNNING already; a queued one may have been cancelled.
-        if not job.future.running() and not job.future.set_running_or_notify_cancel():
+        # A retried job's future is RUNNING already; a queued one may have been cancelled,
+        # or (sent from a submitting thread as the pool shuts down) failed meanwhile.
+        try:
+            startable = job.future.running() or job.future.set_running_or_notify_cancel()
+        except RuntimeError:  # FINISHED: it has its outcome already
+            startable = False
+        if not startable:
             self._make_idle(worker)
             return False
         now = time.monotonic()
