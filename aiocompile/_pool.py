@@ -182,6 +182,16 @@ def _signal_name(code: int | None) -> str:
     return f"exit code {code}"
 
 
+def check_timeout(timeout: Any) -> None:
+    """A job's timeout must be None or a positive, finite number of seconds. Checked in
+    the submitting thread: found later, in the supervisor, a bad value would stop it and
+    fail every other job too."""
+    # ``not 0 < timeout < inf`` also refuses NaN, which compares false with everything.
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not 0 < timeout < float("inf")):
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+
+
 def emit_event(listener: Callable[[WorkerEvent], None] | None, event: str, pid: int | None,
                job: Job | None = None, **fields: Any) -> None:
     """Report a ``WorkerEvent`` to ``listener``, with monotonic times made wall-clock."""
@@ -279,6 +289,7 @@ class WorkerPool(cf.Executor):
         from thread to thread) was a fifth of a trivial job's whole round trip. The
         supervisor still reads the answer and watches the worker."""
         self._check_usable()
+        check_timeout(timeout)
         job = Job.create(next(self._ids), fn, args, kwargs, timeout=timeout,
                          max_crashes=max_crashes or self.max_crashes, name=name, key=key, warm_only=warm_only)
         worker = None if warm_only else self._claim_for_new(job)

@@ -36,7 +36,7 @@ from aiocompile._errors import CompileError, CompileTimeout, SchedulerClosed, Wo
 from aiocompile._events import EventHub, Listener
 from aiocompile._foreign import ExecutorSpec, ForeignPool
 from aiocompile._metrics import JobRecord, Metrics, Statistics
-from aiocompile._pool import WorkerPool
+from aiocompile._pool import WorkerPool, check_timeout
 from aiocompile._progress import Progress
 from aiocompile._target import parse_target
 from aiocompile.backends import Request
@@ -134,7 +134,8 @@ class Scheduler:
         self._triton = TritonBackend()
         self._pid = os.getpid()
         self._closed = False
-        _threads.preload_for_current_loop()
+        # Made inside a running loop (the default scheduler always is): warm anyio now.
+        self._async_preloaded = _threads.preload_for_current_loop()
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -143,7 +144,8 @@ class Scheduler:
         # Let the fork server load the compiler while the caller gets on with its own
         # start-up; workers still start on demand.
         self._pool.start()
-        _threads.preload_for_current_loop()
+        if not self._async_preloaded:
+            self._async_preloaded = _threads.preload_for_current_loop()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -278,7 +280,7 @@ class Scheduler:
         nor one that other callers are waiting for; a queued compile nobody waits for any
         more is dropped.
         """
-        _check_timeout(timeout)
+        check_timeout(timeout)
         request = await self._triton.prepare(
             self._context, kernel, signature=signature, constexprs=constexprs, target=target,
             attrs=attrs, options=options,
@@ -352,7 +354,7 @@ class Scheduler:
         requests: list[Request | None] = [None] * len(spec_list)
         timeouts: list[float | None] = [spec.pop("timeout", None) for spec in spec_list]
         for timeout in timeouts:
-            _check_timeout(timeout)
+            check_timeout(timeout)
         labels = [str(spec.pop("label", None) or getattr(spec["kernel"], "__name__", None)
                       or getattr(spec["kernel"], "name", "?")) for spec in spec_list]
         first_error: list[BaseException] = []
@@ -525,7 +527,7 @@ class Scheduler:
         with the arrival times. A hit, a remembered error and a failure to start are
         recorded here; the other requests are recorded when their job ends."""
         self._check_open()
-        _check_timeout(timeout)
+        check_timeout(timeout)
         arrived, wall = time.monotonic(), time.time()
         self._metrics.submit()
         if timeout is None:
@@ -839,14 +841,6 @@ def _success_outcome(how: str, entry: Entry) -> str:
     if how == "joined":
         return "joined"
     return "disk_hit" if entry.source == "disk" else "compiled"
-
-
-def _check_timeout(timeout: Any) -> None:
-    # Checked here, in the caller's thread: a bad value found later, in the supervisor,
-    # would fail other callers' jobs too.
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                or not timeout > 0 or timeout != timeout or timeout == float("inf")):
-        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
 
 
 def _identity(value: Any) -> Any:

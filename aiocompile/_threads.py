@@ -6,7 +6,7 @@ is idle, so thirty-two requests arriving together start thirty-two threads from 
 loop's thread. ``Thread.start()`` waits until the new thread has run, and for that the
 new thread needs the GIL, which a busy thread (hashing a kernel source, building a
 launcher) gives up only every switch interval (5 ms). The loop sat through those waits
-one after the other: 60 to 100 ms in a row on 2 CPUs. A lane is a few long-lived threads,
+one after the other: 25 to 45 ms in a row on 2 CPUs. A lane is a few long-lived threads,
 started once per process; work waits in its queue instead.
 
 A lane's executor belongs to the process that made it: after ``fork()`` the child gets a
@@ -68,7 +68,7 @@ LOADS = Lane("aiocompile-load", min(4, os.cpu_count() or 1))
 
 def preload_async_backend(library: str) -> None:
     """Import, in a lane's thread, the parts of anyio that its first use would otherwise
-    import in the event loop's thread (25 to 60 ms there, all holding the loop)."""
+    import in the event loop's thread (25 ms and more there, all holding the loop)."""
 
     def imports() -> None:
         import importlib
@@ -82,9 +82,11 @@ def preload_async_backend(library: str) -> None:
     LOADS.submit(imports)
 
 
-def preload_for_current_loop() -> None:
+def preload_for_current_loop() -> bool:
+    """``preload_async_backend`` for the library running here; False outside a loop."""
     try:
         library = _bridge.current_library()
     except RuntimeError:
-        return
+        return False
     preload_async_backend(library)
+    return True

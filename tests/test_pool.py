@@ -288,3 +288,15 @@ def test_jobs_submitted_from_many_threads_at_once_each_run_once_amid_crashes():
         assert pool.counters.retries == 0  # no innocent job was caught in a crash
     finally:
         pool.shutdown(wait=True)
+
+
+@pytest.mark.parametrize("timeout", ["5", 0, -1.0, float("nan"), float("inf"), True])
+def test_a_bad_timeout_is_refused_at_submit_and_the_pool_carries_on(timeout):
+    pool = WorkerPool(1)
+    try:
+        assert pool.submit(abs, -1).result(timeout=60) == 1  # the worker is up and idle
+        with pytest.raises(ValueError, match="timeout"):
+            pool.submit_job(abs, (-2,), timeout=timeout)
+        assert pool.submit_job(abs, (-3,), timeout=30).future.result(timeout=60) == 3
+    finally:
+        pool.shutdown(wait=True)
