@@ -89,6 +89,16 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def _source_version() -> str | None:
+    """aiocompile's version from its source, where it runs uninstalled (on ``PYTHONPATH``)."""
+    try:
+        with open(os.path.join(ROOT, "aiocompile", "__init__.py"), encoding="utf-8") as f:
+            found = re.search(r'^__version__ = "([^"]+)"', f.read(), re.M)
+    except OSError:
+        return None
+    return found.group(1) if found else None
+
+
 def _probe_torch() -> dict[str, Any]:
     """torch's version and the GPU, asked in a subprocess (importing torch costs a second,
     and initialising CUDA here would be inherited by nothing but still costs memory)."""
@@ -144,7 +154,7 @@ def describe_machine() -> dict[str, Any]:
         "triton": _version("triton"),
         "torch": torch_info.get("torch") or _version("torch"),
         "anyio": _version("anyio"),
-        "aiocompile": _version("aiocompile"),
+        "aiocompile": _version("aiocompile") or _source_version(),
         "git_commit": _git("rev-parse", "--short", "HEAD"),
         "aiocompile_modified": bool(changed),  # the library had uncommitted changes when measured
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
