@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import sys
+import threading
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -57,12 +58,18 @@ async def _wait_asyncio(future: cf.Future[Any]) -> None:
 
     loop = asyncio.get_running_loop()
     waiter = loop.create_future()
+    loop_thread = threading.get_ident()
 
     def wake(waiter: asyncio.Future[None]) -> None:
         if not waiter.done():
             waiter.set_result(None)
 
     def on_done(_: cf.Future[Any]) -> None:
+        if threading.get_ident() == loop_thread:
+            # Resolved in the loop's own thread (the loop read the answer itself): the
+            # waiter can be woken now, without the self-pipe or another loop iteration.
+            wake(waiter)
+            return
         try:
             loop.call_soon_threadsafe(wake, waiter)
         except RuntimeError:

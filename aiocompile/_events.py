@@ -232,6 +232,11 @@ class EventHub:
 
         return unsubscribe
 
+    def job_events_wanted(self) -> bool:
+        """Whether a job_started/job_ended event would reach anyone now: a listener, the
+        event file, or a logger handling DEBUG."""
+        return bool(self._listeners) or logger.isEnabledFor(logging.DEBUG)
+
     def emit(self, event: Event) -> None:
         log_event(event)
         for listener in self._listeners:

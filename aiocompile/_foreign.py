@@ -101,6 +101,7 @@ class ForeignPool:
         self.max_workers = int(getattr(self._executor, "_max_workers", 0) or 0)
         self.counters = PoolCounters()
         self.on_event: Callable[[WorkerEvent], None] | None = None
+        self.job_events_wanted: Callable[[], bool] = lambda: True  # as WorkerPool's; every event is sent here
         self._pid = os.getpid()
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
@@ -138,6 +139,7 @@ class ForeignPool:
         name: str | None = None,
         key: str | None = None,
         warm_only: bool = False,
+        direct: bool = False,  # answers always come through the executor's own future
     ) -> Job:
         if self._closed or os.getpid() != self._pid:
             raise SchedulerClosed("the executor is shut down")

@@ -13,6 +13,15 @@ One supervisor thread owns all the processes. It waits on every worker socket, t
 launcher's control socket and a wake-up pipe at once (``multiprocessing.connection.wait``),
 so a death is noticed the moment the socket closes, not by polling. Other threads talk to
 it only through ``_commands`` and the wake-up pipe.
+
+A job sent from an asyncio event loop's thread to an idle worker, when its caller asks for
+it (``direct=True``: small answers, as ``Scheduler.run`` gets), has its answer read by that
+event loop itself (``add_reader`` on a duplicate of the worker's socket), which spares the
+answer a hop through the supervisor thread. The supervisor still owns the worker: it
+watches the deadline, kills on timeout, and takes back the socket the moment the loop
+sees anything but one whole, small answer (the worker's end, a partial or large message),
+or when the loop does not read a waiting answer within ``_LOOP_GRACE`` seconds (a loop
+that is blocked, stopped or closed).
 """
 
 from __future__ import annotations
@@ -24,6 +33,9 @@ import itertools
 import logging
 import os
 import pickle
+import select
+import socket
+import struct
 import sys
 import threading
 import time
@@ -50,6 +62,12 @@ _REAP_TIMEOUT = 5.0
 # Consecutive worker start failures after which queued jobs fail instead of waiting for a
 # worker that will never come.
 _MAX_START_FAILURES = 3
+# An answer an event loop was to read, still unread after this long (the loop is blocked,
+# stopped or closed), is read by the supervisor instead; it looks this often.
+_LOOP_GRACE = 1.0
+_AUDIT_PERIOD = 0.25
+# Larger answers are never read in an event loop: unpickling them is the supervisor's work.
+_LOOP_READ_MAX = 64 * 1024
 
 
 @dataclass(eq=False)
@@ -112,21 +130,73 @@ class Job:
             name=name,
             key=key,
             env=job_env(),
-            sys_path=list(sys.path),
+            sys_path=_import_path(),
             warm_only=warm_only,
         )
+
+
+# sys.path as the last job carried it: jobs share one copy while it stays the same.
+_path_seen: list[str] = []
+
+
+def _import_path() -> list[str]:
+    """A copy of ``sys.path``, the same list for as long as ``sys.path`` does not change
+    (so "unchanged" is told by identity); it must not be modified."""
+    global _path_seen
+    seen = _path_seen
+    if seen != sys.path:
+        seen = _path_seen = list(sys.path)
+    return seen
 
 
 @dataclass(eq=False)
 class _Worker:
     proc: WorkerProcess
-    state: str = "starting"  # starting -> idle <-> busy -> (gone)
+    state: str = "starting"  # starting -> idle <-> busy; dying, retiring -> (gone)
     job: Job | None = None
+    # The environment and import path this worker was last sent: a job that carries the
+    # same objects sends None instead (see the protocol in _worker).
+    sent_env: dict[str, str] | None = None
+    sent_path: list[str] | None = None
     deadline: float | None = None
     warmed: bool = False
     jobs_run: int = 0
     rss: int = 0
     last_used: float = field(default_factory=time.monotonic)
+    # The event loop reading this worker's answer (set only while busy), or None: the
+    # supervisor reads it. Changed only under the pool's lock.
+    reader: _LoopReader | None = None
+    retire_reason: str | None = None  # set (with state "retiring") for the supervisor to act on
+    # A duplicate of the socket, kept for peeking at an answer's length (recv MSG_PEEK):
+    # made the first time a loop reads for this worker, used and closed under the lock.
+    peek: socket.socket | None = None
+    watched: bool = False  # in the supervisor's current wait (written under the lock)
+
+
+    def drop_peek(self) -> None:
+        if self.peek is not None:
+            self.peek.close()
+            self.peek = None
+
+
+class _LoopReader:
+    """One job's answer, to be read by an event loop: the loop, and the duplicate of the
+    worker's socket (a descriptor) registered with it, which only the loop's thread
+    unregisters and closes (or the supervisor, once the loop is closed). Closing the
+    worker's own socket thus never leaves a stale registration in a loop's selector."""
+
+    __slots__ = ("loop", "fd", "waiting_since")
+
+    def __init__(self, loop: Any, fd: int) -> None:
+        self.loop = loop
+        self.fd = fd
+        self.waiting_since: float | None = None  # the supervisor's: when it saw an answer unread
+
+    def close(self) -> None:
+        try:
+            os.close(self.fd)
+        except OSError:  # pragma: no cover
+            pass
 
 
 @dataclass
@@ -253,6 +323,9 @@ class WorkerPool(cf.Executor):
         self._thread: threading.Thread | None = None
         self.counters = PoolCounters()
         self.on_event: Callable[[WorkerEvent], None] | None = None
+        # Whether anyone takes job_started/job_ended events now: they are two per job, and
+        # building them for nobody was a tenth of a trivial job's round trip.
+        self.job_events_wanted: Callable[[], bool] = _always
         # Owned by the supervisor thread:
         self._launcher: Launcher | None = None
         self._workers: list[_Worker] = []
@@ -281,30 +354,107 @@ class WorkerPool(cf.Executor):
         name: str | None = None,
         key: str | None = None,
         warm_only: bool = False,
+        direct: bool = False,
     ) -> Job:
         """Queue ``fn(*args, **kwargs)``; raises ``TypeError`` at once if it cannot be sent.
 
         With a worker idle and nothing queued, the job is sent to it from this thread at
         once: the round trip through the supervisor thread (a wake-up, and the GIL passed
-        from thread to thread) was a fifth of a trivial job's whole round trip. The
-        supervisor still reads the answer and watches the worker."""
+        from thread to thread) was a fifth of a trivial job's whole round trip.
+
+        ``direct=True`` says that the caller will await the job in the asyncio event loop
+        running in this thread, and that its answer is small: then, when the job goes at
+        once to an idle worker, that loop reads the answer itself (see the module's
+        docstring). The job's future is then resolved in the loop's thread. Otherwise, and
+        for everything but the answer, the supervisor reads and watches the worker."""
         self._check_usable()
         check_timeout(timeout)
         job = Job.create(next(self._ids), fn, args, kwargs, timeout=timeout,
                          max_crashes=max_crashes or self.max_crashes, name=name, key=key, warm_only=warm_only)
-        worker = None if warm_only else self._claim_for_new(job)
+        loop = _running_loop() if direct and not warm_only else None
+        worker = None if warm_only else self._claim_for_new(job, loop)
         if worker is None:
             self._command("submit", job)
-        elif self._start_job(worker, job) and job.timeout is not None:
-            self._wake()  # the supervisor's next wait must end at this job's deadline
+            return job
+        # The supervisor's wait must end at this job's deadline, and must stop watching a
+        # socket that a loop now reads.
+        wake = job.timeout is not None or (worker.reader is not None and worker.watched)
+        if self._start_job(worker, job) and wake:
+            self._wake()
         return job
 
-    def _claim_for_new(self, job: Job) -> _Worker | None:
-        """An idle worker for a new job, taken now, if no job is waiting ahead of it."""
+    def _claim_for_new(self, job: Job, loop: Any = None) -> _Worker | None:
+        """An idle worker for a new job, taken now, if no job is waiting ahead of it; with
+        ``loop``, that loop is to read the answer, if it can."""
         with self._lock:
             if self._closed or self._thread is None or self._commands or self._pending or self._warm_pending:
                 return None
-            return self._claim_locked(lambda w: True, job)
+            worker = self._claim_locked(lambda w: True, job)
+            if worker is not None and loop is not None:
+                worker.reader = self._loop_reader(worker, loop)
+            return worker
+
+    # -- answers read by an event loop (the loop's thread) -----------------------------------
+
+    def _loop_reader(self, worker: _Worker, loop: Any) -> _LoopReader | None:
+        """Register a duplicate of ``worker``'s socket with ``loop`` (under the lock); None
+        if it cannot be."""
+        try:
+            fd = worker.proc.conn.fileno()
+            if worker.peek is None:
+                worker.peek = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, 0, os.dup(fd))
+            reader = _LoopReader(loop, os.dup(fd))
+        except (OSError, ValueError):
+            return None
+        try:
+            loop.add_reader(reader.fd, self._answer_in_loop, worker, reader)
+        except (NotImplementedError, RuntimeError, OSError, ValueError):
+            reader.close()
+            return None
+        return reader
+
+    def _answer_in_loop(self, worker: _Worker, reader: _LoopReader) -> None:
+        """The loop's callback: the worker's socket is readable. Reads one whole, small
+        answer; anything else (the worker's end, a partial or large message) goes back to
+        the supervisor, which is woken to read it."""
+        data: bytes | memoryview | None = None
+        with self._lock:
+            mine = worker.reader is reader
+            if mine:
+                data = None if worker.peek is None else _whole_message(worker.peek)
+                if data is None:
+                    worker.reader = None
+        try:
+            reader.loop.remove_reader(reader.fd)
+        except (RuntimeError, OSError, ValueError):  # pragma: no cover - a closing loop
+            pass
+        reader.close()
+        if not mine:
+            return  # taken back by the supervisor meanwhile: it reads the answer
+        if data is None:
+            self._wake()
+            return
+        message = pickle.loads(data)
+        _, _, _, _, _, _, rss = message
+        recycle = self.max_worker_rss is not None and rss > self.max_worker_rss
+        job = worker.job
+        with self._lock:
+            worker.reader = None
+            worker.jobs_run += 1
+            worker.rss = rss
+            worker.last_used = time.monotonic()
+            worker.job = None
+            worker.deadline = None
+            if recycle:
+                # Too big: the supervisor replaces it (retiring blocks, so not here).
+                worker.state = "retiring"
+                worker.retire_reason = "recycled"
+            else:
+                # Idle before the answer goes out: the caller's next job may take it at once.
+                worker.state = "idle"
+        self._deliver(worker, job, message)
+        if recycle or self._pending or self._warm_pending:
+            self._wake()
 
     def kill(self, job: Job, reason: str = "cancelled") -> None:
         """Stop a job: cancel it if queued, kill its worker if running."""
@@ -396,6 +546,7 @@ class WorkerPool(cf.Executor):
         # descriptors without telling anyone anything.
         self._closed = True
         for worker in self._workers:
+            worker.drop_peek()
             worker.proc.close()
         self._workers = []
         if self._launcher is not None:
@@ -427,9 +578,17 @@ class WorkerPool(cf.Executor):
             self._run_commands()
             if self._stopping and self._finished_stopping():
                 return
+            self._retire_marked()
             self._dispatch()
             waitables: list[Any] = [self._wake_r]
-            waitables.extend(w.proc.conn for w in self._workers)
+            with self._lock:
+                # Not the sockets event loops read: those are watched by their loops, and
+                # looked at here only by the audit below. Under the lock, so that a loop
+                # taking a worker knows whether the supervisor watches its socket.
+                for w in self._workers:
+                    w.watched = w.reader is None
+                    if w.watched:
+                        waitables.append(w.proc.conn)
             if self._launcher is not None and (fd := self._launcher.fileno()) is not None:
                 waitables.append(fd)
             ready = wait_for_any(waitables, self._next_timeout())
@@ -444,6 +603,7 @@ class WorkerPool(cf.Executor):
                     if worker is not None:
                         self._on_readable(worker)
             self._check_deadlines()
+            self._audit_readers()
 
     def _drain_wake(self) -> None:
         try:
@@ -477,6 +637,8 @@ class WorkerPool(cf.Executor):
 
     def _next_timeout(self) -> float | None:
         deadlines = [w.deadline for w in self._workers if w.deadline is not None]
+        if any(w.reader is not None for w in self._workers):
+            deadlines.append(time.monotonic() + _AUDIT_PERIOD)
         if self.idle_timeout is not None:
             deadlines.extend(w.last_used + self.idle_timeout for w in self._workers if w.state == "idle")
         if self._shutdown_deadline is not None:
@@ -604,19 +766,30 @@ class WorkerPool(cf.Executor):
         job.attempts += 1
         job.worker_pid = worker.proc.pid
         worker.deadline = None if job.timeout is None else now + job.timeout
-        message = pickle.dumps(("run", job.id, job.env, job.sys_path, job.payload), protocol=pickle.HIGHEST_PROTOCOL)
+        env = None if job.env is worker.sent_env else job.env
+        path = None if job.sys_path is worker.sent_path else job.sys_path
+        worker.sent_env, worker.sent_path = job.env, job.sys_path
+        message = pickle.dumps(("run", job.id, env, path, job.payload), protocol=pickle.HIGHEST_PROTOCOL)
         try:
             worker.proc.conn.send_bytes(message)
         except OSError:
             # The worker died before it could take the job: the job never ran, so this
             # is no crash of its. The socket's end is seen by the wait loop.
             job.kill_reason = "undelivered"
-        emit_event(self.on_event, "job_started", worker.proc.pid, job)
+        if self.on_event is not None and self.job_events_wanted():
+            emit_event(self.on_event, "job_started", worker.proc.pid, job)
         return True
 
     # -- results and deaths -----------------------------------------------------------------
 
     def _on_readable(self, worker: _Worker) -> None:
+        with self._lock:
+            # An event loop reads this worker's answer; or one has just read it, and the
+            # readiness seen was its answer's, so there is nothing to read now.
+            if worker.reader is not None or not _readable_now(worker.proc.conn):
+                return
+            if worker.state == "idle":
+                worker.state = "dying"  # an idle worker's socket is readable at its end only
         try:
             data = worker.proc.conn.recv_bytes()
         except (EOFError, OSError):
@@ -634,7 +807,7 @@ class WorkerPool(cf.Executor):
             self._on_done(worker, message)
 
     def _on_done(self, worker: _Worker, message: tuple[Any, ...]) -> None:
-        _, job_id, ok, data, run_time, output_size, rss = message
+        rss = message[6]
         job = worker.job
         worker.jobs_run += 1
         worker.rss = rss
@@ -651,6 +824,11 @@ class WorkerPool(cf.Executor):
         else:
             # Idle before the answer goes out: the caller's next job may take it at once.
             self._make_idle(worker)
+        self._deliver(worker, job, message)
+
+    def _deliver(self, worker: _Worker, job: Job | None, message: tuple[Any, ...]) -> None:
+        """The job's outcome from its ``done`` message, in the thread that read it."""
+        _, job_id, ok, data, run_time, output_size, rss = message
         if job is None or job.id != job_id:  # pragma: no cover - protocol invariant
             return
         if job.warm_only:
@@ -674,7 +852,8 @@ class WorkerPool(cf.Executor):
                 job.last_output = worker.proc.output_tail()
             self._set_exception(job, self._rebuild_failure(job, pickle.loads(data)))
         # After the answer: the caller need not wait for the report.
-        emit_event(self.on_event, "job_ended", worker.proc.pid, job, status="ok" if ok else "error")
+        if self.on_event is not None and self.job_events_wanted():
+            emit_event(self.on_event, "job_ended", worker.proc.pid, job, status="ok" if ok else "error")
 
     def _rebuild_failure(self, job: Job, failure: _Failure) -> BaseException:
         exc = failure.exc
@@ -691,6 +870,7 @@ class WorkerPool(cf.Executor):
         assert self._launcher is not None and worker.job is None
         with self._lock:
             self._workers.remove(worker)
+            worker.drop_peek()
         worker.proc.conn.close()
         self._launcher.kill(worker.proc)
         exitcode = self._launcher.wait_exit(worker.proc, _REAP_TIMEOUT)
@@ -712,6 +892,7 @@ class WorkerPool(cf.Executor):
             worker.state = "gone"
             self._workers.remove(worker)
             job = worker.job
+            worker.drop_peek()
         pid = worker.proc.pid
         if state == "starting":
             emit_event(self.on_event, "worker_exited", pid, status="start_failed", exitcode=exitcode)
@@ -772,6 +953,43 @@ class WorkerPool(cf.Executor):
     def _requeue(self, job: Job) -> None:
         # The future is already RUNNING; it stays so while the job waits for a retry.
         job.worker_pid = None
+
+    def _audit_readers(self) -> None:
+        """Take back the sockets of answers an event loop has left unread for
+        ``_LOOP_GRACE`` seconds, and at once those of a closed loop."""
+        now = time.monotonic()
+        for worker in self._workers:
+            reader = worker.reader
+            if reader is None:
+                continue
+            closed = reader.loop.is_closed()
+            if not closed:
+                if not _readable_now(worker.proc.conn):
+                    reader.waiting_since = None
+                    continue
+                if reader.waiting_since is None:
+                    reader.waiting_since = now
+                if now - reader.waiting_since < _LOOP_GRACE:
+                    continue
+            with self._lock:
+                if worker.reader is not reader:
+                    continue  # the loop has just read it
+                worker.reader = None
+            if closed:
+                reader.close()  # a closed loop's selector is closed: nothing refers to it
+            else:
+                logger.debug("aiocompile: an event loop left an answer unread for %.1f s; the supervisor reads it",
+                             now - (reader.waiting_since or now))
+
+    def _retire_marked(self) -> None:
+        """Replace the workers an event loop found too big after their job."""
+        for worker in [w for w in self._workers if w.state == "retiring" and w.retire_reason]:
+            reason, worker.retire_reason = worker.retire_reason, None
+            assert reason is not None
+            self.counters.recycled += 1
+            self._retire(worker, reason)
+            if not self._stopping:
+                self._launch_worker()
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()
@@ -869,6 +1087,8 @@ class WorkerPool(cf.Executor):
         self._fail_everything(closing)
         # Idle workers exit when their socket closes; the launcher kills any left.
         for worker in self._workers:
+            with self._lock:
+                worker.drop_peek()
             worker.proc.close()
         if self._launcher is not None:
             for worker in self._workers:
@@ -879,6 +1099,55 @@ class WorkerPool(cf.Executor):
             self._launcher.close()
         self._workers = []
         self._close_fds()
+
+
+def _always() -> bool:
+    return True
+
+
+def _running_loop() -> Any:
+    """The asyncio event loop running in this thread, or None."""
+    asyncio = sys.modules.get("asyncio")
+    if asyncio is None:
+        return None
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _readable_now(conn: Any) -> bool:
+    """Whether reading ``conn`` would return at once (data, or its end)."""
+    try:
+        poller = select.poll()
+        poller.register(conn.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
+    except (OSError, ValueError):
+        return True  # closed: reading it fails at once
+
+
+_HEADER = struct.Struct("!i")
+
+
+def _whole_message(peek: socket.socket) -> bytes | memoryview | None:
+    """One message from a worker's socket, through its duplicate ``peek``, if all of it
+    has arrived and it is at most ``_LOOP_READ_MAX`` bytes long, read without blocking;
+    else None, and nothing is read. (``multiprocessing.connection`` frames a message with
+    its length: 4 bytes, or -1 and 8 more.) Two system calls: a peek, then the read."""
+    try:
+        head = peek.recv(4 + _LOOP_READ_MAX, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except OSError:
+        return None  # nothing there after all (BlockingIOError), or a broken socket
+    if len(head) < 4:
+        return None  # the worker's end, or not yet a whole header
+    size = _HEADER.unpack_from(head)[0]
+    if size < 0 or 4 + size > len(head):
+        return None  # large, or not all there yet
+    try:
+        data = peek.recv(4 + size, socket.MSG_WAITALL)
+    except OSError:  # pragma: no cover - all of it was there
+        return None
+    return memoryview(data)[4:]
 
 
 _live_pools: weakref.WeakSet[WorkerPool] = weakref.WeakSet()

@@ -126,6 +126,7 @@ class Scheduler:
                                 on_event=on_event)
         if self.config.metrics:
             self._pool.on_event = self._events.emit
+            self._pool.job_events_wanted = self._events.job_events_wanted
         history = self.config.cost_history
         if history is None and self.config.cache_dir is not None:
             history = os.path.join(self.config.cache_dir, "costs.json")
@@ -516,7 +517,8 @@ class Scheduler:
         not started; a started one runs to its end.
         """
         name = getattr(fn, "__qualname__", None) or type(fn).__name__
-        request = Request(backend="python", key=key, name=name, target=None, fn=fn, args=args, finish=_identity)
+        request = Request(backend="python", key=key, name=name, target=None, fn=fn, args=args, finish=_identity,
+                          direct=True)
         return await self._execute(request, timeout)
 
     # -- the request path ---------------------------------------------------------------------
@@ -624,12 +626,13 @@ class Scheduler:
 
     def _submit(self, entry: Entry, request: Request, timeout: float | None) -> None:
         job = self._pool.submit_job(
-            request.fn, request.args, timeout=timeout, name=request.name, key=request.key
+            request.fn, request.args, timeout=timeout, name=request.name, key=request.key, direct=request.direct
         )
         entry.job = job
 
         def finish(done: Any) -> None:
-            # Runs in the supervisor thread, as soon as the worker has answered.
+            # Runs in the supervisor thread as soon as the worker has answered (or, for a
+            # ``direct`` request, maybe in the event loop's thread that read the answer).
             try:
                 raw = done.result()
                 if request.details is not None and self.config.metrics:

@@ -8,6 +8,7 @@ Protocol (pickled tuples over a ``multiprocessing.connection.Connection``):
 
     worker -> parent   ("ready", pid)
     parent -> worker   ("run", job_id, env, sys_path, payload)      payload = pickled (fn, args, kwargs)
+                         env, sys_path: None when the same as this worker's last job's
     worker -> parent   ("done", job_id, ok, data, run_time, output_size, rss)
                          ok=True:  data = pickled result
                          ok=False: data = pickled _Failure
@@ -40,13 +41,24 @@ ENV_NAMES = frozenset(
 
 
 def job_env(environ: os._Environ[str] | dict[str, str] = os.environ) -> dict[str, str]:
-    """The part of an environment that a job carries with it."""
+    """The part of an environment that a job carries with it.
+
+    For ``os.environ`` the same dict is returned for as long as the environment stays as
+    it was, so that callers can tell "unchanged" by identity; it must not be modified."""
+    global _env_seen
     if environ is os.environ and _RAW_ENV is not None:
-        # Every job pays this, in the caller's thread: filter os.environ's raw mapping and
-        # decode only what matches (6 µs rather than 38 µs for 35 variables, decoding all).
+        # Every job pays this, in the caller's thread. Comparing os.environ's raw mapping
+        # with a copy of it is one C-level dict comparison (about 1 µs for 35 variables);
+        # filtering and decoding it again only when it changed.
         data, prefixes, names = _RAW_ENV
+        seen = _env_seen
+        if seen is not None and seen[0] == data:
+            return seen[1]
+        snapshot = dict(data)
         decode_key, decode_value = os.environ.decodekey, os.environ.decodevalue
-        return {decode_key(k): decode_value(v) for k, v in data.items() if k.startswith(prefixes) or k in names}
+        env = {decode_key(k): decode_value(v) for k, v in snapshot.items() if k.startswith(prefixes) or k in names}
+        _env_seen = (snapshot, env)
+        return env
     return {k: v for k, v in environ.items() if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}
 
 
@@ -59,6 +71,8 @@ def _raw_env() -> tuple[dict[Any, Any], tuple[Any, ...], frozenset[Any]] | None:
 
 
 _RAW_ENV = _raw_env()
+# os.environ's raw mapping as job_env() last read it, and what it made of it.
+_env_seen: tuple[dict[Any, Any], dict[str, str]] | None = None
 
 
 @dataclass
@@ -72,9 +86,10 @@ class _Failure:
 
 
 class _JobState:
-    """The worker's memory between jobs: the import path applied last."""
+    """The worker's memory between jobs: the environment and import path sent last."""
 
     def __init__(self) -> None:
+        self.env: dict[str, str] | None = None
         self.sys_path: list[str] | None = None
         self.output_written = True  # unknown at first: empty the capture file
         try:
@@ -91,12 +106,17 @@ class _JobState:
                 pass
         return _rss()
 
-    def apply(self, env: dict[str, str], sys_path: list[str] | None) -> None:
+    def apply(self, env: dict[str, str] | None, sys_path: list[str] | None) -> None:
+        # None: the same as the last job's (the parent sends each only when it changed).
         # A variable the job does not carry was unset in the parent when it was submitted:
         # unset it here too, so that no job sees another's (or the worker's) settings.
         # Read afresh each time: the last job may have changed the environment itself.
+        if env is None:
+            env = self.env
+        else:
+            self.env = env
         current = job_env()
-        if current != env:
+        if env is not None and current != env:
             for name in current:
                 if name not in env:
                     del os.environ[name]
@@ -199,7 +219,7 @@ def _describe_failure(exc: BaseException) -> bytes:
 
 
 def run_one(
-    state: _JobState, env: dict[str, str], sys_path: list[str] | None, payload: bytes
+    state: _JobState, env: dict[str, str] | None, sys_path: list[str] | None, payload: bytes
 ) -> tuple[bool, bytes, float]:
     """Run one job; never raises (but may, of course, kill the process)."""
     started = time.perf_counter()

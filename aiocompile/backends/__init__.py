@@ -34,6 +34,9 @@ class Request:
     details: Callable[[Any], Mapping[str, Any]] | None = None
     """The worker's answer -> what the job's record should say about the compiler:
     ``stages`` (``(stage, seconds)`` pairs) and ``compiler_cache_hit``."""
+    direct: bool = False
+    """The answer is small and awaited in the submitting thread's event loop, which may
+    then read it from the worker itself (``WorkerPool.submit_job(direct=True)``)."""
 
 
 class BackendContext(Protocol):

@@ -1,0 +1,229 @@
+"""Answers read by the event loop itself.
+
+``Scheduler.run`` awaited from an asyncio loop, with a worker idle, has the worker's answer
+read by that loop (``add_reader``), not by the pool's supervisor thread. Under trio the
+supervisor reads it, as it does for every compile. These tests run real workers and check
+both paths end the same way, and that the loop path gives the socket back to the
+supervisor for everything that is not one whole, small answer: a crash, a timeout, a large
+answer, a worker too big to keep, and a loop that stops reading (blocked, or closed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import anyio
+import pytest
+from jobs import big_result, echo, exit_now, pid, sleep_then
+
+import aiocompile
+from aiocompile import CompileTimeout, WorkerCrashedError
+from aiocompile._pool import _LOOP_GRACE, WorkerPool
+
+
+class Reads:
+    """Counts who read each answer: the loop (``_answer_in_loop`` that found it its own)
+    or the supervisor (``_on_done``)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.loop = 0
+        self.supervisor = 0
+        in_loop, on_done = WorkerPool._answer_in_loop, WorkerPool._on_done
+
+        def answer_in_loop(pool, worker, reader):
+            mine = worker.reader is reader
+            in_loop(pool, worker, reader)
+            self.loop += mine and worker.reader is None and worker.job is None
+
+        def supervisor_done(pool, worker, message):
+            self.supervisor += 1
+            on_done(pool, worker, message)
+
+        monkeypatch.setattr(WorkerPool, "_answer_in_loop", answer_in_loop)
+        monkeypatch.setattr(WorkerPool, "_on_done", supervisor_done)
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def test_a_run_is_answered_in_the_loop_under_asyncio_and_by_the_supervisor_under_trio(
+    monkeypatch, async_runner
+):
+    reads = Reads(monkeypatch)
+    async with aiocompile.Scheduler(workers=1) as sched:
+        await sched.run(echo, 0)  # start the worker: the first job waits for it
+        before = (reads.loop, reads.supervisor)
+        results = [await sched.run(echo, i) for i in range(50)]
+        assert results == list(range(50))
+        loop_reads, supervisor_reads = reads.loop - before[0], reads.supervisor - before[1]
+        if async_runner == "asyncio":
+            assert (loop_reads, supervisor_reads) == (50, 0)
+        else:
+            assert (loop_reads, supervisor_reads) == (0, 50)
+        stats = sched.statistics()
+        assert stats.outcomes["compiled"] == 51 and stats.in_flight == 0
+
+
+async def test_many_concurrent_runs_with_crashes_each_get_their_own_answer():
+    async with aiocompile.Scheduler(workers=2, max_crashes=1) as sched:
+        async def one(i: int):
+            try:
+                return await (sched.run(exit_now, 3) if i % 10 == 3 else sched.run(echo, i))
+            except WorkerCrashedError:
+                return "crashed"
+
+        results: dict[int, object] = {}
+
+        async def store(i: int) -> None:
+            results[i] = await one(i)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(120):
+                tg.start_soon(store, i)
+        assert results == {i: ("crashed" if i % 10 == 3 else i) for i in range(120)}
+        stats = sched.statistics()
+        assert stats.outcomes["crashed"] == 12 and stats.outcomes["compiled"] == 108 and stats.in_flight == 0
+        assert await sched.run(echo, "after") == "after"
+
+
+async def test_a_crash_and_a_timeout_go_back_to_the_supervisor_and_the_next_run_is_read_in_the_loop(
+    monkeypatch, async_runner
+):
+    reads = Reads(monkeypatch)
+    async with aiocompile.Scheduler(workers=1, max_crashes=1) as sched:
+        first = await sched.run(pid)
+        with pytest.raises(WorkerCrashedError):
+            await sched.run(exit_now, 7)
+        with pytest.raises(CompileTimeout):
+            await sched.run(sleep_then, 30, timeout=0.5)
+        before = reads.loop
+        second = await sched.run(pid)
+        assert second != first  # two workers were lost and replaced
+        assert reads.loop - before == (1 if async_runner == "asyncio" else 0)
+        stats = sched.statistics()
+        assert (stats.outcomes["crashed"], stats.outcomes["timeout"], stats.in_flight) == (1, 1, 0)
+
+
+async def test_a_large_answer_is_read_by_the_supervisor(monkeypatch):
+    reads = Reads(monkeypatch)
+    async with aiocompile.Scheduler(workers=1) as sched:
+        await sched.run(echo, 0)
+        before = (reads.loop, reads.supervisor)
+        data = await sched.run(big_result, 2)
+        assert len(data) == 2 * 1024 * 1024
+        assert (reads.loop - before[0], reads.supervisor - before[1]) == (0, 1)
+        assert await sched.run(echo, 1) == 1
+
+
+async def test_a_worker_too_big_after_a_run_is_replaced_by_the_supervisor():
+    config = aiocompile.SchedulerConfig(workers=1, max_worker_rss=1)  # every worker is too big
+    async with aiocompile.Scheduler(config=config) as sched:
+        pids = [await sched.run(pid) for _ in range(3)]
+        assert len(set(pids)) == 3
+        assert sched.statistics().workers_recycled >= 2
+
+
+async def test_an_idle_worker_killed_between_runs_costs_no_job():
+    async with aiocompile.Scheduler(workers=1) as sched:
+        victim = await sched.run(pid)
+        os.kill(victim, signal.SIGKILL)
+        await anyio.sleep(0.2)
+        assert await sched.run(echo, "still here") == "still here"
+        assert sched.statistics().outcomes.get("crashed", 0) == 0
+
+
+def test_a_blocked_loop_holds_a_shared_answer_for_at_most_the_grace_period():
+    """Loop A starts a keyed run and then blocks its thread; a caller in loop B, which
+    joined the same job, gets the answer from the supervisor after ``_LOOP_GRACE``, not
+    when A wakes up."""
+    sched = aiocompile.Scheduler(workers=1)
+    try:
+        async def warm():
+            await sched.run(echo, 0)
+
+        asyncio.run(warm())
+        joined_at: list[float] = []
+        started = threading.Event()
+
+        async def in_b():
+            started.wait(10)
+            await asyncio.sleep(0.05)
+            assert await sched.run(sleep_then, 0.2, "shared", key="shared-job") == "shared"
+            joined_at.append(time.monotonic())
+
+        b = threading.Thread(target=lambda: asyncio.run(in_b()))
+        b.start()
+
+        async def in_a():
+            task = asyncio.ensure_future(sched.run(sleep_then, 0.2, "shared", key="shared-job"))
+            await asyncio.sleep(0)  # admitted, sent, its answer to be read by this loop
+            started.set()
+            blocked_at = time.monotonic()
+            time.sleep(_LOOP_GRACE + 2.0)  # this loop reads nothing meanwhile
+            assert await task == "shared"
+            return blocked_at
+
+        blocked_at = asyncio.run(in_a())
+        b.join(10)
+        assert joined_at, "the joining caller got no answer"
+        waited = joined_at[0] - blocked_at
+        assert waited < _LOOP_GRACE + 1.5, f"B waited {waited:.2f} s, as long as A was blocked"
+        stats = sched.statistics()
+        assert stats.outcomes["compiled"] == 2 and stats.outcomes["joined"] == 1 and stats.in_flight == 0
+    finally:
+        sched.close(grace=0)
+
+
+def test_a_job_whose_loop_closed_is_taken_back_and_the_pool_closes():
+    pool = WorkerPool(1)
+    try:
+        assert pool.submit(echo, 0).result(30) == 0
+
+        async def abandon():
+            job = pool.submit_job(sleep_then, (0.5, "late"), direct=True)
+            return job
+
+        job = asyncio.run(abandon())  # the loop that was to read the answer is closed now
+        assert job.future.result(10) == "late"
+        assert pool.submit(echo, 1).result(10) == 1
+    finally:
+        started = time.monotonic()
+        pool.shutdown(wait=True)
+        assert time.monotonic() - started < 10
+
+
+def test_direct_jobs_leave_no_descriptor_behind():
+    async def many(sched):
+        for i in range(300):
+            assert await sched.run(echo, i) == i
+
+    sched = aiocompile.Scheduler(workers=1)
+    try:
+        asyncio.run(many(sched))
+        before = open_fds()
+        asyncio.run(many(sched))
+        assert open_fds() <= before + 1  # a new event loop's own descriptors at most
+    finally:
+        sched.close(grace=0)
+
+
+def test_runs_under_uvloop_are_read_in_the_loop(monkeypatch):
+    uvloop = pytest.importorskip("uvloop")
+    reads = Reads(monkeypatch)
+
+    async def main():
+        async with aiocompile.Scheduler(workers=1, max_crashes=1) as sched:
+            await sched.run(echo, 0)
+            before = reads.loop
+            assert [await sched.run(echo, i) for i in range(20)] == list(range(20))
+            assert reads.loop - before == 20
+            with pytest.raises(WorkerCrashedError):
+                await sched.run(exit_now, 9)
+            assert await sched.run(echo, "after") == "after"
+
+    uvloop.run(main())
