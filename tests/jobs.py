@@ -101,3 +101,10 @@ def loaded_modules(names):
     """Which of ``names`` this worker had imported before the job, and its BLAS thread
     count setting."""
     return [name in sys.modules for name in names], os.environ.get("OPENBLAS_NUM_THREADS")
+
+
+def setenv_then_get(name, value):
+    """Set a variable in the worker, as a job may, and say what it was before."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    return before

@@ -211,3 +211,12 @@ async def test_jobs_carry_the_triton_environment_of_their_submission(scheduler, 
                                                    target="cuda:90")
     assert with_lines.key != without_lines.key
     assert ".loc" in with_lines.asm["ptx"] and ".loc" not in without_lines.asm["ptx"]
+
+
+async def test_a_job_that_sets_a_triton_variable_leaves_it_to_no_later_job():
+    # One worker, so that every job below meets what the one before it did; the parent's
+    # environment stays the same throughout, so the later jobs are sent without one.
+    async with aiocompile.Scheduler(workers=1) as sched:
+        for _ in range(3):
+            assert await sched.run(jobs.setenv_then_get, "TRITON_AIOCOMPILE_TEST_LEAK", "set by a job") is None
+        assert await sched.run(jobs.getenv, "TRITON_AIOCOMPILE_TEST_LEAK") is None
