@@ -121,6 +121,16 @@ def _git(*args: str) -> str | None:
         return None
 
 
+def _commit(changed: str | None) -> dict[str, Any]:
+    """The commit measured. ``AIOCOMPILE_GIT_COMMIT`` names it where the checkout's own
+    git metadata is missing or stale (a copy of the working tree sent to another machine);
+    then whether aiocompile/ had uncommitted changes is not known (None)."""
+    given = os.environ.get("AIOCOMPILE_GIT_COMMIT")
+    if given:
+        return {"git_commit": given, "aiocompile_modified": None}
+    return {"git_commit": _git("rev-parse", "--short", "HEAD"), "aiocompile_modified": bool(changed)}
+
+
 def describe_machine() -> dict[str, Any]:
     cpu_model = platform.processor() or "unknown CPU"
     try:
@@ -155,8 +165,7 @@ def describe_machine() -> dict[str, Any]:
         "torch": torch_info.get("torch") or _version("torch"),
         "anyio": _version("anyio"),
         "aiocompile": _version("aiocompile") or _source_version(),
-        "git_commit": _git("rev-parse", "--short", "HEAD"),
-        "aiocompile_modified": bool(changed),  # the library had uncommitted changes when measured
+        **_commit(changed),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
 
@@ -281,6 +290,7 @@ def run_one(bench: Bench, quick: bool, machine: dict[str, Any]) -> dict[str, Any
     entry["command"] = shlex.join(["python", os.path.join("benchmarks", bench.script), *args, "--json", "out.json"])
     entry["timeout_s"] = timeout
     entry["load_before"] = [round(x, 2) for x in os.getloadavg()]
+    entry["git_commit"] = machine.get("git_commit")  # --only runs may measure later commits than the rest
     stdout_path, stderr_path = os.path.join(scratch, "stdout"), os.path.join(scratch, "stderr")
     started = time.monotonic()
     with open(stdout_path, "w") as out, open(stderr_path, "w") as err:
@@ -706,7 +716,9 @@ def render_markdown(report: dict[str, Any], images: dict[str, str] | None) -> st
         ["OS", m["os"]],
         ["Python / Triton / torch / anyio", f"{m['python']} / {m['triton']} / {m['torch'] or '-'} / {m['anyio']}"],
         ["aiocompile", f"{m['aiocompile']} at {m['git_commit']}"
-                       + (" (with uncommitted changes to aiocompile/)" if m["aiocompile_modified"] else "")],
+                       + (" (with uncommitted changes to aiocompile/)" if m["aiocompile_modified"] else "")
+                       + (" (the latest run's; each benchmark's own is under Runs)" if len(
+                           {e.get("git_commit") for e in benches.values() if e.get("git_commit")}) > 1 else "")],
     ]))
     lines += ["", "## Runs", ""]
     rows = []
@@ -714,10 +726,11 @@ def render_markdown(report: dict[str, Any], images: dict[str, str] | None) -> st
         load = e.get("load_before")
         share = e.get("other_processes_cpu_share")
         rows.append([name, e["status"] + (f": {e['reason']}" if e.get("reason") and e["status"] != "ok" else ""),
+                     e.get("git_commit") or m["git_commit"] or "-",
                      e.get("seconds"), f"`{e['command']}`" if e.get("command") else "-",
                      "/".join(_fmt(x) for x in load) if load else "-",
                      f"{share * 100:.0f}%" if share is not None else "-"])
-    lines.append(_table(["benchmark", "status", "seconds", "command", "load average before (1/5/15 min)",
+    lines.append(_table(["benchmark", "status", "commit", "seconds", "command", "load average before (1/5/15 min)",
                          "CPU used by other processes"], rows, digits=1))
     lines.append("")
     lines.append("The last column is the share of the machine's CPU time, while the benchmark ran, that went to "
