@@ -170,13 +170,22 @@ class _Worker:
     # A duplicate of the socket, kept for peeking at an answer's length (recv MSG_PEEK):
     # made the first time a loop reads for this worker, used and closed under the lock.
     peek: socket.socket | None = None
+    # The duplicate registered with the loop that last read for this worker (kept while
+    # that loop keeps using it; see _loop_reader). Changed under the lock.
+    registration: _LoopReader | None = None
     watched: bool = False  # in the supervisor's current wait (written under the lock)
 
 
     def drop_peek(self) -> None:
+        """Close this process's own duplicates of the socket (under the lock): the peek,
+        and a registration whose loop is closed. One in a live loop is that loop's to drop:
+        the socket reads as ended once the worker is gone, and the loop drops it then."""
         if self.peek is not None:
             self.peek.close()
             self.peek = None
+        if self.registration is not None and self.registration.loop.is_closed():
+            self.registration.close()
+            self.registration = None
 
 
 class _LoopReader:
@@ -397,8 +406,21 @@ class WorkerPool(cf.Executor):
     # -- answers read by an event loop (the loop's thread) -----------------------------------
 
     def _loop_reader(self, worker: _Worker, loop: Any) -> _LoopReader | None:
-        """Register a duplicate of ``worker``'s socket with ``loop`` (under the lock); None
-        if it cannot be."""
+        """The registration through which ``loop`` reads ``worker``'s answer (under the
+        lock): the one it already has, or a new duplicate of the socket registered with it;
+        None if that cannot be. A registration stays while the same loop keeps using the
+        worker: adding and removing a reader cost as much as the rest of reading."""
+        registered = worker.registration
+        if registered is not None:
+            if registered.loop is loop:
+                registered.waiting_since = None
+                return registered
+            if registered.loop.is_closed():
+                # A closed loop's selector is closed: nothing refers to the descriptor.
+                registered.close()
+            # Otherwise it stays registered in that loop, which drops it the next time the
+            # socket is readable (see _answer_in_loop).
+            worker.registration = None
         try:
             fd = worker.proc.conn.fileno()
             if worker.peek is None:
@@ -411,28 +433,33 @@ class WorkerPool(cf.Executor):
         except (NotImplementedError, RuntimeError, OSError, ValueError):
             reader.close()
             return None
+        worker.registration = reader
         return reader
 
     def _answer_in_loop(self, worker: _Worker, reader: _LoopReader) -> None:
         """The loop's callback: the worker's socket is readable. Reads one whole, small
-        answer; anything else (the worker's end, a partial or large message) goes back to
-        the supervisor, which is woken to read it."""
+        answer to a job this loop holds. Anything else unregisters: the worker's end, a
+        partial or large message (the supervisor is woken to read those), or an answer to
+        a job someone else reads (the supervisor, another loop)."""
         data: bytes | memoryview | None = None
         with self._lock:
             mine = worker.reader is reader
             if mine:
                 data = None if worker.peek is None else _whole_message(worker.peek)
+                if data is _NOTHING_YET:
+                    return  # readiness seen for an earlier answer, already read
                 if data is None:
                     worker.reader = None
-        try:
-            reader.loop.remove_reader(reader.fd)
-        except (RuntimeError, OSError, ValueError):  # pragma: no cover - a closing loop
-            pass
-        reader.close()
-        if not mine:
-            return  # taken back by the supervisor meanwhile: it reads the answer
+            if data is None and worker.registration is reader:
+                worker.registration = None
         if data is None:
-            self._wake()
+            try:
+                reader.loop.remove_reader(reader.fd)
+            except (RuntimeError, OSError, ValueError):  # pragma: no cover - a closing loop
+                pass
+            reader.close()
+            if mine:
+                self._wake()
             return
         message = pickle.loads(data)
         _, _, _, _, _, _, rss = message
@@ -547,6 +574,9 @@ class WorkerPool(cf.Executor):
         self._closed = True
         for worker in self._workers:
             worker.drop_peek()
+            if worker.registration is not None:
+                worker.registration.close()  # this process's copy; the parent's stays
+                worker.registration = None
             worker.proc.close()
         self._workers = []
         if self._launcher is not None:
@@ -975,9 +1005,10 @@ class WorkerPool(cf.Executor):
                 if worker.reader is not reader:
                     continue  # the loop has just read it
                 worker.reader = None
-            if closed:
-                reader.close()  # a closed loop's selector is closed: nothing refers to it
-            else:
+                if closed and worker.registration is reader:
+                    worker.registration = None
+                    reader.close()  # a closed loop's selector is closed: nothing refers to it
+            if not closed:
                 logger.debug("aiocompile: an event loop left an answer unread for %.1f s; the supervisor reads it",
                              now - (reader.waiting_since or now))
 
@@ -1129,15 +1160,21 @@ def _readable_now(conn: Any) -> bool:
 _HEADER = struct.Struct("!i")
 
 
+_NOTHING_YET = b""
+
+
 def _whole_message(peek: socket.socket) -> bytes | memoryview | None:
     """One message from a worker's socket, through its duplicate ``peek``, if all of it
     has arrived and it is at most ``_LOOP_READ_MAX`` bytes long, read without blocking;
-    else None, and nothing is read. (``multiprocessing.connection`` frames a message with
+    else None, and nothing is read; ``_NOTHING_YET`` if nothing at all is there.
+    (``multiprocessing.connection`` frames a message with
     its length: 4 bytes, or -1 and 8 more.) Two system calls: a peek, then the read."""
     try:
         head = peek.recv(4 + _LOOP_READ_MAX, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return _NOTHING_YET
     except OSError:
-        return None  # nothing there after all (BlockingIOError), or a broken socket
+        return None  # a broken socket
     if len(head) < 4:
         return None  # the worker's end, or not yet a whole header
     size = _HEADER.unpack_from(head)[0]

@@ -92,13 +92,19 @@ class _JobState:
         self.env: dict[str, str] | None = None
         self.sys_path: list[str] | None = None
         self.output_written = True  # unknown at first: empty the capture file
-        try:
-            # Kept open: reading it is then one pread per job rather than open/read/close.
-            self._statm: int | None = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            self._statm = None
+        # /proc/self/statm, opened at the first job and kept open: reading it is then one
+        # pread per job rather than open/read/close. (Not at construction: a module-level
+        # state in the parent, for foreign executors' workers, must not hold it open.)
+        self._statm: int | None = None
+        self._statm_tried = False
 
     def rss(self) -> int:
+        if not self._statm_tried:
+            self._statm_tried = True
+            try:
+                self._statm = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                self._statm = None
         if self._statm is not None:
             try:
                 return int(os.pread(self._statm, 128, 0).split()[1]) * _PAGE_SIZE
