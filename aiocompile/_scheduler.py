@@ -187,20 +187,24 @@ class Scheduler:
     async def warm(self, target: Any = "cuda:90") -> None:
         """Start every worker now and run one tiny compile in each, so that the compiler's
         per-process set-up is paid before the first real job; meanwhile, pay this process's
-        own first-key cost for ``target`` (hashing Triton, asking ptxas its version).
+        own first-key cost for ``target`` (hashing Triton, asking ptxas its version) and,
+        where this machine has a GPU of ``target``'s kind, its one-time cost of loading
+        kernels (Triton's GPU driver, the device's context; see ``prime_loading``).
 
         Cancelling the await leaves the workers starting; they serve later jobs.
         """
         self._check_open()
         parsed = parse_target(target) or parse_target("cuda:90")
         assert parsed is not None
-        from aiocompile.backends import _triton_worker
+        from aiocompile.backends import _triton_kernel, _triton_worker
 
         keys = _threads.KEYS.submit(lambda: self._triton.warm_keys(parsed))
+        loading = _threads.LOADS.submit(lambda: _triton_kernel.prime_loading(parsed.backend))
         jobs = self._pool.warm(_triton_worker.warm_up, ((parsed.backend, parsed.arch, parsed.warp_size),))
         for job in jobs:
             await _bridge.wait(job.future)
         await _bridge.wait(keys)
+        await _bridge.wait(loading)
 
     # -- introspection ----------------------------------------------------------------------
 

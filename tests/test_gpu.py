@@ -184,3 +184,28 @@ def test_the_loop_keeps_ticking_while_32_kernels_compile_and_load():
           f"p99 {result['p99_ms']:.2f} ms, max {result['max_ms']:.1f} ms over {result['ticks']} ticks")
     # A compile held in the loop would show as hundreds of milliseconds.
     assert result["max_ms"] < 50
+
+
+def test_warm_pays_the_one_time_cost_of_loading_before_the_first_load():
+    """After ``warm()``, Triton's GPU driver and the device's context are set up, in a
+    loading thread, so the first loads in a burst do not pay for them (holding the
+    interpreter lock for hundreds of milliseconds: the event loop's thread would wait)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import asyncio, sys, torch\n"
+        "import aiocompile\n"
+        "from aiocompile.backends import _triton_kernel\n"
+        "assert not torch.cuda.is_initialized()\n"
+        "async def main():\n"
+        "    async with aiocompile.Scheduler(workers=2) as sched:\n"
+        "        await sched.warm('cuda:90')\n"
+        "        print(_triton_kernel._primed, torch.cuda.is_initialized())\n"
+        "asyncio.run(main())\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[-2:] == ["True", "True"], proc.stdout

@@ -16,6 +16,7 @@ BURST = textwrap.dedent('''
     import asyncio, json, sys, threading
     sys.path.insert(0, sys.argv[1])
     import aiocompile
+    from aiocompile.backends import _triton_kernel
     from triton_kernels import ADD_SIGNATURE, add_kernel
 
     watching = False
@@ -56,7 +57,8 @@ BURST = textwrap.dedent('''
             new_threads = sorted(t.name for t in threading.enumerate() if t.ident not in threads_before)
             return {"kernels": len({k.key for k in kernels}), "new_threads": new_threads,
                     "imported_in_loop": sorted(set(imported_in_loop)), "hashed_in_loop": hashed_in_loop,
-                    "compiled": sched.statistics().compiled, "key_ready": key_ready}
+                    "compiled": sched.statistics().compiled, "key_ready": key_ready,
+                    "primed": _triton_kernel._primed}
 
     print(json.dumps(asyncio.run(main())))
 ''')
@@ -75,3 +77,15 @@ def test_after_warm_a_burst_of_requests_starts_no_thread_per_request_and_imports
     assert not [name for name in result["imported_in_loop"] if name.startswith("anyio")], result["imported_in_loop"]
     # Kernels are hashed in the key thread, never in the loop's.
     assert result["hashed_in_loop"] == []
+    # warm() also tried to pay the one-time cost of loading kernels: here, with no GPU,
+    # it found nothing to load on (tests/test_gpu.py checks the other side).
+    if not _has_cuda_gpu():
+        assert result["primed"] is False
+
+
+def _has_cuda_gpu() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())

@@ -231,6 +231,39 @@ def _decode_constexpr(value: Any) -> Any:
     return value
 
 
+_primed: bool | None = None
+
+
+def prime_loading(backend: str) -> bool:
+    """Pay this process's one-time costs of loading kernels for ``backend`` ("cuda" or
+    "hip") now, if it has such a GPU: Triton's GPU driver (its imports, its small C
+    helper module, the device and its context, which may import and initialise torch).
+
+    These hold the interpreter lock for tens to hundreds of milliseconds at a time (a
+    shared library's initialisation, torch's CUDA start), so whichever thread pays them
+    stalls the event loop's thread; paid by ``warm()`` in a loading thread, they are not
+    paid in the middle of a burst of loads. Returns whether loading is possible here."""
+    global _primed
+    if _primed is not None:
+        return _primed
+    try:
+        from triton.runtime import driver
+
+        active = driver.active
+        target = active.get_current_target()
+        if getattr(target, "backend", None) != backend:
+            _primed = False
+            return False
+        device = active.get_current_device()
+        active.utils.get_device_properties(device)
+        active.get_current_stream(device)
+    except Exception:  # no GPU, or no driver for it: nothing to load on, nothing to pay
+        _primed = False
+        return False
+    _primed = True
+    return True
+
+
 def _current_device() -> int | None:
     """The caller's current device, if knowing it is cheap; None otherwise.
 
