@@ -822,6 +822,10 @@ def main() -> None:
     command = "python benchmarks/run.py" + (" --quick" if args.quick else "")
     report: dict[str, Any] = {"slug": slug, "command": command, "quick": args.quick, "machine": machine,
                               "benchmarks": dict(previous["benchmarks"]) if previous else {}}
+    if previous:
+        # Results kept from an earlier run were measured at that run's commit.
+        for entry in report["benchmarks"].values():
+            entry.setdefault("git_commit", previous.get("machine", {}).get("git_commit"))
     if previous and only:
         report["command"] = previous.get("command", command) + f" (then --only {args.only})"
     started = time.monotonic()
