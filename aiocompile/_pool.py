@@ -622,7 +622,12 @@ class WorkerPool(cf.Executor):
             if self._launcher is not None and (fd := self._launcher.fileno()) is not None:
                 waitables.append(fd)
             ready = wait_for_any(waitables, self._next_timeout())
-            for obj in ready:
+            for index, obj in enumerate(ready):
+                if index:
+                    # Answers handled one after another run Python back to back (a
+                    # kernel's result is unpickled and made ready here): let a waiting
+                    # event loop have the interpreter lock between them.
+                    time.sleep(0)
                 if isinstance(obj, int):
                     if obj == self._wake_r:
                         self._drain_wake()
