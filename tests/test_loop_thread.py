@@ -6,6 +6,7 @@ loop's thread directly, in a fresh interpreter so that nothing was imported befo
 """
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -58,7 +59,7 @@ BURST = textwrap.dedent('''
             return {"kernels": len({k.key for k in kernels}), "new_threads": new_threads,
                     "imported_in_loop": sorted(set(imported_in_loop)), "hashed_in_loop": hashed_in_loop,
                     "compiled": sched.statistics().compiled, "key_ready": key_ready,
-                    "primed": _triton_kernel._primed}
+                    "primed": _triton_kernel._primed, "torch_imported": "torch" in sys.modules}
 
     print(json.dumps(asyncio.run(main())))
 ''')
@@ -79,8 +80,11 @@ def test_after_warm_a_burst_of_requests_starts_no_thread_per_request_and_imports
     assert result["hashed_in_loop"] == []
     # warm() also tried to pay the one-time cost of loading kernels: here, with no GPU,
     # it found nothing to load on (tests/test_gpu.py checks the other side).
+    # On a machine without any GPU device, it did not even import torch to ask.
     if not _has_cuda_gpu():
-        assert result["primed"] is False
+        assert not result["primed"]
+    if not (os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/kfd")):
+        assert result["torch_imported"] is False
 
 
 def _has_cuda_gpu() -> bool:

@@ -246,6 +246,10 @@ def prime_loading(backend: str) -> bool:
     global _primed
     if _primed is not None:
         return _primed
+    if "torch" not in sys.modules and not _gpu_device_present(backend):
+        # Triton asks torch whether there is a GPU: importing torch only to hear "no"
+        # would cost a process that never uses it seconds and hundreds of MiB.
+        return False
     try:
         from triton.runtime import driver
 
@@ -262,6 +266,13 @@ def prime_loading(backend: str) -> bool:
         return False
     _primed = True
     return True
+
+
+def _gpu_device_present(backend: str) -> bool:
+    """Whether the device files of a GPU of ``backend``'s kind exist (Linux): NVIDIA's
+    ``/dev/nvidiactl``, AMD's ``/dev/kfd``. A cheap look, without loading any driver."""
+    path = {"cuda": "/dev/nvidiactl", "hip": "/dev/kfd"}.get(backend)
+    return path is not None and os.path.exists(path)
 
 
 def _current_device() -> int | None:
