@@ -175,7 +175,6 @@ class _Worker:
     registration: _LoopReader | None = None
     watched: bool = False  # in the supervisor's current wait (written under the lock)
 
-
     def drop_peek(self) -> None:
         """Close this process's own duplicates of the socket (under the lock): the peek,
         and a registration whose loop is closed. One in a live loop is that loop's to drop:
@@ -462,23 +461,8 @@ class WorkerPool(cf.Executor):
                 self._wake()
             return
         message = pickle.loads(data)
-        _, _, _, _, _, _, rss = message
-        recycle = self.max_worker_rss is not None and rss > self.max_worker_rss
         job = worker.job
-        with self._lock:
-            worker.reader = None
-            worker.jobs_run += 1
-            worker.rss = rss
-            worker.last_used = time.monotonic()
-            worker.job = None
-            worker.deadline = None
-            if recycle:
-                # Too big: the supervisor replaces it (retiring blocks, so not here).
-                worker.state = "retiring"
-                worker.retire_reason = "recycled"
-            else:
-                # Idle before the answer goes out: the caller's next job may take it at once.
-                worker.state = "idle"
+        recycle = self._job_done(worker, message[6])  # replacing it blocks: the supervisor's
         self._deliver(worker, job, message)
         if recycle or self._pending or self._warm_pending:
             self._wake()
@@ -842,24 +826,30 @@ class WorkerPool(cf.Executor):
             self._on_done(worker, message)
 
     def _on_done(self, worker: _Worker, message: tuple[Any, ...]) -> None:
-        rss = message[6]
         job = worker.job
-        worker.jobs_run += 1
-        worker.rss = rss
-        worker.last_used = time.monotonic()
-        if self.max_worker_rss is not None and rss > self.max_worker_rss:
-            # Compilers leak; a worker that has grown too big is replaced once its job is
-            # done (the result is already here).
+        if self._job_done(worker, message[6]):
+            self._retire_marked()  # before the answer goes out, as the supervisor is here
+        self._deliver(worker, job, message)
+
+    def _job_done(self, worker: _Worker, rss: int) -> bool:
+        """A worker has answered its job (in whichever thread read the answer): it is idle
+        again, before the answer goes out, so that the caller's next job may take it at
+        once; or, grown past ``max_worker_rss`` (compilers leak), marked for the
+        supervisor to replace (``_retire_marked``). Returns whether it was marked."""
+        recycle = self.max_worker_rss is not None and rss > self.max_worker_rss
+        with self._lock:
+            worker.reader = None
+            worker.jobs_run += 1
+            worker.rss = rss
+            worker.last_used = time.monotonic()
             worker.job = None
             worker.deadline = None
-            self.counters.recycled += 1
-            self._retire(worker, "recycled")
-            if not self._stopping:
-                self._launch_worker()
-        else:
-            # Idle before the answer goes out: the caller's next job may take it at once.
-            self._make_idle(worker)
-        self._deliver(worker, job, message)
+            if recycle:
+                worker.state = "retiring"
+                worker.retire_reason = "recycled"
+            else:
+                worker.state = "idle"
+        return recycle
 
     def _deliver(self, worker: _Worker, job: Job | None, message: tuple[Any, ...]) -> None:
         """The job's outcome from its ``done`` message, in the thread that read it."""
@@ -1163,8 +1153,6 @@ def _readable_now(conn: Any) -> bool:
 
 
 _HEADER = struct.Struct("!i")
-
-
 _NOTHING_YET = b""
 
 

@@ -523,37 +523,7 @@ class Scheduler:
         name = getattr(fn, "__qualname__", None) or type(fn).__name__
         request = Request(backend="python", key=key, name=name, target=None, fn=fn, args=args, finish=_identity,
                           direct=True)
-        if key is None:
-            return await self._run_unshared(request, timeout)
         return await self._execute(request, timeout)
-
-    async def _run_unshared(self, request: Request, timeout: float | None) -> Any:
-        """``run()`` without a key: nothing to share or to remember, so no cache entry and
-        no second future; the job's own future is awaited (a trivial job's round trip is
-        where such bookkeeping shows). Recorded as ``_execute`` records it."""
-        self._check_open()
-        check_timeout(timeout)
-        arrived, wall = time.monotonic(), time.time()
-        self._metrics.submit()
-        try:
-            job = self._pool.submit_job(request.fn, request.args, name=request.name, direct=True,
-                                        timeout=self.config.timeout if timeout is None else timeout)
-        except BaseException as exc:
-            self._record(request, _failure_outcome(exc), wall, arrived, None, error=exc)
-            raise
-        # For the record: the job's timings; the answer is the result as it is (load 0).
-        entry = Entry(None, future=job.future, job=job, load_time=0.0)
-        try:
-            result = await _bridge.wait(job.future)
-        except BaseException as exc:
-            if isinstance(exc, anyio.get_cancelled_exc_class()):
-                self._stop_abandoned(entry)
-                self._record(request, "cancelled", wall, arrived, entry)
-            else:
-                self._record(request, _failure_outcome(exc), wall, arrived, entry, error=exc)
-            raise
-        self._record(request, "compiled", wall, arrived, entry, result=result)
-        return result
 
     # -- the request path ---------------------------------------------------------------------
 
