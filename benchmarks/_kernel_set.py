@@ -1,4 +1,4 @@
-"""The 64 kernels bench_throughput.py compiles, and the functions its worker pools run.
+"""The kernel sets bench_throughput.py compiles, and the functions its worker pools run.
 
 A module of its own (not the script's ``__main__``) so that worker processes of every pool
 import it by name. The kernels are those of ``examples/kernels.py`` in more tile, dtype,
@@ -46,9 +46,10 @@ def _retyped(signature: dict, dtype: str) -> dict:
     return {name: f"*{dtype}" if kind.startswith("*") else kind for name, kind in signature.items()}
 
 
-def specs(target: str) -> list[dict]:
-    """The 64 distinct kernels, each for ``target``: 28 matmuls (the long compiles)
-    interleaved with 36 vector adds, softmaxes and layer norms."""
+def heavy(target: str) -> list[dict]:
+    """The matmul-heavy set: 28 matmuls (the long compiles) interleaved with 36 vector adds,
+    softmaxes and layer norms. Its compiles add up to about 12x the longest, so that on 16
+    workers every worker is busy for most of the batch."""
     out: list[dict] = []
     for dtype in ("fp16", "bf16"):
         out += [_matmul(dtype, tile) for tile in _MATMUL_TILES]
@@ -73,9 +74,48 @@ def specs(target: str) -> list[dict]:
             mixed.append(long.pop(0))
         if short:
             mixed.append(short.pop(0))
-    labels = [spec["label"] for spec in mixed]
-    assert len(mixed) == 64 and len(set(labels)) == 64, labels
-    return [dict(spec, target=target) for spec in mixed]
+    return mixed
+
+
+# (dtype, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)): one long compile, the rest short
+_MIXED_MATMULS = [
+    ("fp16", (128, 256, 64, 8, 3)), ("bf16", (64, 128, 32, 4, 4)), ("fp16", (64, 64, 64, 4, 4)),
+    ("bf16", (32, 64, 32, 2, 4)), ("fp16", (64, 32, 32, 2, 5)), ("fp32", (64, 64, 32, 4, 3)),
+    ("bf16", (64, 64, 32, 4, 3)), ("fp16", (32, 32, 32, 2, 3)), ("bf16", (32, 32, 32, 2, 3)),
+    ("fp16", (16, 32, 32, 1, 2)),
+]
+
+
+def mixed(target: str) -> list[dict]:
+    """The mixed set: 10 matmuls, one of them long (128x256 tiles, 8 warps), and 54 vector
+    adds, softmaxes and layer norms, in a shuffled order (a fixed seed). Its compiles add up
+    to about 6.5x the longest, so that on 16 workers the longest compile bounds the batch."""
+    import random
+
+    out = [_matmul(dtype, tile) for dtype, tile in _MIXED_MATMULS]
+    add = {"x_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32"}
+    for dtype in ("fp32", "fp16", "bf16"):
+        for block, warps in ((256, 2), (1024, 4), (2048, 4), (4096, 8), (8192, 8), (16384, 16)):
+            out.append(_rowwise(f"add_{dtype}", _examples.add_kernel, _retyped(add, dtype), block, warps))
+        for block, warps in ((256, 2), (512, 4), (1024, 4), (2048, 8), (4096, 8), (8192, 16)):
+            out.append(_rowwise(f"softmax_{dtype}", _examples.softmax_kernel, _retyped(_examples._SOFTMAX, dtype),
+                                block, warps))
+        for block, warps in ((256, 2), (512, 4), (1024, 4), (2048, 8), (4096, 8), (8192, 16)):
+            signature = {**_retyped(_examples._LAYER_NORM, dtype), "eps": "fp32"}
+            out.append(_rowwise(f"layer_norm_{dtype}", _examples.layer_norm_kernel, signature, block, warps))
+    random.Random(0).shuffle(out)  # requests in no order of their cost
+    return out
+
+
+SETS = {"mixed": mixed, "heavy": heavy}
+
+
+def specs(target: str, kind: str = "mixed") -> list[dict]:
+    """The 64 distinct kernels of set ``kind`` (``SETS``), each for ``target``."""
+    out = SETS[kind](target)
+    labels = [spec["label"] for spec in out]
+    assert len(out) == 64 and len(set(labels)) == 64, labels
+    return [dict(spec, target=target) for spec in out]
 
 
 def triton_args(spec: dict) -> tuple:
@@ -131,16 +171,16 @@ def warm_worker(target: str, hold: float) -> int:
     return os.getpid()
 
 
-def compile_in_worker(index: int, target: str, cache_dir: str) -> tuple[int, float]:
-    """A pool's job: compile kernel ``index`` of ``specs(target)`` into ``cache_dir``."""
+def compile_in_worker(index: int, target: str, cache_dir: str, kind: str = "mixed") -> tuple[int, float]:
+    """A pool's job: compile kernel ``index`` of ``specs(target, kind)`` into ``cache_dir``."""
     os.environ["TRITON_CACHE_DIR"] = cache_dir
-    return os.getpid(), compile_spec(_specs_for(target)[index])
+    return os.getpid(), compile_spec(_specs_for(target, kind)[index])
 
 
-_SPECS: dict[str, list[dict]] = {}  # per-process memo: a worker builds the list once
+_SPECS: dict[tuple[str, str], list[dict]] = {}  # per-process memo: a worker builds the list once
 
 
-def _specs_for(target: str) -> list[dict]:
-    if target not in _SPECS:
-        _SPECS[target] = specs(target)
-    return _SPECS[target]
+def _specs_for(target: str, kind: str) -> list[dict]:
+    if (target, kind) not in _SPECS:
+        _SPECS[target, kind] = specs(target, kind)
+    return _SPECS[target, kind]

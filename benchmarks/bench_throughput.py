@@ -1,9 +1,17 @@
 """Compile throughput and event-loop lag: 64 distinct kernels, five ways, in one run.
 
 The kernels (``benchmarks/_kernel_set.py``: the example kernels in 64 tile, dtype, block
-and ``num_warps`` configurations, long matmuls interleaved with short row-wise kernels)
-are compiled for one explicit target, each way with a fresh ``TRITON_CACHE_DIR`` so that
-every way really compiles every kernel:
+and ``num_warps`` configurations) are one of two sets:
+
+- ``mixed`` (the default): 10 matmuls, one of them long, among 54 short row-wise kernels,
+  in a shuffled order. The compiles add up to about 6.5x the longest, so on 16 workers
+  the longest compile is the lower bound, as in a batch of a server's new shapes;
+- ``heavy``: 28 matmuls interleaved with 36 row-wise kernels, adding up to about 12x the
+  longest, so that every worker is busy for most of the batch and compiles running side
+  by side slow each other down.
+
+They are compiled for one explicit target, each way with a fresh ``TRITON_CACHE_DIR`` so
+that every way really compiles every kernel:
 
 - ``aiocompile``: ``Scheduler(workers=W)``, warmed with ``await sched.warm(target)``
   before the clock, then ``await sched.compile_many(specs)``. Its compile times go to a
@@ -29,7 +37,8 @@ of ``--repeat``), its ratio to aiocompile, parallel efficiency = (sum of single 
 times / W) / wall, the lower bound max(sum / W, longest single compile), and the loop's
 lateness (p50, p99, max over every tick of every repeat).
 
-    python benchmarks/bench_throughput.py [--workers N] [--target cuda:90] [--repeat 3] [--json out.json]
+    python benchmarks/bench_throughput.py [--set mixed|heavy] [--workers N] [--target cuda:90] [--repeat 3]
+                                          [--json out.json]
 """
 
 from __future__ import annotations
@@ -78,8 +87,9 @@ async def _timed(ticker: Ticker, work: Any) -> tuple[float, Any]:
     return wall, result
 
 
-# The cost history aiocompile's rounds share (set by measure()).
+# The cost history aiocompile's rounds share, and the kernel set (set by measure()).
 COST_HISTORY: str | None = None
+KIND = "mixed"
 
 
 def _known_costs() -> int:
@@ -213,7 +223,7 @@ async def run_stdlib(specs: list[dict], workers: int, target: str, cache_dir: st
 
         async def work() -> list[tuple[int, float]]:
             return await asyncio.gather(*(loop.run_in_executor(pool, kernel_set.compile_in_worker, i, target,
-                                                               cache_dir) for i in range(len(specs))))
+                                                               cache_dir, KIND) for i in range(len(specs))))
 
         wall, done = await _timed(ticker, work)
     return {"wall_s": wall, "compile_s_in_workers": sum(s for _, s in done), "processes": len({p for p, _ in done}),
@@ -232,7 +242,7 @@ async def run_anyio(specs: list[dict], workers: int, target: str, cache_dir: str
     pids = await _warm_distinct(lambda: call(kernel_set.warm_worker, target, 0.3), workers)
 
     async def work() -> list[tuple[int, float]]:
-        return await asyncio.gather(*(call(kernel_set.compile_in_worker, i, target, cache_dir)
+        return await asyncio.gather(*(call(kernel_set.compile_in_worker, i, target, cache_dir, KIND)
                                       for i in range(len(specs))))
 
     wall, done = await _timed(ticker, work)
@@ -254,9 +264,10 @@ def pick(ordered: list[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, int(p * len(ordered)))]
 
 
-def measure(ways: list[str], workers: int, target: str, repeat: int, kernels: int = 64) -> dict:
-    global COST_HISTORY
-    specs = kernel_set.specs(target)[:kernels]
+def measure(ways: list[str], workers: int, target: str, repeat: int, kernels: int = 64, kind: str = "mixed") -> dict:
+    global COST_HISTORY, KIND
+    KIND = kind
+    specs = kernel_set.specs(target, kind)[:kernels]
     history_dir = tempfile.mkdtemp(prefix="bench-throughput-costs-")
     COST_HISTORY = os.path.join(history_dir, "costs.json")
     kernel_set.warm_up(target)  # this process's own one-time set-up, before any way
@@ -301,7 +312,7 @@ def measure(ways: list[str], workers: int, target: str, repeat: int, kernels: in
                   f"{max(ticker.lags) * 1000:8.1f} ms", flush=True)
 
     report: dict[str, Any] = {"cpus": os.cpu_count(), "workers": workers, "target": target, "repeat": repeat,
-                              "kernels": len(specs), "ways": {}}
+                              "set": kind, "kernels": len(specs), "ways": {}}
     if all(single.values()):
         medians = {label: statistics.median(v) for label, v in single.items()}
         total = sum(medians.values())
@@ -343,7 +354,8 @@ def measure(ways: list[str], workers: int, target: str, repeat: int, kernels: in
 
 
 def print_report(report: dict) -> None:
-    print(f"\n{report['kernels']} distinct kernels for {report['target']}, {report['workers']} workers, "
+    print(f"\n{report['kernels']} distinct kernels ({report['set']} set) for {report['target']}, "
+          f"{report['workers']} workers, "
           f"{report['cpus']} CPUs, median of {report['repeat']}")
     if "single" in report:
         single = report["single"]
@@ -376,6 +388,8 @@ def print_report(report: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--set", dest="kind", default="mixed", choices=sorted(kernel_set.SETS),
+                        help="the kernel set (default: mixed)")
     parser.add_argument("--workers", type=int, default=os.cpu_count())
     parser.add_argument("--target", default="cuda:90")
     parser.add_argument("--repeat", type=int, default=3)
@@ -390,7 +404,7 @@ def main() -> None:
     if "serial triton.compile" not in ways:
         print("(without the serial way there are no single compile times: no efficiency or bound)")
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when it is unset
-    report = measure(ways, args.workers, args.target, args.repeat, args.kernels)
+    report = measure(ways, args.workers, args.target, args.repeat, args.kernels, args.kind)
     import triton
 
     report["triton"] = triton.__version__

@@ -9,8 +9,8 @@ of time is recorded as such and the others still run. Written to ``--out``
   of each benchmark, and the machine (CPU model, cores, RAM, GPU, Python, Triton, torch,
   anyio and aiocompile versions, git commit, date, load average);
 - ``<slug>.md``: tables of the results and their ratios, with the charts below;
-- ``<slug>-throughput.png``, ``<slug>-loop-lag.png``, ``<slug>-dispatch.png``,
-  ``<slug>-startup-memory.png``.
+- ``<slug>-throughput.png``, ``<slug>-throughput-heavy.png``, ``<slug>-loop-lag.png``,
+  ``<slug>-dispatch.png``, ``<slug>-startup-memory.png``.
 
 ``--quick`` runs fewer repeats (about 8 minutes on 16 CPUs). ``--only a,b`` runs some
 benchmarks again and keeps the others' results from the existing JSON file. ``--render``
@@ -66,6 +66,9 @@ class Bench:
 KNOWN = [
     # Two rounds at least: aiocompile's second knows the first's compile times.
     Bench("throughput", "bench_throughput.py", ("--repeat", "3"), ("--repeat", "2"), 1800, 600),
+    Bench("throughput_heavy", "bench_throughput.py", ("--set", "heavy", "--repeat", "3"),
+          ("--set", "heavy", "--repeat", "2", "--ways", "aiocompile,serial triton.compile,ProcessPoolExecutor"),
+          1800, 600),
     Bench("dispatch", "bench_dispatch.py", (), ("--rounds", "4"), 300, 120),
     Bench("loop_lag", "bench_loop_lag.py", (), (), 600, 300),
     Bench("startup", "bench_startup.py", ("--repeat", "3"), ("--repeat", "1"), 900, 300),
@@ -417,9 +420,16 @@ def render_columns(result: Any) -> str:
     return "\n\n".join(tables)
 
 
+_SET_TEXT = {
+    "mixed": "the mixed set: 10 matmuls, one of them long, among 54 short row-wise kernels, in a shuffled order",
+    "heavy": "the matmul-heavy set: 28 matmuls interleaved with 36 row-wise kernels",
+}
+
+
 def render_throughput(r: dict[str, Any]) -> str:
-    parts = [f"{r['kernels']} distinct kernels for `{r['target']}`, W = {r['workers']} workers, "
-             f"median of {r['repeat']} rounds (Triton {r.get('triton', '?')})."]
+    kind = r.get("set", "heavy")  # reports from before there were two sets compiled the heavy one
+    parts = [f"{r['kernels']} distinct kernels for `{r['target']}` ({_SET_TEXT.get(kind, kind)}), "
+             f"W = {r['workers']} workers, median of {r['repeat']} rounds (Triton {r.get('triton', '?')})."]
     single = r.get("single")
     if single:
         parts.append(f"Single compiles (serially, in a warm process): sum {single['sum_s']:.2f} s, longest "
@@ -441,6 +451,12 @@ def render_throughput(r: dict[str, Any]) -> str:
     parts.append("Parallel efficiency = (sum of single compile times / W) / wall. The last column adds up each "
                  "compile's own time as measured where it ran (worker, thread or this process): above the serial "
                  "sum when compiles slow each other down.")
+    if single:
+        slowed = [f"{way} {row['compile_s_in_workers'] / single['sum_s']:.2f}x" for way, row in r["ways"].items()
+                  if row.get("compile_s_in_workers") and way != "serial triton.compile"]
+        if slowed:
+            parts.append("Side by side, the compiles took this much longer than one at a time (compile s summed "
+                         "where run / serial sum): " + ", ".join(slowed) + ".")
     base = r["ways"].get("aiocompile", {})
     cold, warm = base.get("nothing_known_s"), base.get("costs_known_s")
     if cold is not None or warm is not None:
@@ -560,6 +576,7 @@ def render_torch_compile(runs: list[dict[str, Any]]) -> str:
 
 RENDERERS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "throughput": ("Compile throughput: 64 kernels, five ways", render_throughput),
+    "throughput_heavy": ("Compile throughput: the matmul-heavy set", render_throughput),
     "dispatch": ("Dispatch round trip", render_dispatch),
     "startup": ("Start-up", render_startup),
     "memory": ("Cold start and worker memory", render_memory),
@@ -614,7 +631,8 @@ def chart_throughput(Figure: Any, tp: dict[str, Any]) -> Any:
     ax.set_xlim(0, max(walls + [tp.get("lower_bound_s") or 0]) * 1.3)
     ax.set_ylim(-1.2, len(names) - 0.5)  # room for the legend under the bars
     ax.set_xlabel("wall time, s (lower is better)")
-    ax.set_title(f"{tp['kernels']} kernels for {tp['target']}, {tp['workers']} workers, {tp['cpus']} CPUs")
+    ax.set_title(f"{tp['kernels']} kernels ({tp.get('set', 'heavy')} set) for {tp['target']}, {tp['workers']} "
+                 f"workers, {tp['cpus']} CPUs")
     return fig
 
 
@@ -670,6 +688,7 @@ def chart_memory(Figure: Any, memory: dict[str, Any]) -> Any:
 # chart name -> (the benchmark it draws, how, the file's suffix)
 CHARTS = {
     "throughput": ("throughput", chart_throughput, "throughput"),
+    "throughput_heavy": ("throughput_heavy", chart_throughput, "throughput-heavy"),
     "loop_lag": ("throughput", chart_loop_lag, "loop-lag"),
     "dispatch": ("dispatch", chart_dispatch, "dispatch"),
     "memory": ("memory", chart_memory, "startup-memory"),
@@ -752,7 +771,7 @@ def render_markdown(report: dict[str, Any], images: dict[str, str] | None) -> st
             return (f"(this benchmark's JSON has a shape the report does not know: {type(exc).__name__}: {exc}; "
                     "all of it:)\n\n" + render_generic(results[name]))
 
-    order = ["throughput", "loop_lag", "dispatch", "startup", "memory"]
+    order = ["throughput", "loop_lag", "throughput_heavy", "dispatch", "startup", "memory"]
     order += [name for name in benches if name not in order]
     for name in order:
         if name == "loop_lag":
