@@ -373,19 +373,6 @@ class Scheduler:
                 first_error.append(exc)
                 scope.cancel()
 
-        # First every key (checked arguments, Triton's hash: in one thread, in order), so
-        # that the compiles can start longest first: a batch ends when its last compile
-        # does, and a long one started last runs alone at the end.
-        async def prepare(index: int, spec: dict[str, Any], scope: anyio.CancelScope) -> None:
-            kernel = spec.pop("kernel")
-            try:
-                requests[index] = await self._triton.prepare(
-                    self._context, kernel, signature=spec.pop("signature"), constexprs=spec.pop("constexprs", None),
-                    target=spec.pop("target", None), attrs=spec.pop("attrs", None), options=spec,
-                )
-            except Exception as exc:
-                failed(index, exc, scope)
-
         async def execute(index: int, request: Request, admitted: Any, scope: anyio.CancelScope) -> None:
             try:
                 results[index] = await self._await_admitted(request, admitted)
@@ -396,9 +383,18 @@ class Scheduler:
 
         try:
             await _threads.LOADS.run(self._costs.load)
-            async with anyio.create_task_group() as group:
-                for index, spec in enumerate(spec_list):
-                    group.start_soon(prepare, index, spec, group.cancel_scope)
+            # First every key (checked arguments, Triton's hash: in one thread, in order), so
+            # that the compiles can start longest first: a batch ends when its last compile
+            # does, and a long one started last runs alone at the end.
+            items = [{"kernel": spec.pop("kernel"), "signature": spec.pop("signature"),
+                      "constexprs": spec.pop("constexprs", None), "target": spec.pop("target", None),
+                      "attrs": spec.pop("attrs", None), "options": spec} for spec in spec_list]
+            unstarted = anyio.CancelScope()  # nothing has started yet for a failure to cancel
+            for index, prepared in enumerate(await self._triton.prepare_many(self._context, items)):
+                if isinstance(prepared, Exception):
+                    failed(index, prepared, unstarted)
+                else:
+                    requests[index] = prepared
             if not first_error:
                 ready = [(index, request) for index, request in enumerate(requests) if request is not None]
                 estimates = [self._costs.estimate(r.key, r.name, r.backend, r.target) for _, r in ready]
@@ -407,7 +403,7 @@ class Scheduler:
                     # first come first served, while the order in which new tasks take their
                     # first step is up to the event loop (trio shuffles it on purpose).
                     for count, position in enumerate(longest_first(estimates), 1):
-                        if count % 16 == 0:
+                        if count % 8 == 0:
                             # A thousand admissions in one go would hold the loop for tens
                             # of milliseconds; those admitted so far have their tasks.
                             await anyio.lowlevel.checkpoint()

@@ -188,6 +188,29 @@ async def test_compile_many_keeps_order_and_reports_failures(scheduler):
         await scheduler.compile_many([{"signature": ADD_SIGNATURE}])
 
 
+async def test_compile_many_checks_every_spec_before_any_compile_starts(scheduler):
+    """The specs are checked and keyed together; one that fails its checks takes its
+    exception's place (or raises, with nothing compiled), the others are unaffected."""
+    good = [{"kernel": add_kernel, "signature": ADD_SIGNATURE, "constexprs": {"BLOCK": 32 * 2**i},
+             "target": "cuda:90"} for i in range(3)]
+    misnamed = {"kernel": add_kernel, "signature": {**ADD_SIGNATURE, "nope": "i32"}, "constexprs": {"BLOCK": 16},
+                "target": "cuda:90"}
+    bad_option = {"kernel": add_kernel, "signature": ADD_SIGNATURE, "constexprs": {"BLOCK": 16},
+                  "target": "cuda:90", "num_warps": 3}
+    before = scheduler.statistics().submitted
+    with pytest.raises(ValueError, match="nope"):
+        await scheduler.compile_many([good[0], misnamed, good[1], bad_option])
+    assert scheduler.statistics().submitted == before  # nothing was started
+
+    results = await scheduler.compile_many([good[0], misnamed, good[1], bad_option, good[2]],
+                                           return_exceptions=True)
+    assert [type(r).__name__ for r in results] == ["TritonKernel", "ValueError", "TritonKernel", "ValueError",
+                                                   "TritonKernel"]
+    assert "nope" in str(results[1]) and "num_warps" in str(results[3])
+    assert [k.constexprs["BLOCK"] for k in (results[0], results[2], results[4])] == [32, 64, 128]
+    assert scheduler.statistics().submitted == before + 3
+
+
 async def test_run_any_picklable_callable(scheduler):
     assert await scheduler.run(math.factorial, 20) == math.factorial(20)
     with pytest.raises(ValueError, match="math domain error") as info:

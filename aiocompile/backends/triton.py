@@ -26,6 +26,7 @@ import hashlib
 import os
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -267,6 +268,20 @@ def _memo_key(signature: Any, constexprs: Any, target: Any, attrs: Any, options:
     return key
 
 
+@dataclass
+class _Checked:
+    """One request's arguments, checked and in canonical form (``TritonBackend._check``)."""
+
+    kernel: Any
+    name: str
+    arg_names: tuple[str, ...]
+    signature: Any
+    constexprs: Any
+    attrs: Any
+    options: tuple[tuple[str, Any], ...]
+    target: Target | None
+
+
 class TritonBackend:
     """The Triton backend's state in one scheduler: what it knows of the kernels it has
     seen. Thread-safe: requests come from any event loop, keys are computed in threads."""
@@ -303,7 +318,72 @@ class TritonBackend:
             request = known.requests.get(memo)
             if request is not None:
                 return request
+        checked = self._check(kernel, signature, constexprs, target, attrs, options)
+        if checked.target is None:
+            checked.target = await self._current_target(ctx)
+            check_options(options, checked.target)
+        built: Request = await ctx.to_thread(lambda: self._build(checked, memo))
+        return built
 
+    async def prepare_many(self, ctx: BackendContext, items: list[dict[str, Any]]) -> list[Request | Exception]:
+        """``prepare`` for many requests at once (``compile_many``): each item holds
+        ``prepare``'s keyword arguments and the kernel under ``"kernel"``. All of them are
+        checked and keyed in one trip to the keys thread, which hands the interpreter lock
+        back after each, so the event loop does no per-request work and wakes once. A
+        request that fails its checks gets its exception in its place in the list."""
+        current: Target | Exception | None = None
+        if any(item.get("target") is None for item in items):
+            try:
+                current = await self._current_target(ctx)
+            except Exception as exc:  # only the requests without a target fail for it
+                current = exc
+
+        def prepare_all() -> list[Request | Exception]:
+            out: list[Request | Exception] = []
+            for item in items:
+                try:
+                    out.append(self._prepare_now(current=current, **item))
+                except Exception as exc:
+                    out.append(exc)
+                time.sleep(0)  # a waiting event loop takes the interpreter lock now, not in 5 ms
+            return out
+
+        prepared: list[Request | Exception] = await ctx.to_thread(prepare_all)
+        return prepared
+
+    def _prepare_now(
+        self,
+        kernel: Any,
+        *,
+        signature: Mapping[str, Any],
+        constexprs: Mapping[str, Any] | None = None,
+        target: Any = None,
+        attrs: Mapping[str, Any] | None = None,
+        options: Mapping[str, Any] | None = None,
+        current: Target | Exception | None = None,
+    ) -> Request:
+        """``prepare`` in one go, in the calling thread, ``current`` standing for the
+        current device's target."""
+        options = options or {}
+        memo = _memo_key(signature, constexprs, target, attrs, options)
+        known = self._known(kernel)
+        if known is not None and memo is not None:
+            request = known.requests.get(memo)
+            if request is not None:
+                return request
+        checked = self._check(kernel, signature, constexprs, target, attrs, options)
+        if checked.target is None:
+            if isinstance(current, Exception):
+                raise current
+            assert current is not None
+            checked.target = current
+            check_options(options, checked.target)
+        return self._build(checked, memo)
+
+    def _check(self, kernel: Any, signature: Mapping[str, Any], constexprs: Mapping[str, Any] | None, target: Any,
+               attrs: Mapping[str, Any] | None, options: Mapping[str, Any]) -> _Checked:
+        """The arguments checked and put in their canonical form; ``target`` None when the
+        request names none."""
         parsed_target = parse_target(target)
         check_options(options, parsed_target)
         if isinstance(kernel, TritonSource):
@@ -316,27 +396,21 @@ class TritonBackend:
             fn = unwrap_jit(kernel)
             name, arg_names = fn.__name__, tuple(fn.arg_names)
         full_signature, ordered_constexprs, norm_attrs = normalize(name, arg_names, signature, constexprs, attrs)
-        if parsed_target is None:
-            parsed_target = await self._current_target(ctx)
-            check_options(options, parsed_target)
         norm_options = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in options.items()))
-        resolved: Target = parsed_target
+        return _Checked(kernel, name, arg_names, full_signature, ordered_constexprs, norm_attrs, norm_options,
+                        parsed_target)
 
-        def build() -> Request:
-            with self._keys_lock:
-                return build_locked()
-
-        def build_locked() -> Request:
-            known = self._kernel(kernel)
-            spec = TritonSpec(known.ref, name, arg_names, full_signature, ordered_constexprs, norm_attrs,
-                              norm_options, resolved, key="")
+    def _build(self, checked: _Checked, memo: Any) -> Request:
+        """The request, with its key (Triton's hash: blocking, one at a time)."""
+        assert checked.target is not None
+        with self._keys_lock:
+            known = self._kernel(checked.kernel)
+            spec = TritonSpec(known.ref, checked.name, checked.arg_names, checked.signature, checked.constexprs,
+                              checked.attrs, checked.options, checked.target, key="")
             request = self._request(TritonSpec(**{**spec.__dict__, "key": self._key(known.fn, spec)}))
             if memo is not None:
                 known.requests[memo] = request
             return request
-
-        built: Request = await ctx.to_thread(build)
-        return built
 
     def _request(self, spec: TritonSpec) -> Request:
         return Request(
