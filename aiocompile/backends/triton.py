@@ -313,11 +313,9 @@ class TritonBackend:
         ``TypeError`` for bad input before any worker is involved."""
         options = options or {}
         memo = _memo_key(signature, constexprs, target, attrs, options)
-        known = self._known(kernel)
-        if known is not None and memo is not None:
-            request = known.requests.get(memo)
-            if request is not None:
-                return request
+        request = self._remembered(kernel, memo)
+        if request is not None:
+            return request
         checked = self._check(kernel, signature, constexprs, target, attrs, options)
         if checked.target is None:
             checked.target = await self._current_target(ctx)
@@ -366,11 +364,9 @@ class TritonBackend:
         current device's target."""
         options = options or {}
         memo = _memo_key(signature, constexprs, target, attrs, options)
-        known = self._known(kernel)
-        if known is not None and memo is not None:
-            request = known.requests.get(memo)
-            if request is not None:
-                return request
+        request = self._remembered(kernel, memo)
+        if request is not None:
+            return request
         checked = self._check(kernel, signature, constexprs, target, attrs, options)
         if checked.target is None:
             if isinstance(current, Exception):
@@ -379,6 +375,14 @@ class TritonBackend:
             checked.target = current
             check_options(options, checked.target)
         return self._build(checked, memo)
+
+    def _remembered(self, kernel: Any, memo: Any) -> Request | None:
+        """The request built before for these very arguments (``_memo_key``), if any."""
+        known = self._known(kernel)
+        if known is None or memo is None:
+            return None
+        request: Request | None = known.requests.get(memo)
+        return request
 
     def _check(self, kernel: Any, signature: Mapping[str, Any], constexprs: Mapping[str, Any] | None, target: Any,
                attrs: Mapping[str, Any] | None, options: Mapping[str, Any]) -> _Checked:
