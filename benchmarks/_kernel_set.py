@@ -89,7 +89,7 @@ _MIXED_MATMULS = [
 def mixed(target: str) -> list[dict]:
     """The mixed set: 10 matmuls, one of them long (128x256 tiles, 8 warps), and 54 vector
     adds, softmaxes and layer norms, in a shuffled order (a fixed seed). Its compiles add up
-    to about 6.5x the longest, so that on 16 workers the longest compile bounds the batch."""
+    to about 7x the longest, so that on 16 workers the longest compile bounds the batch."""
     import random
 
     out = [_matmul(dtype, tile) for dtype, tile in _MIXED_MATMULS]

@@ -4,7 +4,7 @@ The kernels (``benchmarks/_kernel_set.py``: the example kernels in 64 tile, dtyp
 and ``num_warps`` configurations) are one of two sets:
 
 - ``mixed`` (the default): 10 matmuls, one of them long, among 54 short row-wise kernels,
-  in a shuffled order. The compiles add up to about 6.5x the longest, so on 16 workers
+  in a shuffled order. The compiles add up to about 7x the longest, so on 16 workers
   the longest compile is the lower bound, as in a batch of a server's new shapes;
 - ``heavy``: 28 matmuls interleaved with 36 row-wise kernels, adding up to about 12x the
   longest, so that every worker is busy for most of the batch and compiles running side
