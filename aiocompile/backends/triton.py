@@ -280,6 +280,14 @@ class _Checked:
     attrs: Any
     options: tuple[tuple[str, Any], ...]
     target: Target | None
+    given_options: Mapping[str, Any]
+    memo: Any
+    """``_memo_key`` of the arguments as given (None if they do not hash)."""
+
+    def resolve(self, target: Target) -> None:
+        """The current device's target, for a request that names none."""
+        check_options(self.given_options, target)
+        self.target = target
 
 
 class TritonBackend:
@@ -311,23 +319,19 @@ class TritonBackend:
     ) -> Request:
         """Check the arguments and build the compile request. Raises ``ValueError`` or
         ``TypeError`` for bad input before any worker is involved."""
-        options = options or {}
-        memo = _memo_key(signature, constexprs, target, attrs, options)
-        request = self._remembered(kernel, memo)
-        if request is not None:
-            return request
-        checked = self._check(kernel, signature, constexprs, target, attrs, options)
-        if checked.target is None:
-            checked.target = await self._current_target(ctx)
-            check_options(options, checked.target)
-        built: Request = await ctx.to_thread(lambda: self._build(checked, memo))
+        found = self._recall_or_check(kernel, signature, constexprs, target, attrs, options or {})
+        if isinstance(found, Request):
+            return found
+        if found.target is None:
+            found.resolve(await self._current_target(ctx))
+        built: Request = await ctx.to_thread(lambda: self._build(found))
         return built
 
     async def prepare_many(self, ctx: BackendContext, items: list[dict[str, Any]]) -> list[Request | Exception]:
         """``prepare`` for many requests at once (``compile_many``): each item holds
         ``prepare``'s keyword arguments and the kernel under ``"kernel"``. All of them are
-        checked and keyed in one trip to the keys thread, which hands the interpreter lock
-        back after each, so the event loop does no per-request work and wakes once. A
+        checked and keyed in one trip to the keys thread, which releases the interpreter
+        lock after each, so the event loop does no per-request work and wakes once. A
         request that fails its checks gets its exception in its place in the list."""
         current: Target | Exception | None = None
         if any(item.get("target") is None for item in items):
@@ -340,52 +344,45 @@ class TritonBackend:
             out: list[Request | Exception] = []
             for item in items:
                 try:
-                    out.append(self._prepare_now(current=current, **item))
+                    out.append(self._prepare_now(item, current))
                 except Exception as exc:
                     out.append(exc)
-                time.sleep(0)  # a waiting event loop takes the interpreter lock now, not in 5 ms
+                time.sleep(0)  # the interpreter lock released: a waiting event loop may take it now
             return out
 
         prepared: list[Request | Exception] = await ctx.to_thread(prepare_all)
         return prepared
 
-    def _prepare_now(
-        self,
-        kernel: Any,
-        *,
-        signature: Mapping[str, Any],
-        constexprs: Mapping[str, Any] | None = None,
-        target: Any = None,
-        attrs: Mapping[str, Any] | None = None,
-        options: Mapping[str, Any] | None = None,
-        current: Target | Exception | None = None,
-    ) -> Request:
-        """``prepare`` in one go, in the calling thread, ``current`` standing for the
-        current device's target."""
-        options = options or {}
-        memo = _memo_key(signature, constexprs, target, attrs, options)
-        request = self._remembered(kernel, memo)
-        if request is not None:
-            return request
-        checked = self._check(kernel, signature, constexprs, target, attrs, options)
-        if checked.target is None:
+    def _prepare_now(self, item: dict[str, Any], current: Target | Exception | None) -> Request:
+        """``prepare`` of one item in one go, in the calling thread, ``current`` standing
+        for the current device's target."""
+        found = self._recall_or_check(item["kernel"], item["signature"], item.get("constexprs"),
+                                      item.get("target"), item.get("attrs"), item.get("options") or {})
+        if isinstance(found, Request):
+            return found
+        if found.target is None:
             if isinstance(current, Exception):
                 raise current
             assert current is not None
-            checked.target = current
-            check_options(options, checked.target)
-        return self._build(checked, memo)
+            found.resolve(current)
+        return self._build(found)
 
-    def _remembered(self, kernel: Any, memo: Any) -> Request | None:
-        """The request built before for these very arguments (``_memo_key``), if any."""
+    def _recall_or_check(
+        self, kernel: Any, signature: Mapping[str, Any], constexprs: Mapping[str, Any] | None, target: Any,
+        attrs: Mapping[str, Any] | None, options: Mapping[str, Any],
+    ) -> Request | _Checked:
+        """The request built before for these very arguments (``_memo_key``), or the
+        arguments checked for a new one."""
+        memo = _memo_key(signature, constexprs, target, attrs, options)
         known = self._known(kernel)
-        if known is None or memo is None:
-            return None
-        request: Request | None = known.requests.get(memo)
-        return request
+        if known is not None and memo is not None:
+            request: Request | None = known.requests.get(memo)
+            if request is not None:
+                return request
+        return self._check(kernel, signature, constexprs, target, attrs, options, memo)
 
     def _check(self, kernel: Any, signature: Mapping[str, Any], constexprs: Mapping[str, Any] | None, target: Any,
-               attrs: Mapping[str, Any] | None, options: Mapping[str, Any]) -> _Checked:
+               attrs: Mapping[str, Any] | None, options: Mapping[str, Any], memo: Any) -> _Checked:
         """The arguments checked and put in their canonical form; ``target`` None when the
         request names none."""
         parsed_target = parse_target(target)
@@ -402,9 +399,9 @@ class TritonBackend:
         full_signature, ordered_constexprs, norm_attrs = normalize(name, arg_names, signature, constexprs, attrs)
         norm_options = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in options.items()))
         return _Checked(kernel, name, arg_names, full_signature, ordered_constexprs, norm_attrs, norm_options,
-                        parsed_target)
+                        parsed_target, options, memo)
 
-    def _build(self, checked: _Checked, memo: Any) -> Request:
+    def _build(self, checked: _Checked) -> Request:
         """The request, with its key (Triton's hash: blocking, one at a time)."""
         assert checked.target is not None
         with self._keys_lock:
@@ -412,8 +409,8 @@ class TritonBackend:
             spec = TritonSpec(known.ref, checked.name, checked.arg_names, checked.signature, checked.constexprs,
                               checked.attrs, checked.options, checked.target, key="")
             request = self._request(TritonSpec(**{**spec.__dict__, "key": self._key(known.fn, spec)}))
-            if memo is not None:
-                known.requests[memo] = request
+            if checked.memo is not None:
+                known.requests[checked.memo] = request
             return request
 
     def _request(self, spec: TritonSpec) -> Request:
