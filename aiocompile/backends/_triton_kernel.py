@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import struct
@@ -261,7 +262,8 @@ def prime_loading(backend: str) -> bool:
         device = active.get_current_device()
         active.utils.get_device_properties(device)
         active.get_current_stream(device)
-    except Exception:  # no GPU, or no driver for it: nothing to load on, nothing to pay
+    except Exception as exc:  # no GPU, or no driver for it: nothing to load on, nothing to pay
+        logging.getLogger("aiocompile").debug("loading is not primed for %s: %s", backend, exc, exc_info=True)
         _primed = False
         return False
     _primed = True
