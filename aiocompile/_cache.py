@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from aiocompile._pool import Job
+from aiocompile._jobs import Job
 
 
 @dataclass(eq=False)

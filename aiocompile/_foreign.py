@@ -40,8 +40,8 @@ from multiprocessing.connection import wait as wait_for_any
 from typing import Any, Callable, Union
 
 from aiocompile._errors import CompileTimeout, SchedulerClosed, WorkerCrashedError
+from aiocompile._jobs import Job, PoolCounters, emit_event
 from aiocompile._metrics import WorkerEvent
-from aiocompile._pool import Job, PoolCounters, emit_event
 from aiocompile._worker import _JobState
 
 ExecutorFactory = Callable[[], cf.Executor]

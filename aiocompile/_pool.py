@@ -9,19 +9,13 @@ which job a worker holds. That is what makes the rest exact:
 - a job past its timeout is stopped by killing its worker only (``CompileTimeout``).
 - a queued job can be cancelled; a running one can be killed without touching the others.
 
-One supervisor thread owns all the processes. It waits on every worker socket, the
-launcher's control socket and a wake-up pipe at once (``multiprocessing.connection.wait``),
-so a death is noticed the moment the socket closes, not by polling. Other threads talk to
-it only through ``_commands`` and the wake-up pipe.
-
-A job sent from an asyncio event loop's thread to an idle worker, when its caller asks for
-it (``direct=True``: small answers, as ``Scheduler.run`` gets), has its answer read by that
-event loop itself (``add_reader`` on a duplicate of the worker's socket), which spares the
-answer a hop through the supervisor thread. The supervisor still owns the worker: it
-watches the deadline, kills on timeout, and takes back the socket the moment the loop
-sees anything but one whole, small answer (the worker's end, a partial or large message),
-or when the loop does not read a waiting answer within ``_LOOP_GRACE`` seconds (a loop
-that is blocked, stopped or closed).
+A worker's life is the state machine in ``_workers``; this module drives it. One
+supervisor thread owns all the processes. It waits on every worker socket, the launcher's
+control socket and a wake-up pipe at once (``multiprocessing.connection.wait``), so a death
+is noticed the moment the socket closes, not by polling. Other threads talk to it only
+through ``_commands`` and the wake-up pipe. Answers are read by the supervisor, by the
+event loop that awaits them (``_loop_reads``), or, when large, by a thread that streams
+them (``_answers``).
 """
 
 from __future__ import annotations
@@ -33,27 +27,20 @@ import itertools
 import logging
 import os
 import pickle
-import select
-import socket
-import struct
-import sys
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_for_any
 from typing import Any, Callable
 
-from aiocompile import _serialize
-from aiocompile._errors import (
-    CompileTimeout,
-    RemoteTraceback,
-    SchedulerClosed,
-    WorkerCrashedError,
-)
-from aiocompile._launch import Launcher, LauncherError, WorkerProcess, make_launcher
+from aiocompile import _answers
+from aiocompile._errors import CompileTimeout, SchedulerClosed, WorkerCrashedError
+from aiocompile._jobs import Job, PoolCounters, death_statuses, emit_event, signal_name
+from aiocompile._launch import Launcher, LauncherError, make_launcher
+from aiocompile._loop_reads import AUDIT_PERIOD, LoopReads, readable_now, running_loop
 from aiocompile._metrics import WorkerEvent
-from aiocompile._worker import _Failure, job_env
+from aiocompile._threads import Lane
+from aiocompile._workers import UNDELIVERED, State, Worker
 
 logger = logging.getLogger("aiocompile")
 
@@ -62,163 +49,9 @@ _REAP_TIMEOUT = 5.0
 # Consecutive worker start failures after which queued jobs fail instead of waiting for a
 # worker that will never come.
 _MAX_START_FAILURES = 3
-# An answer an event loop was to read, still unread after this long (the loop is blocked,
-# stopped or closed), is read by the supervisor instead; it looks this often.
-_LOOP_GRACE = 1.0
-_AUDIT_PERIOD = 0.25
-# Larger answers are never read in an event loop: unpickling them is the supervisor's work.
-_LOOP_READ_MAX = 64 * 1024
-
-
-@dataclass(eq=False)
-class Job:
-    """One unit of work and everything measured about it. Fields are written by the
-    supervisor thread and are final once ``future`` is done."""
-
-    id: int
-    payload: bytes
-    future: cf.Future[Any]
-    timeout: float | None
-    max_crashes: int
-    name: str | None
-    key: str | None
-    env: dict[str, str]
-    sys_path: list[str]
-    warm_only: bool = False
-    submitted_at: float = field(default_factory=time.monotonic)
-    started_at: float | None = None
-    attempt_started_at: float | None = None
-    finished_at: float | None = None
-    run_time: float | None = None
-    attempts: int = 0
-    crashes: int = 0
-    worker_pid: int | None = None
-    worker_rss: int = 0
-    output_size: int = 0
-    last_exitcode: int | None = None
-    last_output: str = ""
-    kill_reason: str | None = None
-
-    @property
-    def queue_wait(self) -> float | None:
-        if self.started_at is None:
-            return None
-        return self.started_at - self.submitted_at
-
-    @classmethod
-    def create(
-        cls,
-        job_id: int,
-        fn: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any] | None,
-        *,
-        timeout: float | None,
-        max_crashes: int,
-        name: str | None,
-        key: str | None,
-        warm_only: bool = False,
-    ) -> Job:
-        """A job for ``fn(*args, **kwargs)``, pickled now (``TypeError`` if it cannot be),
-        carrying this process's job environment and import path as they are now."""
-        return cls(
-            id=job_id,
-            payload=_serialize.dumps((fn, args, kwargs or {})),
-            future=cf.Future(),
-            timeout=timeout,
-            max_crashes=max_crashes,
-            name=name,
-            key=key,
-            env=job_env(),
-            sys_path=_import_path(),
-            warm_only=warm_only,
-        )
-
-
-# sys.path as the last job carried it: jobs share one copy while it stays the same.
-_path_seen: list[str] = []
-
-
-def _import_path() -> list[str]:
-    """A copy of ``sys.path``, the same list for as long as ``sys.path`` does not change
-    (so "unchanged" is told by identity); it must not be modified."""
-    global _path_seen
-    seen = _path_seen
-    if seen != sys.path:
-        seen = _path_seen = list(sys.path)
-    return seen
-
-
-@dataclass(eq=False)
-class _Worker:
-    proc: WorkerProcess
-    state: str = "starting"  # starting -> idle <-> busy; dying, retiring -> (gone)
-    job: Job | None = None
-    # The environment and import path this worker was last sent: a job that carries the
-    # same objects sends None instead (see the protocol in _worker).
-    sent_env: dict[str, str] | None = None
-    sent_path: list[str] | None = None
-    deadline: float | None = None
-    warmed: bool = False
-    jobs_run: int = 0
-    rss: int = 0
-    last_used: float = field(default_factory=time.monotonic)
-    # The event loop reading this worker's answer (set only while busy), or None: the
-    # supervisor reads it. Changed only under the pool's lock.
-    reader: _LoopReader | None = None
-    retire_reason: str | None = None  # set (with state "retiring") for the supervisor to act on
-    # A duplicate of the socket, kept for peeking at an answer's length (recv MSG_PEEK):
-    # made the first time a loop reads for this worker, used and closed under the lock.
-    peek: socket.socket | None = None
-    # The duplicate registered with the loop that last read for this worker (kept while
-    # that loop keeps using it; see _loop_reader). Changed under the lock.
-    registration: _LoopReader | None = None
-    watched: bool = False  # in the supervisor's current wait (written under the lock)
-
-    def drop_peek(self) -> None:
-        """Close this process's own duplicates of the socket (under the lock): the peek,
-        and a registration whose loop is closed. One in a live loop is that loop's to drop:
-        the socket reads as ended once the worker is gone, and the loop drops it then."""
-        if self.peek is not None:
-            self.peek.close()
-            self.peek = None
-        if self.registration is not None and self.registration.loop.is_closed():
-            self.registration.close()
-            self.registration = None
-
-
-class _LoopReader:
-    """One job's answer, to be read by an event loop: the loop, and the duplicate of the
-    worker's socket (a descriptor) registered with it, which only the loop's thread
-    unregisters and closes (or the supervisor, once the loop is closed). Closing the
-    worker's own socket thus never leaves a stale registration in a loop's selector."""
-
-    __slots__ = ("loop", "fd", "waiting_since")
-
-    def __init__(self, loop: Any, fd: int) -> None:
-        self.loop = loop
-        self.fd = fd
-        self.waiting_since: float | None = None  # the supervisor's: when it saw an answer unread
-
-    def close(self) -> None:
-        try:
-            os.close(self.fd)
-        except OSError:  # pragma: no cover
-            pass
-
-
-@dataclass
-class PoolCounters:
-    """What the pool has done; written by the supervisor thread only."""
-
-    workers_started: int = 0
-    worker_crashes: int = 0
-    retries: int = 0
-    timeouts: int = 0
-    killed: int = 0
-    recycled: int = 0
-    idle_stopped: int = 0
-    queue_depth_max: int = 0
+# Large answers are read in these threads, not the supervisor's: reading one takes as long
+# as the worker takes to write it, and the supervisor must meanwhile watch the others.
+_ANSWERS = Lane("aiocompile-answers", 2)
 
 
 def _lower_priority(pid: int, nice: int) -> None:
@@ -236,30 +69,6 @@ def _lower_priority(pid: int, nice: int) -> None:
         pass
 
 
-def _death_statuses(kill_reason: str | None, machinery_failed: bool) -> tuple[str, str]:
-    """(worker_exited status, job_ended status) for a worker that died holding a job."""
-    if kill_reason == "undelivered":
-        return "crashed", "lost"
-    if kill_reason == "timeout":
-        return "timeout", "timeout"
-    if kill_reason is not None:
-        return "killed", "cancelled" if kill_reason == "cancelled" else "closed"
-    return "crashed", "lost" if machinery_failed else "crashed"
-
-
-def _signal_name(code: int | None) -> str:
-    if code is None:
-        return "an unknown status"
-    if code < 0:
-        import signal
-
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit code {code}"
-
-
 def check_timeout(timeout: Any) -> None:
     """A job's timeout must be None or a positive, finite number of seconds. Checked in
     the submitting thread: found later, in the supervisor, a bad value would stop it and
@@ -268,24 +77,6 @@ def check_timeout(timeout: Any) -> None:
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                 or not 0 < timeout < float("inf")):
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
-
-
-def emit_event(listener: Callable[[WorkerEvent], None] | None, event: str, pid: int | None,
-               job: Job | None = None, **fields: Any) -> None:
-    """Report a ``WorkerEvent`` to ``listener``, with monotonic times made wall-clock."""
-    if listener is None:
-        return
-    now = time.time()
-    if job is not None:
-        started = job.attempt_started_at
-        fields.update(
-            job_id=job.id, name=job.name, key=job.key, attempt=job.attempts, warm_up=job.warm_only,
-            started_at=None if started is None else now - (time.monotonic() - started),
-        )
-    try:
-        listener(WorkerEvent(event, now, pid, **fields))
-    except Exception:  # pragma: no cover - the listener guards its own callbacks
-        logger.exception("aiocompile: reporting a worker event failed")
 
 
 class WorkerPool(cf.Executor):
@@ -324,6 +115,8 @@ class WorkerPool(cf.Executor):
         self._lock = threading.Lock()
         self._commands: collections.deque[tuple[str, Any]] = collections.deque()
         self._wake_r, self._wake_w = os.pipe()
+        self._woken = False  # a wake-up is written and not yet drained
+        self._cancelled = 0  # queued jobs cancelled since the supervisor last looked
         os.set_blocking(self._wake_w, False)
         os.set_blocking(self._wake_r, False)
         self._ids = itertools.count(1)
@@ -334,9 +127,10 @@ class WorkerPool(cf.Executor):
         # Whether anyone takes job_started/job_ended events now: they are two per job, and
         # building them for nobody was a tenth of a trivial job's round trip.
         self.job_events_wanted: Callable[[], bool] = _always
+        self._loop_reads = LoopReads(self)
         # Owned by the supervisor thread:
         self._launcher: Launcher | None = None
-        self._workers: list[_Worker] = []
+        self._workers: list[Worker] = []
         self._pending: collections.deque[Job] = collections.deque()
         self._warm_pending: collections.deque[Job] = collections.deque()
         self._start_failures = 0
@@ -372,26 +166,27 @@ class WorkerPool(cf.Executor):
 
         ``direct=True`` says that the caller will await the job in the asyncio event loop
         running in this thread, and that its answer is small: then, when the job goes at
-        once to an idle worker, that loop reads the answer itself (see the module's
-        docstring). The job's future is then resolved in the loop's thread. Otherwise, and
-        for everything but the answer, the supervisor reads and watches the worker."""
+        once to an idle worker, that loop reads the answer itself (see ``_loop_reads``).
+        The job's future is then resolved in the loop's thread. Otherwise, and for
+        everything but the answer, the supervisor reads and watches the worker."""
         self._check_usable()
         check_timeout(timeout)
         job = Job.create(next(self._ids), fn, args, kwargs, timeout=timeout,
                          max_crashes=max_crashes or self.max_crashes, name=name, key=key, warm_only=warm_only)
-        loop = _running_loop() if direct and not warm_only else None
+        loop = running_loop() if direct and not warm_only else None
         worker = None if warm_only else self._claim_for_new(job, loop)
         if worker is None:
             self._command("submit", job)
             return job
-        # The supervisor's wait must end at this job's deadline, and must stop watching a
-        # socket that a loop now reads.
-        wake = job.timeout is not None or (worker.reader is not None and worker.watched)
+        # The supervisor's wait must end at this job's deadline, and must watch the socket
+        # exactly when no loop reads it: it stops for a loop that reads now, and starts
+        # again for a worker that a loop or an answers thread read for last.
+        wake = job.timeout is not None or worker.watched != (worker.reader is None)
         if self._start_job(worker, job) and wake:
             self._wake()
         return job
 
-    def _claim_for_new(self, job: Job, loop: Any = None) -> _Worker | None:
+    def _claim_for_new(self, job: Job, loop: Any = None) -> Worker | None:
         """An idle worker for a new job, taken now, if no job is waiting ahead of it; with
         ``loop``, that loop is to read the answer, if it can."""
         with self._lock:
@@ -399,73 +194,8 @@ class WorkerPool(cf.Executor):
                 return None
             worker = self._claim_locked(lambda w: True, job)
             if worker is not None and loop is not None:
-                worker.reader = self._loop_reader(worker, loop)
+                worker.reader = self._loop_reads.reader_for(worker, loop)
             return worker
-
-    # -- answers read by an event loop (the loop's thread) -----------------------------------
-
-    def _loop_reader(self, worker: _Worker, loop: Any) -> _LoopReader | None:
-        """The registration through which ``loop`` reads ``worker``'s answer (under the
-        lock): the one it already has, or a new duplicate of the socket registered with it;
-        None if that cannot be. A registration stays while the same loop keeps using the
-        worker: adding and removing a reader cost as much as the rest of reading."""
-        registered = worker.registration
-        if registered is not None:
-            if registered.loop is loop:
-                registered.waiting_since = None
-                return registered
-            if registered.loop.is_closed():
-                # A closed loop's selector is closed: nothing refers to the descriptor.
-                registered.close()
-            # Otherwise it stays registered in that loop, which drops it the next time the
-            # socket is readable (see _answer_in_loop).
-            worker.registration = None
-        try:
-            fd = worker.proc.conn.fileno()
-            if worker.peek is None:
-                worker.peek = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, 0, os.dup(fd))
-            reader = _LoopReader(loop, os.dup(fd))
-        except (OSError, ValueError):
-            return None
-        try:
-            loop.add_reader(reader.fd, self._answer_in_loop, worker, reader)
-        except (NotImplementedError, RuntimeError, OSError, ValueError):
-            reader.close()
-            return None
-        worker.registration = reader
-        return reader
-
-    def _answer_in_loop(self, worker: _Worker, reader: _LoopReader) -> None:
-        """The loop's callback: the worker's socket is readable. Reads one whole, small
-        answer to a job this loop holds. Anything else unregisters: the worker's end, a
-        partial or large message (the supervisor is woken to read those), or an answer to
-        a job someone else reads (the supervisor, another loop)."""
-        data: bytes | memoryview | None = None
-        with self._lock:
-            mine = worker.reader is reader
-            if mine:
-                data = None if worker.peek is None else _whole_message(worker.peek)
-                if data is _NOTHING_YET:
-                    return  # readiness seen for an earlier answer, already read
-                if data is None:
-                    worker.reader = None
-            if data is None and worker.registration is reader:
-                worker.registration = None
-        if data is None:
-            try:
-                reader.loop.remove_reader(reader.fd)
-            except (RuntimeError, OSError, ValueError):  # pragma: no cover - a closing loop
-                pass
-            reader.close()
-            if mine:
-                self._wake()
-            return
-        message = pickle.loads(data)
-        job = worker.job
-        recycle = self._job_done(worker, message[6])  # replacing it blocks: the supervisor's
-        self._deliver(worker, job, message)
-        if recycle or self._pending or self._warm_pending:
-            self._wake()
 
     def kill(self, job: Job, reason: str = "cancelled") -> None:
         """Stop a job: cancel it if queued, kill its worker if running."""
@@ -475,6 +205,7 @@ class WorkerPool(cf.Executor):
     def cancel(self, job: Job) -> bool:
         """Drop a job that has not started; returns False (and does nothing) if it has."""
         if job.future.cancel():
+            self._cancelled += 1
             self._wake()
             return True
         return False
@@ -500,6 +231,12 @@ class WorkerPool(cf.Executor):
         self._wake()
 
     def _wake(self) -> None:
+        # One write until the supervisor has drained it: the write is a system call, which
+        # lets the interpreter lock go, and taking it back from a busy supervisor can take
+        # an event loop's thread a whole switch interval (5 ms) per submission in a burst.
+        if self._woken:
+            return
+        self._woken = True
         try:
             os.write(self._wake_w, b"x")
         except (BlockingIOError, OSError):
@@ -522,8 +259,8 @@ class WorkerPool(cf.Executor):
         workers = list(self._workers)
         return {
             "workers": len(workers),
-            "busy_workers": sum(1 for w in workers if w.state == "busy"),
-            "idle_workers": sum(1 for w in workers if w.state == "idle"),
+            "busy_workers": sum(1 for w in workers if w.state in (State.BUSY, State.KILLING)),
+            "idle_workers": sum(1 for w in workers if w.state is State.IDLE),
             "queue_depth": len(self._pending),
         }
 
@@ -596,11 +333,11 @@ class WorkerPool(cf.Executor):
             self._dispatch()
             waitables: list[Any] = [self._wake_r]
             with self._lock:
-                # Not the sockets event loops read: those are watched by their loops, and
-                # looked at here only by the audit below. Under the lock, so that a loop
-                # taking a worker knows whether the supervisor watches its socket.
+                # Not the sockets that others read (an event loop, a streaming thread):
+                # those are looked at here only by the audit below. Under the lock, so that
+                # a loop taking a worker knows whether the supervisor watches its socket.
                 for w in self._workers:
-                    w.watched = w.reader is None
+                    w.watched = w.reader is None and not w.streaming
                     if w.watched:
                         waitables.append(w.proc.conn)
             if self._launcher is not None and (fd := self._launcher.fileno()) is not None:
@@ -622,7 +359,7 @@ class WorkerPool(cf.Executor):
                     if worker is not None:
                         self._on_readable(worker)
             self._check_deadlines()
-            self._audit_readers()
+            self._loop_reads.audit(self._workers)
 
     def _drain_wake(self) -> None:
         try:
@@ -630,6 +367,10 @@ class WorkerPool(cf.Executor):
                 pass
         except (BlockingIOError, OSError):
             pass
+        # After the pipe is empty, and before the commands are read (the next turn of the
+        # loop): cleared first, a write landing meanwhile would be drained with the flag
+        # left set, and no wake-up written again.
+        self._woken = False
 
     def _run_commands(self) -> None:
         while True:
@@ -657,9 +398,9 @@ class WorkerPool(cf.Executor):
     def _next_timeout(self) -> float | None:
         deadlines = [w.deadline for w in self._workers if w.deadline is not None]
         if any(w.reader is not None for w in self._workers):
-            deadlines.append(time.monotonic() + _AUDIT_PERIOD)
+            deadlines.append(time.monotonic() + AUDIT_PERIOD)
         if self.idle_timeout is not None:
-            deadlines.extend(w.last_used + self.idle_timeout for w in self._workers if w.state == "idle")
+            deadlines.extend(w.last_used + self.idle_timeout for w in self._workers if w.idle)
         if self._shutdown_deadline is not None:
             deadlines.append(self._shutdown_deadline)
         if self._retry_start_at is not None and (self._pending or self._warm_pending):
@@ -692,7 +433,7 @@ class WorkerPool(cf.Executor):
             self._pending.popleft()
             self._start_job(worker, job)
         wanted = len(self._pending) + len(self._warm_pending)
-        starting = sum(1 for w in self._workers if w.state == "starting")
+        starting = sum(1 for w in self._workers if w.state is State.STARTING)
         if self._retry_start_at is not None and time.monotonic() < self._retry_start_at:
             return
         while wanted > starting and len(self._workers) < self.max_workers:
@@ -701,6 +442,12 @@ class WorkerPool(cf.Executor):
             starting += 1
 
     def _drop_cancelled(self) -> None:
+        # Only after a cancellation: looking at every queued future on every turn of the
+        # supervisor's loop held the interpreter lock for most of a burst of thousands of
+        # jobs (each look takes the future's lock), and an event loop waited for it.
+        if not self._cancelled:
+            return
+        self._cancelled = 0
         for queue in (self._pending, self._warm_pending):
             if any(job.future.cancelled() for job in queue):
                 kept = [job for job in queue if not job.future.cancelled()]
@@ -708,30 +455,22 @@ class WorkerPool(cf.Executor):
                 queue.extend(kept)
 
     # Idle workers may be taken by the supervisor or, for a new job, by the thread that
-    # submits it; so a worker becomes idle, and is taken (made busy, given its job), only
-    # under the pool's lock. Everything else about workers is the supervisor's alone.
+    # submits it; so every transition of a worker's state happens under the pool's lock.
 
-    def _claim(self, eligible: Callable[[_Worker], bool], job: Job) -> _Worker | None:
+    def _claim(self, eligible: Callable[[Worker], bool], job: Job) -> Worker | None:
         with self._lock:
             return self._claim_locked(eligible, job)
 
-    def _claim_locked(self, eligible: Callable[[_Worker], bool], job: Job) -> _Worker | None:
+    def _claim_locked(self, eligible: Callable[[Worker], bool], job: Job) -> Worker | None:
         # Most recently used first: its caches (Triton's in-process ones, the page cache)
         # are the warmest, and the others can then be left idle long enough to be stopped.
         best = None
         for worker in self._workers:
-            if worker.state == "idle" and eligible(worker) and (best is None or worker.last_used > best.last_used):
+            if worker.idle and eligible(worker) and (best is None or worker.last_used > best.last_used):
                 best = worker
         if best is not None:
-            best.state = "busy"
-            best.job = job
+            best.claim(job)
         return best
-
-    def _make_idle(self, worker: _Worker) -> None:
-        with self._lock:
-            worker.state = "idle"
-            worker.job = None
-            worker.deadline = None
 
     def _start_failed(self, error: str) -> None:
         # Try again after a pause that grows with each failure in a row; after a few, fail
@@ -762,11 +501,11 @@ class WorkerPool(cf.Executor):
         except (LauncherError, OSError) as exc:
             self._start_failed(str(exc))
             return False
-        self._workers.append(_Worker(proc))
+        self._workers.append(Worker(proc))
         self.counters.workers_started += 1
         return True
 
-    def _start_job(self, worker: _Worker, job: Job) -> bool:
+    def _start_job(self, worker: Worker, job: Job) -> bool:
         """Send ``job`` to ``worker``, which was claimed for it. False if the job was
         cancelled meanwhile (the worker is idle again)."""
         # A retried job's future is RUNNING already; a queued one may have been cancelled,
@@ -776,7 +515,8 @@ class WorkerPool(cf.Executor):
         except RuntimeError:  # FINISHED: it has its outcome already
             startable = False
         if not startable:
-            self._make_idle(worker)
+            with self._lock:
+                worker.release()
             return False
         now = time.monotonic()
         if job.started_at is None:
@@ -794,21 +534,28 @@ class WorkerPool(cf.Executor):
         except OSError:
             # The worker died before it could take the job: the job never ran, so this
             # is no crash of its. The socket's end is seen by the wait loop.
-            job.kill_reason = "undelivered"
+            with self._lock:
+                worker.kill(job, UNDELIVERED)
         if self.on_event is not None and self.job_events_wanted():
             emit_event(self.on_event, "job_started", worker.proc.pid, job)
         return True
 
-    # -- results and deaths -----------------------------------------------------------------
+    # -- answers ------------------------------------------------------------------------------
 
-    def _on_readable(self, worker: _Worker) -> None:
+    def _on_readable(self, worker: Worker) -> None:
+        ended = None
         with self._lock:
             # An event loop reads this worker's answer; or one has just read it, and the
             # readiness seen was its answer's, so there is nothing to read now.
-            if worker.reader is not None or not _readable_now(worker.proc.conn):
+            if worker.reader is not None or worker.streaming or not readable_now(worker.proc.conn):
                 return
-            if worker.state == "idle":
-                worker.state = "dying"  # an idle worker's socket is readable at its end only
+            if worker.idle:
+                # An idle worker's socket is readable at its end only; taken out of reach
+                # of submitters here, under the same lock as the look.
+                ended = worker.ended()
+        if ended is not None:
+            self._on_death(worker, ended)
+            return
         try:
             data = worker.proc.conn.recv_bytes()
         except (EOFError, OSError):
@@ -818,42 +565,87 @@ class WorkerPool(cf.Executor):
         if message[0] == "ready":
             if self.worker_nice:
                 _lower_priority(worker.proc.pid, self.worker_nice)
-            self._make_idle(worker)
+            with self._lock:
+                worker.ready()
             self._start_failures = 0
             self._retry_start_at = None
             emit_event(self.on_event, "worker_started", worker.proc.pid)
         elif message[0] == "done":
             self._on_done(worker, message)
 
-    def _on_done(self, worker: _Worker, message: tuple[Any, ...]) -> None:
-        job = worker.job
-        if self._job_done(worker, message[6]):
-            self._retire_marked()  # before the answer goes out, as the supervisor is here
-        self._deliver(worker, job, message)
+    def _on_done(self, worker: Worker, message: tuple[Any, ...]) -> None:
+        """The supervisor has read a ``done`` message."""
+        self._answered(worker, message, in_loop=False)
 
-    def _job_done(self, worker: _Worker, rss: int) -> bool:
+    def _answered(self, worker: Worker, message: tuple[Any, ...], *, in_loop: bool) -> None:
+        """A whole ``done`` message from ``worker``, read by the supervisor or an event
+        loop: stream what follows it, or settle its job now."""
+        if message[7]:
+            self._stream(worker, message)
+            return
+        job = worker.job
+        recycle = self._job_done(worker, message[6])
+        self._settle(worker, job, message, message[3])
+        if in_loop:
+            if recycle or self._pending or self._warm_pending:
+                self._wake()  # replacing it, and dispatching, are the supervisor's
+        elif recycle:
+            self._retire_marked()
+
+    def _stream(self, worker: Worker, message: tuple[Any, ...]) -> None:
+        """The answer follows ``message``: read it in an answers thread (see ``_answers``).
+        The job has answered in time; the rest is reading."""
+        with self._lock:
+            worker.reader = None
+            worker.streaming = True
+            worker.deadline = None
+            fd = os.dup(worker.proc.conn.fileno())
+        # Not watched by the supervisor meanwhile: it read the message itself (and leaves
+        # the socket out of its next wait), or an event loop did (it was not watching).
+        _ANSWERS.submit(lambda: self._read_stream(worker, message, fd))
+
+    def _read_stream(self, worker: Worker, message: tuple[Any, ...], fd: int) -> None:
+        job = worker.job
+        output = worker.proc.output_tail() if message[5] and job is not None else ""
+        try:
+            payload = _answers.Payload(fd)
+            try:
+                result = None if job is None else _answers.outcome(job, message[2], payload, output)
+                payload.drain()
+            finally:
+                payload.close()
+        except _answers.Broken:
+            # The worker died, or was killed, while answering: its end is the supervisor's
+            # to see (a crash of its job, or the kill's).
+            with self._lock:
+                worker.streaming = False
+            self._wake()
+            return
+        self._job_done(worker, message[6])
+        self._settle(worker, job, message, None, result)
+        # The supervisor left this socket out of its wait: let it watch it again (and
+        # replace the worker if it has grown too big, or give it a queued job).
+        self._wake()
+
+    def _job_done(self, worker: Worker, rss: int) -> bool:
         """A worker has answered its job (in whichever thread read the answer): it is idle
         again, before the answer goes out, so that the caller's next job may take it at
         once; or, grown past ``max_worker_rss`` (compilers leak), marked for the
-        supervisor to replace (``_retire_marked``). Returns whether it was marked."""
+        supervisor to replace (``_retire_marked``); or, being killed, it stays so. Returns
+        whether it was marked."""
         recycle = self.max_worker_rss is not None and rss > self.max_worker_rss
         with self._lock:
-            worker.reader = None
+            worker.answered(outgrown=recycle)
             worker.jobs_run += 1
             worker.rss = rss
             worker.last_used = time.monotonic()
-            worker.job = None
-            worker.deadline = None
-            if recycle:
-                worker.state = "retiring"
-                worker.retire_reason = "recycled"
-            else:
-                worker.state = "idle"
-        return recycle
+            return worker.state is State.RETIRING
 
-    def _deliver(self, worker: _Worker, job: Job | None, message: tuple[Any, ...]) -> None:
-        """The job's outcome from its ``done`` message, in the thread that read it."""
-        _, job_id, ok, data, run_time, output_size, rss = message
+    def _settle(self, worker: Worker, job: Job | None, message: tuple[Any, ...], data: Any,
+                result: tuple[bool, Any] | None = None) -> None:
+        """The job's outcome from its ``done`` message, in the thread that read it: from
+        ``data`` (the answer), or the ``result`` already made of it. Never raises."""
+        _, job_id, ok, _, run_time, output_size, rss, _ = message
         if job is None or job.id != job_id:  # pragma: no cover - protocol invariant
             return
         if job.warm_only:
@@ -862,38 +654,27 @@ class WorkerPool(cf.Executor):
         job.run_time = run_time
         job.output_size = output_size
         job.worker_rss = rss
-        if job.kill_reason is not None and job.kill_reason != "undelivered":
-            # It finished just as we decided to kill it; the result stands.
-            job.kill_reason = None
-        if ok:
-            try:
-                result = pickle.loads(data)
-            except Exception as exc:
-                self._set_exception(job, TypeError(f"the job's result could not be unpickled here: {exc!r}"))
-            else:
-                self._set_result(job, result)
+        if not ok and output_size:
+            job.last_output = worker.proc.output_tail()
+        if result is None:
+            result = _answers.outcome(job, ok, data, job.last_output if not ok else "")
+        succeeded, value = result
+        if succeeded:
+            self._set_result(job, value)
         else:
-            if output_size:
-                job.last_output = worker.proc.output_tail()
-            self._set_exception(job, self._rebuild_failure(job, pickle.loads(data)))
+            self._set_exception(job, value)
         # After the answer: the caller need not wait for the report.
         if self.on_event is not None and self.job_events_wanted():
             emit_event(self.on_event, "job_ended", worker.proc.pid, job, status="ok" if ok else "error")
 
-    def _rebuild_failure(self, job: Job, failure: _Failure) -> BaseException:
-        exc = failure.exc
-        if exc is None:
-            exc = RuntimeError(f"{failure.type_name}: {failure.message} (the exception itself could not be pickled)")
-        if not getattr(exc, "output", None) and job.last_output and hasattr(exc, "output"):
-            exc.output = job.last_output
-        exc.__cause__ = RemoteTraceback(failure.traceback)
-        return exc
+    # -- deaths and stops ---------------------------------------------------------------------
 
-    def _retire(self, worker: _Worker, why: str) -> None:
+    def _retire(self, worker: Worker, why: str) -> None:
         """Stop a worker on purpose (idle, too big). It holds no job and nothing worth
         saving, so it is simply killed, and reaped here."""
-        assert self._launcher is not None and worker.job is None
+        assert self._launcher is not None
         with self._lock:
+            worker.ended()
             self._workers.remove(worker)
             worker.drop_peek()
         worker.proc.conn.close()
@@ -902,49 +683,57 @@ class WorkerPool(cf.Executor):
         worker.proc.close()
         emit_event(self.on_event, "worker_exited", worker.proc.pid, status=why, exitcode=exitcode)
 
-    def _on_death(self, worker: _Worker) -> None:
+    def _on_death(self, worker: Worker, ended: tuple[State, Job | None, str | None] | None = None) -> None:
+        """``worker`` has died (its socket ended), in whatever state: see ``_workers``."""
         assert self._launcher is not None
+        if ended is None:
+            with self._lock:
+                # From here no submitter can take it; one that took it just before has left
+                # its job in ``worker.job``, and that job is dealt with below.
+                ended = worker.ended()
+        state, job, reason = ended
+        with self._lock:
+            self._workers.remove(worker)
+            worker.drop_peek()
         exitcode = self._launcher.wait_exit(worker.proc, _REAP_TIMEOUT)
         # Judge the fork server now: the replacement below would start a new one.
         machinery_failed = not self._launcher.healthy(worker.proc)
         worker.proc.exitcode = exitcode
         tail = worker.proc.output_tail()
         worker.proc.close()
-        with self._lock:
-            # From here no submitter can take it; one that took it just before has left
-            # its job in ``worker.job``, and that job is dealt with below.
-            state = worker.state
-            worker.state = "gone"
-            self._workers.remove(worker)
-            job = worker.job
-            worker.drop_peek()
         pid = worker.proc.pid
-        if state == "starting":
+        if state is State.STARTING:
             emit_event(self.on_event, "worker_exited", pid, status="start_failed", exitcode=exitcode)
-            self._start_failed(f"a worker exited with {_signal_name(exitcode)} while starting:\n{tail}")
+            self._start_failed(f"a worker exited with {signal_name(exitcode)} while starting:\n{tail}")
             return
+        # A death on purpose (killed for a job that answered meanwhile, or as the pool
+        # stops) is no crash; a worker that died by itself, idle or not, is one.
+        deliberate = state is State.KILLING or self._stopping
         if job is None:
             emit_event(self.on_event, "worker_exited", pid,
-                       status="shutdown" if self._stopping else "crashed", exitcode=exitcode)
+                       status="shutdown" if self._stopping else "killed" if deliberate else "crashed",
+                       exitcode=exitcode)
         else:
-            worker_status, job_status = _death_statuses(job.kill_reason, machinery_failed)
+            worker_status, job_status = death_statuses(reason, machinery_failed)
             emit_event(self.on_event, "job_ended", pid, job, status=job_status, exitcode=exitcode)
             emit_event(self.on_event, "worker_exited", pid, status=worker_status, exitcode=exitcode)
         if not self._stopping:
             # Whatever the cause, the pool goes back to the size it had.
             self._launch_worker()
-        if job is None:
-            if not self._stopping:
-                self.counters.worker_crashes += 1
-            return
-        reason = job.kill_reason
-        job.kill_reason = None
+        if job is not None:
+            self._job_lost(job, reason, exitcode, tail, machinery_failed)
+        elif not deliberate:
+            self.counters.worker_crashes += 1
+
+    def _job_lost(self, job: Job, reason: str | None, exitcode: int | None, tail: str,
+                  machinery_failed: bool) -> None:
+        """What becomes of the job a dead worker held: ``reason`` says why it was killed,
+        None if it was not (a crash)."""
         job.last_exitcode = exitcode
         job.last_output = tail
         job.finished_at = time.monotonic()
-        if reason == "undelivered":
+        if reason == UNDELIVERED:
             job.attempts -= 1
-            self._pending.appendleft(job)
             self._requeue(job)
             return
         if reason == "timeout":
@@ -962,58 +751,28 @@ class WorkerPool(cf.Executor):
             # The fork server died and took its workers with it: not this job's doing, so
             # it is retried without counting against it.
             self.counters.retries += 1
-            self._pending.appendleft(job)
             self._requeue(job)
             return
         job.crashes += 1
         if job.crashes >= job.max_crashes:
             self._set_exception(job, WorkerCrashedError(
-                f"killed its worker {job.crashes} time(s), last with {_signal_name(exitcode)}",
+                f"killed its worker {job.crashes} time(s), last with {signal_name(exitcode)}",
                 exitcode=exitcode, attempts=job.attempts, kernel_name=job.name, key=job.key, output=tail))
             return
         self.counters.retries += 1
-        self._pending.appendleft(job)
         self._requeue(job)
 
     def _requeue(self, job: Job) -> None:
-        # The future is already RUNNING; it stays so while the job waits for a retry.
+        # First in line again. The future is already RUNNING; it stays so while the job
+        # waits for a retry.
         job.worker_pid = None
-
-    def _audit_readers(self) -> None:
-        """Take back the sockets of answers an event loop has left unread for
-        ``_LOOP_GRACE`` seconds, and at once those of a closed loop."""
-        now = time.monotonic()
-        for worker in self._workers:
-            reader = worker.reader
-            if reader is None:
-                continue
-            closed = reader.loop.is_closed()
-            if not closed:
-                if not _readable_now(worker.proc.conn):
-                    reader.waiting_since = None
-                    continue
-                if reader.waiting_since is None:
-                    reader.waiting_since = now
-                if now - reader.waiting_since < _LOOP_GRACE:
-                    continue
-            with self._lock:
-                if worker.reader is not reader:
-                    continue  # the loop has just read it
-                worker.reader = None
-                if closed and worker.registration is reader:
-                    worker.registration = None
-                    reader.close()  # a closed loop's selector is closed: nothing refers to it
-            if not closed:
-                logger.debug("aiocompile: an event loop left an answer unread for %.1f s; the supervisor reads it",
-                             now - (reader.waiting_since or now))
+        self._pending.appendleft(job)
 
     def _retire_marked(self) -> None:
-        """Replace the workers an event loop found too big after their job."""
-        for worker in [w for w in self._workers if w.state == "retiring" and w.retire_reason]:
-            reason, worker.retire_reason = worker.retire_reason, None
-            assert reason is not None
+        """Replace the workers found too big after their job."""
+        for worker in [w for w in self._workers if w.state is State.RETIRING and w.retire_reason]:
             self.counters.recycled += 1
-            self._retire(worker, reason)
+            self._retire(worker, worker.retire_reason or "recycled")
             if not self._stopping:
                 self._launch_worker()
 
@@ -1021,35 +780,38 @@ class WorkerPool(cf.Executor):
         now = time.monotonic()
         if self.idle_timeout is not None and not self._stopping:
             with self._lock:
-                expired = [w for w in self._workers if w.state == "idle" and now - w.last_used >= self.idle_timeout]
+                expired = [w for w in self._workers if w.idle and now - w.last_used >= self.idle_timeout]
                 for worker in expired:
-                    worker.state = "retiring"
+                    worker.retire("idle")
             for worker in expired:
                 self.counters.idle_stopped += 1
                 self._retire(worker, "idle")
         for worker in self._workers:
-            if worker.deadline is not None and worker.deadline <= now and worker.job is not None:
+            if worker.deadline is not None and worker.deadline <= now:
                 worker.deadline = None
-                worker.job.kill_reason = "timeout"
-                assert self._launcher is not None
-                self._launcher.kill(worker.proc)
+                if worker.job is not None:
+                    self._kill_on(worker, worker.job, "timeout")
         if self._shutdown_deadline is not None and self._shutdown_deadline <= now:
             self._shutdown_deadline = None
             self._fail_queued(SchedulerClosed("the scheduler was closed before the job started"))
             for worker in self._workers:
                 if worker.job is not None:
-                    worker.job.kill_reason = "the scheduler was closed while the job ran"
-                    assert self._launcher is not None
-                    self._launcher.kill(worker.proc)
+                    self._kill_on(worker, worker.job, "the scheduler was closed while the job ran")
+
+    def _kill_on(self, worker: Worker, job: Job, reason: str) -> None:
+        """Kill ``worker`` for ``job``, if it still holds that job (see ``Worker.kill``)."""
+        with self._lock:
+            send = worker.kill(job, reason)
+        if send:
+            assert self._launcher is not None
+            self._launcher.kill(worker.proc)
 
     def _kill_job(self, job: Job, reason: str) -> None:
         if job.future.done():
             return
         for worker in self._workers:
             if worker.job is job:
-                job.kill_reason = reason
-                assert self._launcher is not None
-                self._launcher.kill(worker.proc)
+                self._kill_on(worker, job, reason)
                 return
         # Waiting for a retry: it is in the queue with a RUNNING future.
         for queue in (self._pending, self._warm_pending):
@@ -1103,10 +865,11 @@ class WorkerPool(cf.Executor):
             self._check_deadlines()
 
     def _finished_stopping(self) -> bool:
-        # Queued jobs (kept when not cancelled) still run before the pool stops.
+        # Queued jobs (kept when not cancelled) still run before the pool stops; a worker
+        # being killed whose job has answered holds nothing to wait for.
         if self._pending or self._warm_pending:
             return False
-        return not any(w.state == "busy" for w in self._workers)
+        return not any(w.job is not None for w in self._workers)
 
     def _teardown(self) -> None:
         closing = SchedulerClosed("the worker pool is shut down")
@@ -1129,55 +892,6 @@ class WorkerPool(cf.Executor):
 
 def _always() -> bool:
     return True
-
-
-def _running_loop() -> Any:
-    """The asyncio event loop running in this thread, or None."""
-    asyncio = sys.modules.get("asyncio")
-    if asyncio is None:
-        return None
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
-
-
-def _readable_now(conn: Any) -> bool:
-    """Whether reading ``conn`` would return at once (data, or its end)."""
-    try:
-        poller = select.poll()
-        poller.register(conn.fileno(), select.POLLIN)
-        return bool(poller.poll(0))
-    except (OSError, ValueError):
-        return True  # closed: reading it fails at once
-
-
-_HEADER = struct.Struct("!i")
-_NOTHING_YET = b""
-
-
-def _whole_message(peek: socket.socket) -> bytes | memoryview | None:
-    """One message from a worker's socket, through its duplicate ``peek``, if all of it
-    has arrived and it is at most ``_LOOP_READ_MAX`` bytes long, read without blocking;
-    else None, and nothing is read; ``_NOTHING_YET`` if nothing at all is there.
-    (``multiprocessing.connection`` frames a message with
-    its length: 4 bytes, or -1 and 8 more.) Two system calls: a peek, then the read."""
-    try:
-        head = peek.recv(4 + _LOOP_READ_MAX, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-    except BlockingIOError:
-        return _NOTHING_YET
-    except OSError:
-        return None  # a broken socket
-    if len(head) < 4:
-        return None  # the worker's end, or not yet a whole header
-    size = _HEADER.unpack_from(head)[0]
-    if size < 0 or 4 + size > len(head):
-        return None  # large, or not all there yet
-    try:
-        data = peek.recv(4 + size, socket.MSG_WAITALL)
-    except OSError:  # pragma: no cover - all of it was there
-        return None
-    return memoryview(data)[4:]
 
 
 _live_pools: weakref.WeakSet[WorkerPool] = weakref.WeakSet()

@@ -9,9 +9,12 @@ Protocol (pickled tuples over a ``multiprocessing.connection.Connection``):
     worker -> parent   ("ready", pid)
     parent -> worker   ("run", job_id, env, sys_path, payload)      payload = pickled (fn, args, kwargs)
                          env, sys_path: None when the same as this worker's last job's
-    worker -> parent   ("done", job_id, ok, data, run_time, output_size, rss)
+    worker -> parent   ("done", job_id, ok, data, run_time, output_size, rss, follows)
                          ok=True:  data = pickled result
                          ok=False: data = pickled _Failure
+                         follows:  0, or (for data of STREAM_MIN bytes or more) data is None
+                                   and comes as the next message, of that many bytes, which
+                                   the parent unpickles as it reads (see ``_answers``)
 
 The worker's stdout and stderr (fds 1 and 2, so that LLVM and ptxas output is caught too)
 go to a file the parent also holds. The worker empties it at the start of every job, so
@@ -75,11 +78,18 @@ _RAW_ENV = _raw_env()
 _env_seen: tuple[dict[Any, Any], dict[str, str]] | None = None
 
 
+# Answers this large or larger follow their ``done`` message as a message of their own, so
+# that the parent can rebuild them as it reads them instead of copying them whole.
+STREAM_MIN = 1 << 20
+
+
 @dataclass
 class _Failure:
-    """A job's exception, or a description of it when the exception itself won't pickle."""
+    """A job's exception, described in plain values that any process can unpickle, with
+    the exception itself pickled apart (None when it won't pickle): the parent may lack
+    what rebuilding it takes (its class's module, say), and must still learn what it was."""
 
-    exc: BaseException | None
+    exc_data: bytes | None
     type_name: str
     message: str
     traceback: str
@@ -214,14 +224,15 @@ def _describe_failure(exc: BaseException) -> bytes:
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     name = f"{type(exc).__module__}.{type(exc).__qualname__}"
     message = str(exc)
+    exc_data: bytes | None
     try:
         # Tracebacks do not pickle; keep the cause chain's text in ``traceback`` instead.
         exc.__traceback__ = None
-        data = pickle.dumps(_Failure(exc, name, message, tb), protocol=pickle.HIGHEST_PROTOCOL)
-        pickle.loads(data)  # an exception can pickle but fail to unpickle (bad __init__)
-        return data
+        exc_data = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
+        pickle.loads(exc_data)  # an exception can pickle but fail to unpickle (bad __init__)
     except Exception:
-        return pickle.dumps(_Failure(None, name, message, tb), protocol=pickle.HIGHEST_PROTOCOL)
+        exc_data = None
+    return pickle.dumps(_Failure(exc_data, name, message, tb), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def run_one(
@@ -269,14 +280,18 @@ def serve(conn: Connection) -> NoReturn:
                 pass
         output_size = _output_size()
         state.output_written = output_size != 0
+        follows = len(data) if len(data) >= STREAM_MIN else 0
         reply = pickle.dumps(
-            ("done", job_id, ok, data, run_time, output_size, state.rss()), protocol=pickle.HIGHEST_PROTOCOL
+            ("done", job_id, ok, None if follows else data, run_time, output_size, state.rss(), follows),
+            protocol=pickle.HIGHEST_PROTOCOL,
         )
-        del data
         try:
             conn.send_bytes(reply)
+            if follows:
+                conn.send_bytes(data)
         except (BrokenPipeError, OSError):
             os._exit(0)
+        del data
 
 
 def start(job_fd: int, alive_fd: int, output_fd: int) -> NoReturn:

@@ -357,7 +357,7 @@ async def test_bad_results_are_clear_errors_and_never_break_the_pool():
     sched = aiocompile.Scheduler(config=NO_PRELOAD.with_changes(workers=1))
     try:
         with anyio.fail_after(120):
-            with pytest.raises(RuntimeError, match="Unpicklable.*could not be pickled"):
+            with pytest.raises(aiocompile.CompileError, match="Unpicklable.*could not be pickled"):
                 await sched.run(jobs.raise_unpicklable)
             with pytest.raises(TypeError, match="could not be pickled"):
                 await sched.run(jobs.return_unpicklable)

@@ -22,29 +22,37 @@ from jobs import big_result, echo, exit_now, pid, sleep_then
 
 import aiocompile
 from aiocompile import CompileTimeout, WorkerCrashedError
-from aiocompile._pool import _LOOP_GRACE, WorkerPool
+from aiocompile._loop_reads import LOOP_GRACE as _LOOP_GRACE
+from aiocompile._loop_reads import LoopReads
+from aiocompile._pool import WorkerPool
 
 
 class Reads:
-    """Counts who read each answer: the loop (``_answer_in_loop`` that found it its own)
-    or the supervisor (``_on_done``)."""
+    """Counts who read each answer: the loop (``LoopReads.on_readable`` that found it its
+    own), the supervisor (``_on_done``), or an answers thread (``_read_stream``)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.loop = 0
         self.supervisor = 0
-        in_loop, on_done = WorkerPool._answer_in_loop, WorkerPool._on_done
+        self.streamed = 0
+        in_loop, on_done, read_stream = LoopReads.on_readable, WorkerPool._on_done, WorkerPool._read_stream
 
-        def answer_in_loop(pool, worker, reader):
+        def answer_in_loop(reads, worker, reader):
             mine = worker.reader is reader
-            in_loop(pool, worker, reader)
+            in_loop(reads, worker, reader)
             self.loop += mine and worker.reader is None and worker.job is None
 
         def supervisor_done(pool, worker, message):
             self.supervisor += 1
             on_done(pool, worker, message)
 
-        monkeypatch.setattr(WorkerPool, "_answer_in_loop", answer_in_loop)
+        def streamed(pool, worker, message, fd):
+            self.streamed += 1
+            read_stream(pool, worker, message, fd)
+
+        monkeypatch.setattr(LoopReads, "on_readable", answer_in_loop)
         monkeypatch.setattr(WorkerPool, "_on_done", supervisor_done)
+        monkeypatch.setattr(WorkerPool, "_read_stream", streamed)
 
 
 def open_fds() -> int:
@@ -110,14 +118,14 @@ async def test_a_crash_and_a_timeout_go_back_to_the_supervisor_and_the_next_run_
         assert (stats.outcomes["crashed"], stats.outcomes["timeout"], stats.in_flight) == (1, 1, 0)
 
 
-async def test_a_large_answer_is_read_by_the_supervisor(monkeypatch):
+async def test_a_large_answer_is_streamed_by_an_answers_thread_not_read_in_the_loop(monkeypatch):
     reads = Reads(monkeypatch)
     async with aiocompile.Scheduler(workers=1) as sched:
         await sched.run(echo, 0)
-        before = (reads.loop, reads.supervisor)
+        before = (reads.loop, reads.streamed)
         data = await sched.run(big_result, 2)
-        assert len(data) == 2 * 1024 * 1024
-        assert (reads.loop - before[0], reads.supervisor - before[1]) == (0, 1)
+        assert data == b"\x01" * (2 * 1024 * 1024)
+        assert (reads.loop - before[0], reads.streamed - before[1]) == (0, 1)
         assert await sched.run(echo, 1) == 1
 
 

@@ -94,7 +94,7 @@ def test_bad_results_and_exceptions_come_back_as_clear_errors():
     with WorkerPool(1, preload=()) as pool:
         with pytest.raises(TypeError, match="could not be pickled"):
             pool.submit(_returns_a_lambda).result(timeout=60)
-        with pytest.raises(RuntimeError, match="UnpicklableError.*could not be pickled"):
+        with pytest.raises(aiocompile.CompileError, match="UnpicklableError.*could not be pickled"):
             pool.submit(_raises_unpicklable).result(timeout=60)
         with pytest.raises(RuntimeError, match="SystemExit"):
             pool.submit(sys.exit, 3).result(timeout=60)

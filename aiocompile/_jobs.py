@@ -1,0 +1,155 @@
+"""A job's record, the pool's counters, and the events a pool reports.
+
+Shared by aiocompile's own pool (``_pool``) and the pool over a foreign executor
+(``_foreign``): a job is the same thing in both, whoever runs it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from aiocompile import _serialize
+from aiocompile._metrics import WorkerEvent
+from aiocompile._worker import job_env
+from aiocompile._workers import UNDELIVERED
+
+logger = logging.getLogger("aiocompile")
+
+
+@dataclass(eq=False)
+class Job:
+    """One unit of work and everything measured about it. Fields are written by the
+    supervisor thread and are final once ``future`` is done."""
+
+    id: int
+    payload: bytes
+    future: cf.Future[Any]
+    timeout: float | None
+    max_crashes: int
+    name: str | None
+    key: str | None
+    env: dict[str, str]
+    sys_path: list[str]
+    warm_only: bool = False
+    submitted_at: float = field(default_factory=time.monotonic)
+    started_at: float | None = None
+    attempt_started_at: float | None = None
+    finished_at: float | None = None
+    run_time: float | None = None
+    attempts: int = 0
+    crashes: int = 0
+    worker_pid: int | None = None
+    worker_rss: int = 0
+    output_size: int = 0
+    last_exitcode: int | None = None
+    last_output: str = ""
+
+    @property
+    def queue_wait(self) -> float | None:
+        if self.started_at is None:
+            return None
+        return self.started_at - self.submitted_at
+
+    @classmethod
+    def create(
+        cls,
+        job_id: int,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+        *,
+        timeout: float | None,
+        max_crashes: int,
+        name: str | None,
+        key: str | None,
+        warm_only: bool = False,
+    ) -> Job:
+        """A job for ``fn(*args, **kwargs)``, pickled now (``TypeError`` if it cannot be),
+        carrying this process's job environment and import path as they are now."""
+        return cls(
+            id=job_id,
+            payload=_serialize.dumps((fn, args, kwargs or {})),
+            future=cf.Future(),
+            timeout=timeout,
+            max_crashes=max_crashes,
+            name=name,
+            key=key,
+            env=job_env(),
+            sys_path=_import_path(),
+            warm_only=warm_only,
+        )
+
+
+# sys.path as the last job carried it: jobs share one copy while it stays the same.
+_path_seen: list[str] = []
+
+
+def _import_path() -> list[str]:
+    """A copy of ``sys.path``, the same list for as long as ``sys.path`` does not change
+    (so "unchanged" is told by identity); it must not be modified."""
+    global _path_seen
+    seen = _path_seen
+    if seen != sys.path:
+        seen = _path_seen = list(sys.path)
+    return seen
+
+
+@dataclass
+class PoolCounters:
+    """What the pool has done; written by the supervisor thread only."""
+
+    workers_started: int = 0
+    worker_crashes: int = 0
+    retries: int = 0
+    timeouts: int = 0
+    killed: int = 0
+    recycled: int = 0
+    idle_stopped: int = 0
+    queue_depth_max: int = 0
+
+
+def death_statuses(kill_reason: str | None, machinery_failed: bool) -> tuple[str, str]:
+    """(worker_exited status, job_ended status) for a worker that died holding a job."""
+    if kill_reason == UNDELIVERED:
+        return "crashed", "lost"
+    if kill_reason == "timeout":
+        return "timeout", "timeout"
+    if kill_reason is not None:
+        return "killed", "cancelled" if kill_reason == "cancelled" else "closed"
+    return "crashed", "lost" if machinery_failed else "crashed"
+
+
+def signal_name(code: int | None) -> str:
+    if code is None:
+        return "an unknown status"
+    if code < 0:
+        import signal
+
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def emit_event(listener: Callable[[WorkerEvent], None] | None, event: str, pid: int | None,
+               job: Job | None = None, **fields: Any) -> None:
+    """Report a ``WorkerEvent`` to ``listener``, with monotonic times made wall-clock."""
+    if listener is None:
+        return
+    now = time.time()
+    if job is not None:
+        started = job.attempt_started_at
+        fields.update(
+            job_id=job.id, name=job.name, key=job.key, attempt=job.attempts, warm_up=job.warm_only,
+            started_at=None if started is None else now - (time.monotonic() - started),
+        )
+    try:
+        listener(WorkerEvent(event, now, pid, **fields))
+    except Exception:  # pragma: no cover - the listener guards its own callbacks
+        logger.exception("aiocompile: reporting a worker event failed")
