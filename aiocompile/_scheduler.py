@@ -28,6 +28,7 @@ from typing import Any, Callable
 import anyio
 
 from aiocompile import _bridge, _threads
+from aiocompile._admission import Gates
 from aiocompile._cache import Entry, KernelCache
 from aiocompile._config import SchedulerConfig
 from aiocompile._costs import CostHistory, longest_first
@@ -132,6 +133,7 @@ class Scheduler:
             history = os.path.join(self.config.cache_dir, "costs.json")
         self._costs = CostHistory(history)
         self._context = _Context(self)
+        self._gates = Gates()
         self._triton = TritonBackend()
         self._pid = os.getpid()
         self._closed = False
@@ -516,10 +518,13 @@ class Scheduler:
         one run and the result is remembered. Cancelling the await drops the job if it has
         not started; a started one runs to its end.
         """
+        # Its turn first (see _admission): in a burst, most requests wait here, and what
+        # they have not built yet costs the loop nothing now.
+        await self._gates.enter()
         name = getattr(fn, "__qualname__", None) or type(fn).__name__
         request = Request(backend="python", key=key, name=name, target=None, fn=fn, args=args, finish=_identity,
                           direct=True)
-        return await self._execute(request, timeout)
+        return await self._await_admitted(request, self._admit(request, timeout))
 
     # -- the request path ---------------------------------------------------------------------
 
@@ -546,6 +551,9 @@ class Scheduler:
         return how, found, wall, arrived
 
     async def _execute(self, request: Request, timeout: float | None) -> Any:
+        # A burst of requests is admitted a loop iteration's slice at a time (see
+        # _admission); one waiting its turn has not been counted or started yet.
+        await self._gates.enter()
         return await self._await_admitted(request, self._admit(request, timeout))
 
     async def _await_admitted(self, request: Request, admitted: tuple[str, Any, float, float]) -> Any:
