@@ -1019,7 +1019,10 @@ class WorkerPool(cf.Executor):
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()
-        if self.idle_timeout is not None and not self._stopping:
+        # Not while jobs wait: a worker that has just started is idle until the next
+        # dispatch, and may have taken longer than idle_timeout to start; stopping it
+        # then starts another for the same job, and so on for ever.
+        if self.idle_timeout is not None and not self._stopping and not self._pending:
             with self._lock:
                 expired = [w for w in self._workers if w.state == "idle" and now - w.last_used >= self.idle_timeout]
                 for worker in expired:
