@@ -97,3 +97,38 @@ async def test_a_triton_source_takes_its_defaults_too(scheduler):
     with pytest.raises(ValueError, match="missing type for argument 'k'"):
         await scheduler.compile_triton(source, signature={"out_ptr": "*fp32", "n": "i32", "value": "fp32"},
                                        target="cuda:80")
+
+
+# -- a TritonSource's imports ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("line", ["from .helpers import scale", "from . import helpers",
+                                  "from ..package.helpers import scale"])
+def test_a_triton_source_with_a_relative_import_is_refused_when_made(line):
+    text = f"import triton\n{line}\n\n@triton.jit\ndef k(x_ptr):\n    pass\n"
+    with pytest.raises(ValueError, match="relative import on line 2") as info:
+        aiocompile.TritonSource(text, "k")
+    assert line in str(info.value) and "standalone module" in str(info.value)
+    assert "absolute names" in str(info.value)
+
+
+ABSOLUTE_IMPORT_SOURCE = """
+import triton
+import triton.language as tl
+from triton_kernels import add_kernel  # an installed (importable) module, by its absolute name
+
+
+@triton.jit
+def add_twice(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    x = tl.load(x_ptr + offsets, mask=mask)
+    tl.store(out_ptr + offsets, x + x + tl.load(y_ptr + offsets, mask=mask), mask=mask)
+"""
+
+
+async def test_a_triton_source_with_absolute_imports_compiles(scheduler):
+    source = aiocompile.TritonSource(ABSOLUTE_IMPORT_SOURCE, "add_twice")
+    kernel = await scheduler.compile_triton(source, signature=ADD_SIGNATURE, constexprs={"BLOCK": 64},
+                                            target="cuda:80")
+    assert kernel.name == "add_twice"

@@ -75,9 +75,10 @@ class TritonSource:
     """A Triton kernel given as the text of a module: ``TritonSource(text, "kernel_name")``.
 
     The text is a whole module (with its own imports); ``name`` is the ``@triton.jit``
-    function in it to compile. It is checked here, at once: it must parse and define
-    ``name`` at module level. To compute the kernel's key, the module is also executed in
-    this process (off the event loop), as importing it would.
+    function in it to compile. It is checked here, at once: it must parse, define
+    ``name`` at module level, and import nothing relatively (it belongs to no package).
+    To compute the kernel's key, the module is also executed in this process (off the
+    event loop), as importing it would.
     """
 
     __slots__ = ("source", "name", "filename", "arg_names", "defaulted", "digest", "__weakref__")
@@ -94,6 +95,15 @@ class TritonSource:
         func = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
         if func is None:
             raise ValueError(f"TritonSource defines no top-level function {name!r}")
+        relative = next((n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level), None)
+        if relative is not None:
+            # Executed here and in workers as a module of its own, in no package, it has
+            # nothing to be relative to: Python's own error would name no fix.
+            raise ValueError(
+                f"TritonSource for {name!r} has a relative import on line {relative.lineno} "
+                f"({ast.unparse(relative)!r}): a TritonSource is executed as a standalone module, not part of a "
+                "package; import installed modules by their absolute names, or put the helper in the text"
+            )
         args = func.args
         self.source = source
         self.name = name
