@@ -2,6 +2,10 @@
 
 Environment variables are read here and nowhere else (``SchedulerConfig.from_env``), and
 only for the default scheduler; a ``Scheduler(...)`` made by hand takes its arguments.
+Every field is checked when a configuration is made, by the rule ``SETTINGS`` gives it
+(see ``aiocompile._checks``): a duration is a finite number of seconds, at most
+``MAX_SECONDS`` (about 11.6 days), and ``None`` stands for "no limit" where there may be
+none.
 
 =========================  ============================================================
 AIOCOMPILE_WORKERS         worker processes (default: the CPUs this process may use, at
@@ -33,6 +37,8 @@ import math
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
+
+from aiocompile import _checks
 
 _MAX_DEFAULT_WORKERS = 16
 TRITON_PRELOAD = "aiocompile.backends._triton_worker:prepare_process"
@@ -106,67 +112,63 @@ class SchedulerConfig:
     ``cache_dir`` if there is one, else the history lasts as long as the scheduler."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 1:
-            raise ValueError(f"workers must be a positive integer, got {self.workers!r}")
-        if self.timeout is not None and not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
-            raise ValueError(f"timeout must be a positive number of seconds or None, got {self.timeout!r}")
-        if not isinstance(self.max_crashes, int) or self.max_crashes < 1:
-            raise ValueError(f"max_crashes must be at least 1, got {self.max_crashes!r}")
-        if self.start_method not in (None, "forkserver", "spawn", "fork"):
-            raise ValueError(f"start_method must be 'forkserver', 'spawn', 'fork' or None, got {self.start_method!r}")
-        if self.cache_entries < 0:
-            raise ValueError(f"cache_entries must be >= 0, got {self.cache_entries!r}")
-        if self.close_grace < 0:
-            raise ValueError(f"close_grace must be >= 0, got {self.close_grace!r}")
-        if self.cancel_running not in ("keep", "kill"):
-            raise ValueError(f"cancel_running must be 'keep' or 'kill', got {self.cancel_running!r}")
-        if self.max_worker_rss is not None and self.max_worker_rss <= 0:
-            raise ValueError(f"max_worker_rss must be a positive number of bytes, got {self.max_worker_rss!r}")
-        if self.idle_timeout is not None and self.idle_timeout <= 0:
-            raise ValueError(f"idle_timeout must be a positive number of seconds, got {self.idle_timeout!r}")
-        if self.cache_bytes is not None and self.cache_bytes < 0:
-            raise ValueError(f"cache_bytes must be >= 0, got {self.cache_bytes!r}")
-        if self.error_ttl < 0:
-            raise ValueError(f"error_ttl must be >= 0, got {self.error_ttl!r}")
-        if not isinstance(self.worker_nice, int) or not 0 <= self.worker_nice <= 19:
-            raise ValueError(f"worker_nice must be an integer from 0 to 19, got {self.worker_nice!r}")
-        if not isinstance(self.metrics, bool):
-            raise ValueError(f"metrics must be True or False, got {self.metrics!r}")
-        if self.cache_dir_bytes is not None and self.cache_dir_bytes <= 0:
-            raise ValueError(f"cache_dir_bytes must be positive, got {self.cache_dir_bytes!r}")
+        for name, rule in SETTINGS.items():
+            value = getattr(self, name)
+            checked = rule.check(name, value)
+            if checked is not value:
+                # One form for the code behind: a path as str, preload entries as a tuple.
+                object.__setattr__(self, name, checked)
 
     def with_changes(self, **changes: Any) -> SchedulerConfig:
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> SchedulerConfig:
-        """The configuration the environment asks for (see the module docstring)."""
+        """The configuration the environment asks for (see the module docstring). Raises
+        ``ValueError``, naming the variable, for a value it cannot use."""
         changes: dict[str, Any] = {}
+        for variable, name in ENVIRONMENT:
+            text = environ.get(variable, "").strip()
+            if text:
+                changes[name] = SETTINGS[name].parse(variable, text)
+        return cls(**changes)
 
-        def number(name: str, kind: type) -> Any:
-            text = environ.get(name, "").strip()
-            if not text:
-                return None
-            try:
-                return kind(text)
-            except ValueError:
-                raise ValueError(f"{name}={text!r} is not a valid {kind.__name__}") from None
 
-        changes["workers"] = number("AIOCOMPILE_WORKERS", int)
-        changes["timeout"] = number("AIOCOMPILE_TIMEOUT", float)
-        changes["max_crashes"] = number("AIOCOMPILE_MAX_CRASHES", int)
-        changes["start_method"] = environ.get("AIOCOMPILE_START_METHOD", "").strip() or None
-        changes["cancel_running"] = environ.get("AIOCOMPILE_CANCEL_RUNNING", "").strip() or None
-        changes["max_worker_rss"] = number("AIOCOMPILE_MAX_WORKER_RSS", int)
-        changes["idle_timeout"] = number("AIOCOMPILE_IDLE_TIMEOUT", float)
-        changes["cache_dir"] = environ.get("AIOCOMPILE_CACHE_DIR", "").strip() or None
-        changes["cache_dir_bytes"] = number("AIOCOMPILE_CACHE_DIR_BYTES", int)
-        changes["event_log"] = environ.get("AIOCOMPILE_EVENT_LOG", "").strip() or None
-        changes["cost_history"] = environ.get("AIOCOMPILE_COST_HISTORY", "").strip() or None
-        changes["worker_nice"] = number("AIOCOMPILE_WORKER_NICE", int)
-        metrics = environ.get("AIOCOMPILE_METRICS", "").strip().lower()
-        if metrics:
-            if metrics not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
-                raise ValueError(f"AIOCOMPILE_METRICS={metrics!r} is not 0 or 1")
-            changes["metrics"] = metrics in ("1", "true", "yes", "on")
-        return cls().with_changes(**changes)
+SETTINGS: dict[str, _checks.Rule] = {
+    "workers": _checks.WORKERS,
+    "timeout": _checks.JOB_TIMEOUT,
+    "max_crashes": _checks.CRASHES,
+    "start_method": _checks.START_METHOD,
+    "preload": _checks.PRELOAD,
+    "cache_entries": _checks.Number(integer=True, at_least=0),
+    "cache_bytes": _checks.Number(integer=True, at_least=0, unit="bytes", none="no bound but cache_entries"),
+    "error_ttl": _checks.Number(at_least=0, at_most=_checks.MAX_SECONDS, unit="seconds"),
+    "cache_dir": _checks.FilePath(none="no disk cache"),
+    "cache_dir_bytes": _checks.Number(integer=True, above=0, unit="bytes", none="no bound"),
+    "close_grace": _checks.Number(at_least=0, at_most=_checks.MAX_SECONDS, unit="seconds"),
+    "cancel_running": _checks.Choice(("keep", "kill")),
+    "max_worker_rss": _checks.RSS,
+    "idle_timeout": _checks.IDLE_TIMEOUT,
+    "worker_nice": _checks.NICE,
+    "metrics": _checks.Flag(),
+    "event_log": _checks.FilePath(none="no event log"),
+    "cost_history": _checks.FilePath(none="costs.json in cache_dir, or memory only"),
+}
+"""The rule each ``SchedulerConfig`` field is checked by (see ``aiocompile._checks``)."""
+
+ENVIRONMENT = (
+    ("AIOCOMPILE_WORKERS", "workers"),
+    ("AIOCOMPILE_TIMEOUT", "timeout"),
+    ("AIOCOMPILE_MAX_CRASHES", "max_crashes"),
+    ("AIOCOMPILE_START_METHOD", "start_method"),
+    ("AIOCOMPILE_CANCEL_RUNNING", "cancel_running"),
+    ("AIOCOMPILE_MAX_WORKER_RSS", "max_worker_rss"),
+    ("AIOCOMPILE_IDLE_TIMEOUT", "idle_timeout"),
+    ("AIOCOMPILE_CACHE_DIR", "cache_dir"),
+    ("AIOCOMPILE_CACHE_DIR_BYTES", "cache_dir_bytes"),
+    ("AIOCOMPILE_EVENT_LOG", "event_log"),
+    ("AIOCOMPILE_COST_HISTORY", "cost_history"),
+    ("AIOCOMPILE_METRICS", "metrics"),
+    ("AIOCOMPILE_WORKER_NICE", "worker_nice"),
+)
+"""Each environment variable ``from_env`` reads, and the field it sets."""

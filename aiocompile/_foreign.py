@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_for_any
 from typing import Any, Callable, Union
 
+from aiocompile import _checks
 from aiocompile._errors import CompileTimeout, SchedulerClosed, WorkerCrashedError
 from aiocompile._jobs import Job, PoolCounters, emit_event
 from aiocompile._metrics import WorkerEvent
@@ -97,7 +98,7 @@ class ForeignPool:
             self._factory = executor
         else:
             raise TypeError(f"executor must be a concurrent.futures.Executor or a factory of one, got {executor!r}")
-        self.max_crashes = max_crashes
+        self.max_crashes = _checks.CRASHES.check("max_crashes", max_crashes)
         self.max_workers = int(getattr(self._executor, "_max_workers", 0) or 0)
         self.counters = PoolCounters()
         self.on_event: Callable[[WorkerEvent], None] | None = None
@@ -143,6 +144,9 @@ class ForeignPool:
     ) -> Job:
         if self._closed or os.getpid() != self._pid:
             raise SchedulerClosed("the executor is shut down")
+        _checks.JOB_TIMEOUT.check("timeout", timeout)
+        if max_crashes is not None:
+            _checks.CRASHES.check("max_crashes", max_crashes)
         job = Job.create(next(self._ids), fn, args, kwargs, timeout=timeout,
                          max_crashes=max_crashes or self.max_crashes, name=name, key=key)
         with self._lock:
@@ -183,6 +187,7 @@ class ForeignPool:
         return list(processes)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False, grace: float | None = None) -> None:
+        _checks.POOL_GRACE.check("grace", grace)
         closed = SchedulerClosed("the scheduler was closed before the job finished")
         with self._lock:
             if self._closed:

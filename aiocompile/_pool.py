@@ -33,7 +33,7 @@ import weakref
 from multiprocessing.connection import wait as wait_for_any
 from typing import Any, Callable
 
-from aiocompile import _answers
+from aiocompile import _answers, _checks
 from aiocompile._errors import CompileTimeout, SchedulerClosed, WorkerCrashedError
 from aiocompile._jobs import Job, PoolCounters, death_statuses, emit_event, signal_name
 from aiocompile._launch import Launcher, LauncherError, make_launcher
@@ -70,13 +70,10 @@ def _lower_priority(pid: int, nice: int) -> None:
 
 
 def check_timeout(timeout: Any) -> None:
-    """A job's timeout must be None or a positive, finite number of seconds. Checked in
-    the submitting thread: found later, in the supervisor, a bad value would stop it and
-    fail every other job too."""
-    # ``not 0 < timeout < inf`` also refuses NaN, which compares false with everything.
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                or not 0 < timeout < float("inf")):
-        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    """A job's timeout must be None or a positive, finite number of seconds (see
+    ``_checks.JOB_TIMEOUT``). Checked in the submitting thread: found later, in the
+    supervisor, a bad value would stop it and fail every other job too."""
+    _checks.JOB_TIMEOUT.check("timeout", timeout)
 
 
 class WorkerPool(cf.Executor):
@@ -100,17 +97,14 @@ class WorkerPool(cf.Executor):
         idle_timeout: float | None = None,
         worker_nice: int = 0,
     ) -> None:
-        if max_workers < 1:
-            raise ValueError(f"max_workers must be at least 1, got {max_workers}")
-        if max_crashes < 1:
-            raise ValueError(f"max_crashes must be at least 1, got {max_crashes}")
-        self.max_workers = max_workers
-        self.max_crashes = max_crashes
-        self.max_worker_rss = max_worker_rss
-        self.idle_timeout = idle_timeout
-        self.worker_nice = worker_nice
-        self.start_method = start_method
-        self._preload = preload
+        # Checked here, in the caller: the supervisor thread trusts them.
+        self.max_workers = _checks.WORKERS.check("max_workers", max_workers)
+        self.max_crashes = _checks.CRASHES.check("max_crashes", max_crashes)
+        self.max_worker_rss = _checks.RSS.check("max_worker_rss", max_worker_rss)
+        self.idle_timeout = _checks.IDLE_TIMEOUT.check("idle_timeout", idle_timeout)
+        self.worker_nice = _checks.NICE.check("worker_nice", worker_nice)
+        self.start_method = _checks.START_METHOD.check("start_method", start_method)
+        self._preload = _checks.PRELOAD.check("preload", preload)
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._commands: collections.deque[tuple[str, Any]] = collections.deque()
@@ -171,6 +165,8 @@ class WorkerPool(cf.Executor):
         everything but the answer, the supervisor reads and watches the worker."""
         self._check_usable()
         check_timeout(timeout)
+        if max_crashes is not None:
+            _checks.CRASHES.check("max_crashes", max_crashes)
         job = Job.create(next(self._ids), fn, args, kwargs, timeout=timeout,
                          max_crashes=max_crashes or self.max_crashes, name=name, key=key, warm_only=warm_only)
         loop = running_loop() if direct and not warm_only else None
@@ -273,6 +269,7 @@ class WorkerPool(cf.Executor):
         """Stop accepting work. Queued jobs run unless ``cancel_futures``; running jobs get
         ``grace`` seconds (None: as long as they need) before their workers are killed.
         Every job still unfinished then fails with ``SchedulerClosed``."""
+        _checks.POOL_GRACE.check("grace", grace)
         if os.getpid() != self._pid:
             self._forget_after_fork()
             return
@@ -778,7 +775,10 @@ class WorkerPool(cf.Executor):
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()
-        if self.idle_timeout is not None and not self._stopping:
+        # Not while jobs wait: a worker that has just started is idle until the next
+        # dispatch, and may have taken longer than idle_timeout to start; stopping it
+        # then starts another for the same job, and so on for ever.
+        if self.idle_timeout is not None and not self._stopping and not self._pending:
             with self._lock:
                 expired = [w for w in self._workers if w.idle and now - w.last_used >= self.idle_timeout]
                 for worker in expired:

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import anyio
 
-from aiocompile import _bridge, _threads
+from aiocompile import _bridge, _checks, _threads
 from aiocompile._admission import Gates
 from aiocompile._cache import Entry, KernelCache
 from aiocompile._config import SchedulerConfig
@@ -98,14 +98,16 @@ class Scheduler:
         config: SchedulerConfig | None = None,
         executor: ExecutorSpec | None = None,
     ) -> None:
+        if config is not None and not isinstance(config, SchedulerConfig):
+            raise TypeError(f"config must be a SchedulerConfig or None, got {config!r} ({type(config).__name__})")
         base = config or SchedulerConfig()
+        # The configuration checks each of these (and turns paths into str).
         self.config = base.with_changes(
             workers=workers, timeout=timeout, max_crashes=max_crashes, start_method=start_method,
-            cancel_running=cancel_running, cache_dir=None if cache_dir is None else os.fspath(cache_dir),
-            event_log=None if event_log is None else os.fspath(event_log),
+            cancel_running=cancel_running, cache_dir=cache_dir, event_log=event_log,
         )
-        if on_event is not None and not callable(on_event):
-            raise TypeError(f"on_event must be callable, got {on_event!r}")
+        if on_event is not None:
+            _checks.check_callable("on_event", on_event)
         self._pool: WorkerPool | ForeignPool
         if executor is not None:
             self._pool = ForeignPool(executor, max_crashes=self.config.max_crashes)
@@ -164,13 +166,17 @@ class Scheduler:
         Queued jobs fail with ``SchedulerClosed``; running jobs get ``grace`` seconds
         (default ``config.close_grace``) to finish, then their workers are killed and their
         callers get ``SchedulerClosed``. Returns once every worker process has exited.
+        A ``grace`` that is not a finite number of seconds >= 0 raises ``TypeError`` or
+        ``ValueError`` at once, and closes nothing.
         """
+        _checks.CLOSE_GRACE.check("grace", grace)
         if self._closed:
             return
         await anyio.to_thread.run_sync(lambda: self.close(grace))
 
     def close(self, grace: float | None = None) -> None:
         """Blocking counterpart of :meth:`aclose`, for code outside an event loop."""
+        _checks.CLOSE_GRACE.check("grace", grace)
         self._closed = True
         grace = self.config.close_grace if grace is None else grace
         self._pool.shutdown(wait=True, cancel_futures=True, grace=grace)
@@ -287,7 +293,7 @@ class Scheduler:
         nor one that other callers are waiting for; a queued compile nobody waits for any
         more is dropped.
         """
-        check_timeout(timeout)
+        _checks.CALL_TIMEOUT.check("timeout", timeout)
         request = await self._triton.prepare(
             self._context, kernel, signature=signature, constexprs=constexprs, target=target,
             attrs=attrs, options=options,
@@ -327,6 +333,7 @@ class Scheduler:
         """
         from aiocompile.backends import _triton_warmup
 
+        _checks.CALL_TIMEOUT.check("timeout", timeout)
         if grid is not None and not (callable(grid) or isinstance(grid, (tuple, list, int))):
             raise TypeError(f"grid must be a tuple of ints or a callable, as for a launch; got {grid!r}")
         self._check_open()
@@ -360,8 +367,8 @@ class Scheduler:
         results: list[Any] = [None] * len(spec_list)
         requests: list[Request | None] = [None] * len(spec_list)
         timeouts: list[float | None] = [spec.pop("timeout", None) for spec in spec_list]
-        for timeout in timeouts:
-            check_timeout(timeout)
+        for index, timeout in enumerate(timeouts):
+            _checks.CALL_TIMEOUT.check(f"timeout of spec #{index}", timeout)
         labels = [str(spec.pop("label", None) or getattr(spec["kernel"], "__name__", None)
                       or getattr(spec["kernel"], "name", "?")) for spec in spec_list]
         first_error: list[BaseException] = []
@@ -516,8 +523,11 @@ class Scheduler:
         time, then ``CompileTimeout`` (its worker is killed); ``WorkerCrashedError`` after
         ``max_crashes`` worker deaths. With a ``key``, concurrent calls with that key share
         one run and the result is remembered. Cancelling the await drops the job if it has
-        not started; a started one runs to its end.
+        not started; a started one runs to its end. ``fn`` that is not callable, or a bad
+        ``timeout``, raises ``TypeError``/``ValueError`` at once, counted nowhere.
         """
+        _checks.check_callable("fn", fn)
+        _checks.CALL_TIMEOUT.check("timeout", timeout)
         # Its turn first (see _admission): in a burst, most requests wait here, and what
         # they have not built yet costs the loop nothing now.
         await self._gates.enter()
@@ -741,6 +751,7 @@ class Scheduler:
         """
         from aiocompile.backends import inductor
 
+        _checks.CALL_TIMEOUT.check("timeout", timeout)
         request = await inductor.prepare(self._context, kernel_name, source_code, device_str)
         artifact: inductor.InductorArtifact = await self._execute(request, timeout)
         return await _threads.LOADS.run(artifact.ready)

@@ -6,12 +6,18 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from aiocompile._checks import Choice
+
 __all__ = ["Target", "parse_target"]
 
 _CUDA_ARCH = re.compile(r"^(?:sm_?)?(\d{2,3})a?$")
 _HIP_ARCH = re.compile(r"^gfx[0-9a-f]{3,4}$")
 
 _EXAMPLES = '"cuda:80", "cuda:90", "cuda:100", "cuda:120", "hip:gfx942", "hip:gfx1100"'
+
+# NVIDIA warps are 32 threads wide; AMD wavefronts 64 (CDNA) or 32 (RDNA, or CDNA in
+# wave32 mode). Other backends a GPUTarget may name are left to Triton.
+_WARP_SIZES = {"cuda": Choice((32,)), "hip": Choice((32, 64))}
 
 
 @dataclass(frozen=True, order=True)
@@ -21,6 +27,11 @@ class Target:
     backend: str
     arch: int | str
     warp_size: int
+
+    def __post_init__(self) -> None:
+        rule = _WARP_SIZES.get(self.backend)
+        if rule is not None:
+            rule.check(f"the warp size of target {self}", self.warp_size)
 
     def __str__(self) -> str:
         return f"{self.backend}:{self.arch}"
@@ -71,9 +82,9 @@ def _parse_string(text: str) -> Target:
         match = _CUDA_ARCH.match(arch)
         if not match:
             raise ValueError(f"unknown CUDA architecture {arch!r} in target {text!r}; expected e.g. 'cuda:90'")
-        return Target("cuda", int(match.group(1)), explicit_warp or 32)
+        return Target("cuda", int(match.group(1)), 32 if explicit_warp is None else explicit_warp)
     if backend in ("hip", "rocm", "amd"):
         if not _HIP_ARCH.match(arch):
             raise ValueError(f"unknown AMD architecture {arch!r} in target {text!r}; expected e.g. 'hip:gfx942'")
-        return Target("hip", arch, explicit_warp or _hip_warp_size(arch))
+        return Target("hip", arch, _hip_warp_size(arch) if explicit_warp is None else explicit_warp)
     raise ValueError(f"unknown target backend {backend!r} in {text!r}; expected 'cuda' or 'hip', as in {_EXAMPLES}")

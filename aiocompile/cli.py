@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from aiocompile._config import SchedulerConfig
+from aiocompile._config import SETTINGS, SchedulerConfig
 from aiocompile._diskcache import DiskCache
 from aiocompile._errors import CompileError
 from aiocompile._scheduler import Scheduler
@@ -157,17 +157,17 @@ async def _build(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
-def _positive(kind: type) -> Any:
+def _setting(name: str) -> Any:
+    """An argparse type for the configuration field ``name``, checked by that field's rule."""
+    rule = SETTINGS[name]
+
     def parse(text: str) -> Any:
         try:
-            value = kind(text)
+            return rule.parse(name, text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if not value > 0 or value == float("inf"):
-            raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
-        return value
+            raise argparse.ArgumentTypeError(f"must be {rule.describe('leave it out')}, got {text!r}") from None
 
-    parse.__name__ = kind.__name__
+    parse.__name__ = name
     return parse
 
 
@@ -242,8 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("--target", "-t", action="append", required=True,
                        help="target such as cuda:80, cuda:90, hip:gfx942 (repeat, or comma-separate)")
     build.add_argument("--out", "-o", default="build/kernels", help="output directory (default: build/kernels)")
-    build.add_argument("--workers", "-j", type=_positive(int), default=None, help="worker processes (default: CPUs)")
-    build.add_argument("--timeout", type=_positive(float), default=None, help="per-kernel timeout in seconds")
+    build.add_argument("--workers", "-j", type=_setting("workers"), default=None,
+                       help="worker processes (default: CPUs)")
+    build.add_argument("--timeout", type=_setting("timeout"), default=None, help="per-kernel timeout in seconds")
     build.add_argument("--start-method", choices=["forkserver", "spawn", "fork"], default=None)
     build.add_argument("--no-progress", action="store_true", help="no progress bar (none unless on a terminal)")
     build.add_argument("--events", metavar="FILE", default=None,

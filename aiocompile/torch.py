@@ -63,6 +63,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from aiocompile import _checks
 from aiocompile._config import SchedulerConfig
 from aiocompile._scheduler import Scheduler
 from aiocompile.backends._inductor_worker import PRELOAD
@@ -139,8 +140,7 @@ def install(scheduler: Scheduler | None = None, *, timeout: float | None = None,
     """
     if scheduler is not None and not isinstance(scheduler, Scheduler):
         raise TypeError(f"scheduler must be an aiocompile.Scheduler or None, got {type(scheduler).__name__}")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    _checks.CALL_TIMEOUT.check("timeout", timeout)
     if scheduler is not None and scheduler.closed:
         raise ValueError("the scheduler is closed")
     module = _async_compile_module()

@@ -103,6 +103,6 @@ def test_bad_arguments_are_refused_with_status_2(tmp_path):
     (tmp_path / "empty.py").write_text("X = 1\n")
     proc = _aiocompile("build", str(tmp_path / "empty.py"), "-t", "cuda:90")
     assert proc.returncode == 2 and "must define KERNELS" in proc.stderr
-    for option, value in (("-j", "0"), ("--timeout", "-1"), ("--timeout", "soon")):
+    for option, value in (("-j", "0"), ("--timeout", "-1"), ("--timeout", "soon"), ("--timeout", "inf")):
         proc = _aiocompile("build", "examples/kernels.py", "-t", "cuda:90", option, value)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr and value in proc.stderr

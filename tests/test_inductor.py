@@ -339,6 +339,8 @@ def test_install_checks_its_arguments(async_compile):
         aiotorch.install("not a scheduler")
     with pytest.raises(ValueError, match="timeout"):
         aiotorch.install(timeout=-1)
+    with pytest.raises(TypeError, match="timeout"):
+        aiotorch.install(timeout="5")
     closed = aiocompile.Scheduler(config=NO_PRELOAD)
     closed.close()
     with pytest.raises(ValueError, match="closed"):

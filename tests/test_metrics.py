@@ -347,7 +347,7 @@ def test_configuration_from_the_environment(tmp_path):
     assert aiocompile.SchedulerConfig.from_env({}).metrics is True
     with pytest.raises(ValueError, match="AIOCOMPILE_METRICS"):
         aiocompile.SchedulerConfig.from_env({"AIOCOMPILE_METRICS": "maybe"})
-    with pytest.raises(ValueError, match="metrics"):
+    with pytest.raises(TypeError, match="metrics"):
         aiocompile.SchedulerConfig(metrics="yes")
 
 

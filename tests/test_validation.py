@@ -1,10 +1,33 @@
-"""Bad input raises ValueError/TypeError in the caller, at once, before any worker is involved."""
+"""Bad input raises ValueError/TypeError in the caller, at once, before any worker is involved.
 
+A wrong type is a ``TypeError`` (a string or a bool where a number is meant, a float where
+an integer is meant); a value of the right type that makes no sense (NaN, an infinity, out
+of range, empty) a ``ValueError``; each message names the setting and the value.
+"""
+
+import concurrent.futures as cf
+import time
+from dataclasses import fields
+
+import anyio
+import jobs
 import pytest
-from conftest import child_pids
+from conftest import alive, child_pids
 from triton_kernels import ADD_SIGNATURE, add_kernel
 
 import aiocompile
+from aiocompile._checks import MAX_SECONDS
+from aiocompile._config import ENVIRONMENT, SETTINGS
+from aiocompile._foreign import ForeignPool
+from aiocompile._pool import WorkerPool
+
+NAN, INF = float("nan"), float("inf")
+NO_PRELOAD = aiocompile.SchedulerConfig(workers=1, preload=())
+
+BAD_TIMEOUTS = [
+    ("5", TypeError), (True, TypeError), (0, ValueError), (-1.0, ValueError), (NAN, ValueError),
+    (INF, ValueError), (-INF, ValueError), (MAX_SECONDS * 2, ValueError),
+]
 
 BAD_CALLS = [
     # (what is wrong, keyword arguments, expected exception)
@@ -26,10 +49,15 @@ BAD_CALLS = [
     ("attrs for an unknown argument", dict(attrs={"q": [("tt.divisibility", 16)]}), ValueError),
     ("malformed attrs", dict(attrs={"x_ptr": ["tt.divisibility"]}), TypeError),
     ("unpicklable constexpr", dict(constexprs={"BLOCK": lambda: 1}), TypeError),
-    ("timeout as text", dict(timeout="5"), ValueError),
+    ("nonsense warp size", dict(target="cuda:90:7"), ValueError),
+    ("AMD warp size neither 32 nor 64", dict(target="hip:gfx942:48"), ValueError),
+    ("timeout as text", dict(timeout="5"), TypeError),
+    ("bool timeout", dict(timeout=True), TypeError),
     ("zero timeout", dict(timeout=0), ValueError),
     ("negative timeout", dict(timeout=-1.0), ValueError),
-    ("timeout not a number", dict(timeout=float("nan")), ValueError),
+    ("timeout not a number", dict(timeout=NAN), ValueError),
+    ("infinite timeout", dict(timeout=INF), ValueError),
+    ("timeout past the longest", dict(timeout=MAX_SECONDS * 2), ValueError),
 ]
 
 
@@ -47,13 +75,13 @@ async def test_bad_input_raises_before_any_worker(what, kwargs, exc):
         await sched.aclose()
 
 
-@pytest.mark.parametrize("timeout", ["5", 0, -1, True, float("nan"), float("inf")])
-async def test_a_bad_timeout_fails_its_own_call_and_nothing_else(timeout):
+@pytest.mark.parametrize(("timeout", "exc"), BAD_TIMEOUTS)
+async def test_a_bad_timeout_fails_its_own_call_and_nothing_else(timeout, exc):
     async with aiocompile.Scheduler(workers=1) as sched:
         assert await sched.run(abs, -1) == 1  # a worker is up and idle: the fastest path
-        with pytest.raises(ValueError, match="timeout"):
+        with pytest.raises(exc, match="timeout"):
             await sched.run(abs, -2, timeout=timeout)
-        with pytest.raises(ValueError, match="timeout"):
+        with pytest.raises(exc, match="timeout"):
             await sched.compile_many([{"kernel": add_kernel, "signature": ADD_SIGNATURE,
                                        "constexprs": {"BLOCK": 64}, "target": "cuda:80", "timeout": timeout}])
         # The scheduler, its pool and its supervisor are as they were.
@@ -118,3 +146,272 @@ def test_config_from_env():
             aiocompile.SchedulerConfig(**bad)
     with pytest.raises(ValueError):
         aiocompile.SchedulerConfig.from_env({"AIOCOMPILE_WORKERS": "many"})
+
+
+# -- the configuration --------------------------------------------------------------------
+
+BAD_SETTINGS = [
+    # (field, value, expected exception)
+    ("workers", 0, ValueError), ("workers", -1, ValueError), ("workers", 1.5, TypeError),
+    ("workers", True, TypeError), ("workers", "4", TypeError), ("workers", None, TypeError),
+    ("timeout", INF, ValueError), ("timeout", NAN, ValueError), ("timeout", 0, ValueError),
+    ("timeout", -1, ValueError), ("timeout", MAX_SECONDS + 1, ValueError), ("timeout", "5", TypeError),
+    ("timeout", True, TypeError),
+    ("max_crashes", 0, ValueError), ("max_crashes", 1.5, TypeError), ("max_crashes", False, TypeError),
+    ("start_method", "thread", ValueError), ("start_method", 3, TypeError),
+    ("preload", "aiocompile", TypeError), ("preload", (3,), TypeError), ("preload", ("not a module!",), ValueError),
+    ("cache_entries", -1, ValueError), ("cache_entries", 1.5, TypeError), ("cache_entries", True, TypeError),
+    ("cache_entries", INF, TypeError),
+    ("cache_bytes", -1, ValueError), ("cache_bytes", 1.5, TypeError), ("cache_bytes", "1", TypeError),
+    ("error_ttl", -1, ValueError), ("error_ttl", NAN, ValueError), ("error_ttl", INF, ValueError),
+    ("error_ttl", "2", TypeError), ("error_ttl", None, TypeError),
+    ("cache_dir", "", ValueError), ("cache_dir", "  ", ValueError), ("cache_dir", 3, TypeError),
+    ("cache_dir", b"/tmp/x", TypeError),
+    ("cache_dir_bytes", 0, ValueError), ("cache_dir_bytes", 1.5, TypeError),
+    ("close_grace", NAN, ValueError), ("close_grace", INF, ValueError), ("close_grace", -1, ValueError),
+    ("close_grace", "5", TypeError), ("close_grace", None, TypeError),
+    ("cancel_running", "maybe", ValueError), ("cancel_running", True, TypeError),
+    ("max_worker_rss", 0, ValueError), ("max_worker_rss", 1.5, TypeError), ("max_worker_rss", INF, TypeError),
+    ("idle_timeout", INF, ValueError), ("idle_timeout", NAN, ValueError), ("idle_timeout", 0, ValueError),
+    ("idle_timeout", -1, ValueError), ("idle_timeout", MAX_SECONDS * 10, ValueError),
+    ("idle_timeout", "30", TypeError), ("idle_timeout", True, TypeError),
+    ("worker_nice", 20, ValueError), ("worker_nice", -1, ValueError), ("worker_nice", True, TypeError),
+    ("worker_nice", 1.5, TypeError),
+    ("metrics", 1, TypeError), ("metrics", "yes", TypeError), ("metrics", None, TypeError),
+    ("event_log", "", ValueError), ("event_log", 3, TypeError),
+    ("cost_history", "", ValueError), ("cost_history", 3, TypeError),
+]
+
+
+def test_every_setting_is_checked_by_a_rule():
+    assert set(SETTINGS) == {f.name for f in fields(aiocompile.SchedulerConfig)}
+    assert {name for _, name in ENVIRONMENT} <= set(SETTINGS)
+    assert {field for field, _, _ in BAD_SETTINGS} == set(SETTINGS)  # the table below covers them all
+
+
+@pytest.mark.parametrize(("field", "value", "exc"), BAD_SETTINGS,
+                         ids=[f"{field}={value!r}" for field, value, _ in BAD_SETTINGS])
+def test_a_bad_setting_is_refused_naming_itself_and_its_value(field, value, exc):
+    with pytest.raises(exc) as info:
+        aiocompile.SchedulerConfig(**{field: value})
+    assert type(info.value) is exc
+    assert field in str(info.value) and repr(value) in str(info.value)
+    if value is not None:
+        with pytest.raises(exc):
+            aiocompile.SchedulerConfig().with_changes(**{field: value})
+
+
+@pytest.mark.parametrize("field", ["timeout", "idle_timeout", "max_worker_rss"])
+def test_a_limit_too_large_says_how_to_ask_for_none(field):
+    value = INF if field != "max_worker_rss" else 0
+    with pytest.raises(ValueError, match="use None for no limit"):
+        aiocompile.SchedulerConfig(**{field: value})
+    with pytest.raises(ValueError, match="use None for no limit"):
+        aiocompile.SchedulerConfig(**{field: MAX_SECONDS + 1 if field != "max_worker_rss" else -1})
+
+
+def test_settings_are_kept_in_one_form(tmp_path):
+    config = aiocompile.SchedulerConfig(cache_dir=tmp_path, event_log=tmp_path / "e.jsonl", preload=["jobs"],
+                                        timeout=5, idle_timeout=MAX_SECONDS, close_grace=0)
+    assert (config.cache_dir, config.event_log, config.preload) == (str(tmp_path), str(tmp_path / "e.jsonl"),
+                                                                    ("jobs",))
+    assert (config.timeout, config.idle_timeout, config.close_grace) == (5, MAX_SECONDS, 0)
+    assert aiocompile.SchedulerConfig(cache_bytes=None, cache_dir_bytes=None, max_worker_rss=None).cache_bytes is None
+
+
+BAD_ENVIRONMENT = [
+    ("AIOCOMPILE_TIMEOUT", "inf"), ("AIOCOMPILE_TIMEOUT", "nan"), ("AIOCOMPILE_TIMEOUT", "soon"),
+    ("AIOCOMPILE_TIMEOUT", "-5"), ("AIOCOMPILE_IDLE_TIMEOUT", "inf"), ("AIOCOMPILE_IDLE_TIMEOUT", "0"),
+    ("AIOCOMPILE_WORKERS", "1.5"), ("AIOCOMPILE_WORKERS", "0"), ("AIOCOMPILE_MAX_CRASHES", "0"),
+    ("AIOCOMPILE_MAX_WORKER_RSS", "0"), ("AIOCOMPILE_CACHE_DIR_BYTES", "-1"), ("AIOCOMPILE_WORKER_NICE", "20"),
+    ("AIOCOMPILE_METRICS", "maybe"), ("AIOCOMPILE_START_METHOD", "thread"), ("AIOCOMPILE_CANCEL_RUNNING", "maybe"),
+]
+
+
+@pytest.mark.parametrize(("variable", "text"), BAD_ENVIRONMENT)
+def test_a_bad_environment_variable_is_refused_naming_itself_and_its_value(variable, text):
+    with pytest.raises(ValueError) as info:
+        aiocompile.SchedulerConfig.from_env({variable: text})
+    assert variable in str(info.value) and repr(text) in str(info.value)
+
+
+BAD_SCHEDULER_ARGUMENTS = [
+    (dict(workers=0), ValueError), (dict(workers=True), TypeError), (dict(workers=2.0), TypeError),
+    (dict(timeout=INF), ValueError), (dict(timeout="5"), TypeError), (dict(max_crashes=0), ValueError),
+    (dict(start_method="thread"), ValueError), (dict(cancel_running="maybe"), ValueError),
+    (dict(cache_dir=""), ValueError), (dict(cache_dir=3), TypeError), (dict(event_log=""), ValueError),
+    (dict(on_event=5), TypeError), (dict(config="workers=2"), TypeError), (dict(executor=5), TypeError),
+    (dict(executor=cf.ThreadPoolExecutor, max_crashes=0), ValueError),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "exc"), BAD_SCHEDULER_ARGUMENTS, ids=[repr(k) for k, _ in BAD_SCHEDULER_ARGUMENTS])
+def test_bad_scheduler_arguments_are_refused_before_anything_starts(kwargs, exc):
+    before = child_pids()
+    with pytest.raises(exc) as info:
+        aiocompile.Scheduler(**kwargs)
+    assert type(info.value) is exc
+    assert not (child_pids() - before)  # nothing started
+
+
+# -- the coroutines' arguments --------------------------------------------------------------
+
+CALLS = {
+    "compile_triton": lambda sched, timeout: sched.compile_triton(
+        add_kernel, signature=ADD_SIGNATURE, constexprs={"BLOCK": 64}, target="cuda:80", timeout=timeout),
+    "compile_many": lambda sched, timeout: sched.compile_many([
+        {"kernel": add_kernel, "signature": ADD_SIGNATURE, "constexprs": {"BLOCK": 64}, "target": "cuda:80",
+         "timeout": timeout}]),
+    "run": lambda sched, timeout: sched.run(abs, -1, timeout=timeout),
+    "warmup": lambda sched, timeout: sched.warmup(add_kernel, 1, 2, 3, 4, BLOCK=64, target="cuda:80",
+                                                  timeout=timeout),
+    "inductor_triton": lambda sched, timeout: sched.inductor_triton("kernel", "source", timeout=timeout),
+}
+
+
+async def _still_serving(sched):
+    """The scheduler answers a good request after the bad ones, its supervisor alive."""
+    assert not sched.closed
+    with anyio.fail_after(60):
+        assert await sched.run(abs, -7) == 7
+    stats = sched.statistics()
+    assert (stats.submitted, stats.failed, stats.workers_started) == (1, 0, 1)
+
+
+@pytest.mark.parametrize("call", list(CALLS))
+async def test_a_bad_timeout_is_refused_by_every_coroutine_before_anything_counts(call):
+    before = child_pids()
+    sched = aiocompile.Scheduler(config=NO_PRELOAD)
+    try:
+        for timeout, exc in BAD_TIMEOUTS:
+            with pytest.raises(exc, match="timeout") as info:
+                await CALLS[call](sched, timeout)
+            assert repr(timeout) in str(info.value)
+        stats = sched.statistics()
+        assert (stats.submitted, stats.workers_started) == (0, 0)
+        assert not (child_pids() - before)  # nothing started
+        await _still_serving(sched)
+    finally:
+        await sched.aclose()
+
+
+async def test_run_refuses_what_is_not_callable_before_anything_counts():
+    sched = aiocompile.Scheduler(config=NO_PRELOAD)
+    try:
+        for fn in (5, None, "abs"):
+            with pytest.raises(TypeError, match="fn must be callable") as info:
+                await sched.run(fn)
+            assert repr(fn) in str(info.value)
+        assert sched.records() == []
+        stats = sched.statistics()
+        assert (stats.submitted, stats.failed, stats.workers_started) == (0, 0, 0)
+        await _still_serving(sched)
+    finally:
+        await sched.aclose()
+
+
+@pytest.mark.parametrize(("grace", "exc"), [(NAN, ValueError), ("1", TypeError), (-1, ValueError),
+                                            (INF, ValueError), (True, TypeError)])
+async def test_aclose_with_a_bad_grace_raises_at_once_and_a_later_aclose_closes(grace, exc):
+    before = child_pids()
+    sched = aiocompile.Scheduler(config=NO_PRELOAD)
+    assert await sched.run(abs, -1) == 1
+    mine = child_pids() - before  # its fork server and worker
+    assert mine
+    with anyio.fail_after(10):
+        with pytest.raises(exc, match="grace"):
+            await sched.aclose(grace=grace)
+    with pytest.raises(exc, match="grace"):
+        sched.close(grace=grace)
+    assert not sched.closed
+    with anyio.fail_after(60):
+        assert await sched.run(abs, -2) == 2
+        await sched.aclose()
+    assert sched.closed and not alive(mine)
+
+
+# -- the pools ----------------------------------------------------------------------------
+
+BAD_POOL_ARGUMENTS = [
+    (dict(max_workers=0), ValueError), (dict(max_workers=True), TypeError), (dict(max_workers=1.5), TypeError),
+    (dict(max_crashes=0), ValueError), (dict(max_crashes="2"), TypeError), (dict(idle_timeout=INF), ValueError),
+    (dict(idle_timeout=NAN), ValueError), (dict(idle_timeout=0), ValueError), (dict(max_worker_rss=0), ValueError),
+    (dict(worker_nice=20), ValueError), (dict(worker_nice=True), TypeError), (dict(start_method="thread"), ValueError),
+    (dict(preload="jobs"), TypeError),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "exc"), BAD_POOL_ARGUMENTS, ids=[repr(k) for k, _ in BAD_POOL_ARGUMENTS])
+def test_a_pool_refuses_bad_arguments(kwargs, exc):
+    kwargs = {"max_workers": 1, **kwargs}
+    with pytest.raises(exc) as info:
+        WorkerPool(kwargs.pop("max_workers"), **kwargs)
+    assert type(info.value) is exc
+
+
+def test_a_pool_refuses_bad_job_and_shutdown_arguments_and_carries_on():
+    pool = WorkerPool(1)
+    try:
+        assert pool.submit(abs, -1).result(timeout=60) == 1
+        for bad, exc in ((dict(max_crashes=0), ValueError), (dict(max_crashes=1.5), TypeError),
+                         (dict(timeout=INF), ValueError)):
+            with pytest.raises(exc):
+                pool.submit_job(abs, (-2,), **bad)
+        for grace, exc in ((NAN, ValueError), ("1", TypeError), (INF, ValueError)):
+            with pytest.raises(exc, match="grace"):
+                pool.shutdown(grace=grace)
+        assert not pool.closed
+        assert pool.submit(abs, -3).result(timeout=60) == 3
+    finally:
+        pool.shutdown(grace=1)
+    assert pool.closed
+
+
+def test_a_foreign_pool_refuses_bad_arguments():
+    with cf.ThreadPoolExecutor(1) as executor:
+        for bad, exc in ((0, ValueError), (True, TypeError), (2.0, TypeError)):
+            with pytest.raises(exc, match="max_crashes"):
+                ForeignPool(executor, max_crashes=bad)
+        pool = ForeignPool(executor)
+        with pytest.raises(ValueError, match="timeout"):
+            pool.submit_job(abs, (-1,), timeout=INF)
+        with pytest.raises(ValueError, match="grace"):
+            pool.shutdown(grace=NAN)
+        assert pool.submit_job(abs, (-1,)).future.result(timeout=60) == 1
+        pool.shutdown()
+
+
+# -- durations at their extremes ------------------------------------------------------------
+
+
+async def test_durations_at_their_largest_work():
+    config = aiocompile.SchedulerConfig(workers=1, preload=(), timeout=MAX_SECONDS, idle_timeout=MAX_SECONDS,
+                                        close_grace=MAX_SECONDS, error_ttl=MAX_SECONDS)
+    sched = aiocompile.Scheduler(config=config)
+    with anyio.fail_after(60):
+        assert await sched.run(abs, -1) == 1
+        # The supervisor now waits for the idle worker's deadline, MAX_SECONDS away.
+        await anyio.sleep(0.3)
+        assert await sched.run(jobs.sleep_then, 0.2, 2, timeout=MAX_SECONDS) == 2
+        await sched.aclose(grace=MAX_SECONDS)
+    stats = sched.statistics()
+    assert (stats.submitted, stats.failed, stats.workers_started, stats.worker_crashes) == (2, 0, 1, 0)
+
+
+async def test_durations_at_their_smallest_work():
+    config = aiocompile.SchedulerConfig(workers=1, preload=(), idle_timeout=1e-6, close_grace=0)
+    sched = aiocompile.Scheduler(config=config)
+    try:
+        with anyio.fail_after(60):
+            assert await sched.run(abs, -1) == 1
+            while sched.statistics().workers_idle_stopped < 1:
+                await anyio.sleep(0.01)
+            assert await sched.run(abs, -2) == 2  # on a new worker
+            with pytest.raises(aiocompile.CompileTimeout):
+                await sched.run(time.sleep, 30, timeout=1e-9)
+            assert await sched.run(abs, -3) == 3
+        stats = sched.statistics()
+        assert stats.workers_started >= 2 and stats.timeouts == 1 and stats.worker_crashes == 0
+    finally:
+        with anyio.fail_after(60):
+            await sched.aclose()

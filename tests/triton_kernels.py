@@ -31,3 +31,22 @@ def axpy_kernel(x_ptr, y_ptr, out_ptr, alpha, n, BLOCK: tl.constexpr, SQUARE: tl
     if SQUARE:
         x = x * x
     tl.store(out_ptr + offsets, alpha * x + tl.load(y_ptr + offsets, mask=mask), mask=mask)
+
+
+@triton.jit
+def _check_even(N: tl.constexpr):
+    tl.static_assert(N % 2 == 0, "N must be even")
+
+
+@triton.jit
+def _doubled(x, N: tl.constexpr):
+    _check_even(N)
+    return x * 2
+
+
+@triton.jit
+def even_kernel(x_ptr, N: tl.constexpr):
+    # A helper of a helper refuses an odd N: Triton's error for the kernel points at the
+    # call of _doubled; the reason is two causes down.
+    offsets = tl.arange(0, 16)
+    tl.store(x_ptr + offsets, _doubled(tl.load(x_ptr + offsets), N))

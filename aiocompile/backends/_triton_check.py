@@ -6,6 +6,7 @@ bad input is refused at once even where Triton is not imported yet.
 
 from __future__ import annotations
 
+import inspect
 import pickle
 import re
 from collections.abc import Mapping
@@ -119,7 +120,11 @@ def normalize(
     signature: Any,
     constexprs: Any,
     attrs: Any,
+    defaulted: tuple[str, ...] = (),
 ) -> tuple[Signature, Constexprs, Attrs]:
+    """The arguments in canonical form. ``defaulted`` names the constexpr arguments with
+    a default value in the kernel's signature: one given no value is typed "constexpr"
+    here and left out of the constexprs, for ``fill_defaults`` to give it its default."""
     if not isinstance(signature, Mapping):
         raise TypeError(f"signature must be a mapping of argument name to type, got {type(signature).__name__}")
     if constexprs is not None and not isinstance(constexprs, Mapping):
@@ -141,17 +146,20 @@ def normalize(
             full_signature.append((arg, "constexpr"))
             continue
         if arg not in signature:
+            if arg in defaulted:
+                full_signature.append((arg, "constexpr"))
+                continue
             raise ValueError(f"missing type for argument {arg!r} of {name}: add it to signature= (or constexprs=)")
         ty = signature[arg]
         check_type(arg, ty)
         if ty == "constexpr":
+            if arg in defaulted:
+                full_signature.append((arg, "constexpr"))
+                continue
             raise ValueError(f"argument {arg!r} is typed 'constexpr' but has no value in constexprs=")
         full_signature.append((arg, ty))
     for arg, value in constexprs.items():
-        try:
-            pickle.dumps(value)
-        except Exception as exc:
-            raise TypeError(f"the value of constexpr {arg!r} cannot be sent to a worker: {exc}") from None
+        _check_picklable(arg, value)
     norm_attrs = []
     if attrs is not None:
         if not isinstance(attrs, Mapping):
@@ -169,3 +177,36 @@ def normalize(
             norm_attrs.append((arg, tuple(pairs)))
     ordered_constexprs = tuple((arg, constexprs[arg]) for arg in arg_names if arg in constexprs)
     return tuple(full_signature), ordered_constexprs, tuple(sorted(norm_attrs))
+
+
+def constexpr_defaults(fn: Any) -> tuple[str, ...]:
+    """The constexpr arguments of ``fn`` (a ``JITFunction``) that have a default value."""
+    return tuple(p.name for p in fn.params if p.is_constexpr and p.default is not inspect.Parameter.empty)
+
+
+def fill_defaults(name: str, fn: Any, signature: Signature, constexprs: Constexprs) -> Constexprs:
+    """``constexprs`` and, for each constexpr argument ``normalize`` left without a value,
+    its default from ``fn``'s signature: the value Triton's JIT passes for an argument a
+    launch leaves out, and the one the key must hash, so that leaving it out and giving
+    it are one kernel."""
+    given = dict(constexprs)
+    missing = [arg for arg, ty in signature if ty == "constexpr" and arg not in given]
+    if not missing:
+        return constexprs
+    params = {p.name: p for p in fn.params}
+    for arg in missing:
+        param = params.get(arg)
+        if param is None or not param.is_constexpr or param.default is inspect.Parameter.empty:
+            # The kernel executed is not what its text said (a TritonSource whose
+            # annotation names another constexpr, say).
+            raise ValueError(f"missing type for argument {arg!r} of {name}: add it to signature= (or constexprs=)")
+        _check_picklable(arg, param.default)
+        given[arg] = param.default
+    return tuple((arg, given[arg]) for arg, _ in signature if arg in given)
+
+
+def _check_picklable(arg: str, value: Any) -> None:
+    try:
+        pickle.dumps(value)
+    except Exception as exc:
+        raise TypeError(f"the value of constexpr {arg!r} cannot be sent to a worker: {exc}") from None

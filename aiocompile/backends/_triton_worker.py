@@ -119,6 +119,31 @@ def _format_error(exc: BaseException) -> str:
     return text if name in ("CompilationError",) or text.startswith(name) else f"{name}: {text}"
 
 
+def _format_chain(exc: BaseException) -> str:
+    """``exc``'s message followed by those of its causes. Triton reports a failure inside
+    a ``@jit`` helper as an error pointing at the helper's call site; the helper's own
+    error, which says what went wrong ("N must be even"), is only its ``__cause__``, and
+    a traceback does not cross to the parent."""
+    parts = [_format_error(exc)]
+    seen = {id(exc)}
+    link = exc
+    for _ in range(16):
+        if link.__cause__ is not None:
+            how, following = "caused by", link.__cause__
+        elif link.__context__ is not None and not link.__suppress_context__:
+            how, following = "while handling", link.__context__
+        else:
+            break
+        if id(following) in seen:
+            break
+        link = following
+        seen.add(id(link))
+        text = _format_error(link)
+        if not any(text in part for part in parts):
+            parts.append(f"{how} {text}")
+    return "\n\n".join(parts)
+
+
 def compile_kernel(spec: Any) -> dict[str, Any]:
     """Compile one ``TritonSpec``; returns the artifact as plain data (text and bytes)."""
     import triton
@@ -139,7 +164,7 @@ def compile_kernel(spec: Any) -> dict[str, Any]:
     except CompileError:
         raise
     except Exception as exc:
-        raise CompileError(_format_error(exc), kernel_name=spec.name, key=spec.key, target=str(spec.target)) from None
+        raise CompileError(_format_chain(exc), kernel_name=spec.name, key=spec.key, target=str(spec.target)) from None
     metadata_path = next(Path(p) for name, p in compiled.metadata_group.items() if name.endswith(".json"))
     asm = {ext: value for ext, value in compiled.asm.items() if isinstance(value, (str, bytes))}
     return {

@@ -35,7 +35,7 @@ from typing import Any
 from aiocompile._errors import CompileError
 from aiocompile._target import Target, parse_target
 from aiocompile.backends import BackendContext, Request, _triton_worker
-from aiocompile.backends._triton_check import check_options, normalize
+from aiocompile.backends._triton_check import check_options, constexpr_defaults, fill_defaults, normalize
 from aiocompile.backends._triton_kernel import TritonKernel
 from aiocompile.backends._triton_ship import KernelRef, SourceBundle, SourceModule, exec_source_module, ship, unwrap_jit
 
@@ -75,12 +75,13 @@ class TritonSource:
     """A Triton kernel given as the text of a module: ``TritonSource(text, "kernel_name")``.
 
     The text is a whole module (with its own imports); ``name`` is the ``@triton.jit``
-    function in it to compile. It is checked here, at once: it must parse and define
-    ``name`` at module level. To compute the kernel's key, the module is also executed in
-    this process (off the event loop), as importing it would.
+    function in it to compile. It is checked here, at once: it must parse, define
+    ``name`` at module level, and import nothing relatively (it belongs to no package).
+    To compute the kernel's key, the module is also executed in this process (off the
+    event loop), as importing it would.
     """
 
-    __slots__ = ("source", "name", "filename", "arg_names", "digest", "__weakref__")
+    __slots__ = ("source", "name", "filename", "arg_names", "defaulted", "digest", "__weakref__")
 
     def __init__(self, source: str, name: str, *, filename: str | None = None) -> None:
         if not isinstance(source, str):
@@ -94,12 +95,28 @@ class TritonSource:
         func = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
         if func is None:
             raise ValueError(f"TritonSource defines no top-level function {name!r}")
+        relative = next((n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level), None)
+        if relative is not None:
+            # Executed here and in workers as a module of its own, in no package, it has
+            # nothing to be relative to: Python's own error would name no fix.
+            raise ValueError(
+                f"TritonSource for {name!r} has a relative import on line {relative.lineno} "
+                f"({ast.unparse(relative)!r}): a TritonSource is executed as a standalone module, not part of a "
+                "package; import installed modules by their absolute names, or put the helper in the text"
+            )
         args = func.args
         self.source = source
         self.name = name
         self.digest = hashlib.sha256(source.encode()).hexdigest()
         self.filename = filename or f"<aiocompile-source-{name}-{self.digest[:12]}>"
-        self.arg_names = tuple(a.arg for a in args.posonlyargs + args.args)
+        positional = args.posonlyargs + args.args
+        self.arg_names = tuple(a.arg for a in positional)
+        # Read from the text, as Triton reads annotations (the word "constexpr" in them),
+        # so that checking a request need not execute the module; the values come from
+        # the executed kernel (``fill_defaults``).
+        with_default = positional[len(positional) - len(args.defaults):]
+        self.defaulted = tuple(a.arg for a in with_default
+                               if a.annotation is not None and "constexpr" in ast.unparse(a.annotation))
 
     def __repr__(self) -> str:
         return f"TritonSource(name={self.name!r}, {len(self.source)} characters)"
@@ -388,15 +405,16 @@ class TritonBackend:
         parsed_target = parse_target(target)
         check_options(options, parsed_target)
         if isinstance(kernel, TritonSource):
-            name, arg_names = kernel.name, kernel.arg_names
+            name, arg_names, defaulted = kernel.name, kernel.arg_names, kernel.defaulted
         else:
             if "triton" not in sys.modules:
                 raise TypeError(
                     f"kernel must be a @triton.jit function or aiocompile.TritonSource, got {type(kernel).__name__}"
                 )
             fn = unwrap_jit(kernel)
-            name, arg_names = fn.__name__, tuple(fn.arg_names)
-        full_signature, ordered_constexprs, norm_attrs = normalize(name, arg_names, signature, constexprs, attrs)
+            name, arg_names, defaulted = fn.__name__, tuple(fn.arg_names), constexpr_defaults(fn)
+        full_signature, ordered_constexprs, norm_attrs = normalize(name, arg_names, signature, constexprs, attrs,
+                                                                   defaulted)
         norm_options = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in options.items()))
         return _Checked(kernel, name, arg_names, full_signature, ordered_constexprs, norm_attrs, norm_options,
                         parsed_target, options, memo)
@@ -406,7 +424,8 @@ class TritonBackend:
         assert checked.target is not None
         with self._keys_lock:
             known = self._kernel(checked.kernel)
-            spec = TritonSpec(known.ref, checked.name, checked.arg_names, checked.signature, checked.constexprs,
+            constexprs = fill_defaults(checked.name, known.fn, checked.signature, checked.constexprs)
+            spec = TritonSpec(known.ref, checked.name, checked.arg_names, checked.signature, constexprs,
                               checked.attrs, checked.options, checked.target, key="")
             request = self._request(TritonSpec(**{**spec.__dict__, "key": self._key(known.fn, spec)}))
             if checked.memo is not None:

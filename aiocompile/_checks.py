@@ -1,0 +1,245 @@
+"""Checking settings and arguments where they come in, by one set of rules.
+
+Every number, choice, path and callable that aiocompile takes from its caller (a
+``SchedulerConfig`` field, an environment variable, a keyword argument of a public method
+or of a pool's constructor) is checked by a rule from here, once, where it comes in; the
+code behind trusts what passed. That matters most for the pool's supervisor thread: a bad
+number found there (a wait of NaN or infinite seconds) stops it, and every job with it.
+
+The rules are the same everywhere:
+
+- the wrong type raises ``TypeError``: a string where a number is meant, a float where
+  an integer is meant, ``True``/``False`` where any number is meant (an int is fine where
+  a float is meant);
+- a value of the right type that makes no sense raises ``ValueError``: NaN, an infinity,
+  a number out of range, an empty path, a name that is not one of the choices;
+- the message names the setting and the value, and says what ``None`` would mean where
+  it is allowed ("use None for no limit").
+
+A rule is a small frozen value: ``rule.check(setting, value)`` returns the value in the
+form the rest of the code reads (a path as ``str``, an integer as ``int``) or raises;
+``rule.parse(setting, text)`` does the same for the text of an environment variable.
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "CALL_TIMEOUT", "CLOSE_GRACE", "CRASHES", "IDLE_TIMEOUT", "JOB_TIMEOUT", "MAX_SECONDS", "NICE", "POOL_GRACE",
+    "PRELOAD", "RSS", "START_METHOD", "WORKERS", "Choice", "FilePath", "Flag", "Modules", "Number", "Rule",
+    "check_callable",
+]
+
+MAX_SECONDS = 1_000_000
+"""The longest duration any setting takes, about 11.6 days. The pool's supervisor waits
+for its next deadline with ``poll()``, whose timeout is a C int of milliseconds (24.8 days
+at most): a longer wait raises ``OverflowError`` in that thread. Where no limit is meant,
+``None`` says so."""
+
+_FALSE_WORDS = ("0", "false", "no", "off")
+_TRUE_WORDS = ("1", "true", "yes", "on")
+
+
+class Rule:
+    """What a setting takes; see the module docstring."""
+
+    none: str | None = None
+    """What ``None`` means for this setting, or None where ``None`` is refused."""
+
+    def what(self) -> str:
+        raise NotImplementedError
+
+    def describe(self, unset: str = "use None") -> str:
+        """What the setting takes, for messages; ``unset`` is how a caller asks for what
+        ``None`` means (an environment variable is left unset instead)."""
+        if self.none is None:
+            return self.what()
+        return f"{self.what()} ({unset} for {self.none})"
+
+    def check(self, setting: str, value: Any, *, unset: str = "use None") -> Any:
+        if value is None:
+            if self.none is not None:
+                return None
+            raise self.wrong_type(setting, value, unset)
+        return self._check(setting, value, unset)
+
+    def parse(self, setting: str, text: str) -> Any:
+        """The value an environment variable's (stripped, non-empty) text stands for."""
+        return self.check(setting, text, unset="leave it unset")
+
+    def _check(self, setting: str, value: Any, unset: str) -> Any:
+        raise NotImplementedError
+
+    def wrong_type(self, setting: str, value: Any, unset: str = "use None") -> TypeError:
+        return TypeError(f"{setting} must be {self.describe(unset)}, got {value!r} ({type(value).__name__})")
+
+    def bad_value(self, setting: str, value: Any, unset: str = "use None") -> ValueError:
+        return ValueError(f"{setting} must be {self.describe(unset)}, got {value!r}")
+
+
+def _is_number(value: object, integer: bool) -> bool:
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, numbers.Integral if integer else numbers.Real)
+
+
+def _number_text(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(x)
+
+
+@dataclass(frozen=True)
+class Number(Rule):
+    """A finite real number (or an integer), within bounds."""
+
+    integer: bool = False
+    above: float | None = None
+    """Exclusive lower bound."""
+    at_least: float | None = None
+    at_most: float | None = None
+    unit: str = ""
+    none: str | None = None
+
+    def what(self) -> str:
+        noun = ("an integer number" if self.unit else "an integer") if self.integer else "a number"
+        if self.unit:
+            noun += f" of {self.unit}"
+        if self.at_least is not None and self.at_most is not None:
+            return f"{noun} from {_number_text(self.at_least)} to {_number_text(self.at_most)}"
+        bounds = []
+        if self.above is not None:
+            bounds.append(f"> {_number_text(self.above)}")
+        if self.at_least is not None:
+            bounds.append(f">= {_number_text(self.at_least)}")
+        if self.at_most is not None:
+            bounds.append(f"at most {_number_text(self.at_most)}")
+        return f"{noun} {' and '.join(bounds)}" if bounds else noun
+
+    def _check(self, setting: str, value: Any, unset: str) -> Any:
+        if not _is_number(value, self.integer):
+            raise self.wrong_type(setting, value, unset)
+        if self.integer:
+            value = int(value)
+        elif not isinstance(value, (int, float)):
+            value = float(value)
+        # Plain comparisons only: they are exact for huge ints too (math.isnan would
+        # overflow), and NaN, which compares false with everything, is caught first.
+        if value != value or value in (float("inf"), float("-inf")) or not self._in_range(value):
+            raise self.bad_value(setting, value, unset)
+        return value
+
+    def _in_range(self, value: float) -> bool:
+        return ((self.above is None or value > self.above)
+                and (self.at_least is None or value >= self.at_least)
+                and (self.at_most is None or value <= self.at_most))
+
+    def parse(self, setting: str, text: str) -> Any:
+        # The message shows the text as it was given, whatever was wrong with it.
+        try:
+            return self.check(setting, int(text) if self.integer else float(text), unset="leave it unset")
+        except ValueError:
+            raise self.bad_value(setting, text, "leave it unset") from None
+
+
+@dataclass(frozen=True)
+class Choice(Rule):
+    """One of a few values, all of one type (names, or warp sizes)."""
+
+    values: tuple[Any, ...]
+    none: str | None = None
+
+    def what(self) -> str:
+        shown = [repr(v) for v in self.values]
+        return shown[0] if len(shown) == 1 else f"{', '.join(shown[:-1])} or {shown[-1]}"
+
+    def _check(self, setting: str, value: Any, unset: str) -> Any:
+        kind = type(self.values[0])
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+            raise self.wrong_type(setting, value, unset)
+        if value not in self.values:
+            raise self.bad_value(setting, value, unset)
+        return value
+
+
+@dataclass(frozen=True)
+class Flag(Rule):
+    """True or False; in the environment, 0/1, true/false, yes/no, on/off."""
+
+    def what(self) -> str:
+        return "True or False"
+
+    def _check(self, setting: str, value: Any, unset: str) -> Any:
+        if not isinstance(value, bool):
+            raise self.wrong_type(setting, value, unset)
+        return value
+
+    def parse(self, setting: str, text: str) -> Any:
+        word = text.lower()
+        if word not in _TRUE_WORDS + _FALSE_WORDS:
+            raise ValueError(f"{setting} must be one of {', '.join(_TRUE_WORDS + _FALSE_WORDS)}, got {text!r}")
+        return word in _TRUE_WORDS
+
+
+@dataclass(frozen=True)
+class FilePath(Rule):
+    """A file or directory name: a non-empty ``str`` or ``os.PathLike``, kept as ``str``."""
+
+    none: str | None = None
+
+    def what(self) -> str:
+        return "a non-empty path"
+
+    def _check(self, setting: str, value: Any, unset: str) -> Any:
+        if not isinstance(value, (str, os.PathLike)):
+            raise self.wrong_type(setting, value, unset)
+        text = os.fspath(value)
+        if not isinstance(text, str):  # a bytes path: every path aiocompile keeps is text
+            raise self.wrong_type(setting, value, unset)
+        if not text.strip():
+            raise self.bad_value(setting, value, unset)
+        return text
+
+
+_ENTRY = re.compile(r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*(?::[A-Za-z_]\w*)?$")
+
+
+@dataclass(frozen=True)
+class Modules(Rule):
+    """A tuple of preload entries, ``"module"`` or ``"module:function"``."""
+
+    def what(self) -> str:
+        return "a tuple of 'module' or 'module:function' names"
+
+    def _check(self, setting: str, value: Any, unset: str) -> Any:
+        # A lone string would be taken apart letter by letter.
+        if not isinstance(value, (tuple, list)) or not all(isinstance(entry, str) for entry in value):
+            raise self.wrong_type(setting, value, unset)
+        for entry in value:
+            if not _ENTRY.match(entry):
+                raise ValueError(f"{setting} must be {self.what()}, got {value!r} (whose {entry!r} is not one)")
+        return tuple(value)
+
+
+def check_callable(setting: str, value: Any) -> Any:
+    if not callable(value):
+        raise TypeError(f"{setting} must be callable, got {value!r} ({type(value).__name__})")
+    return value
+
+
+WORKERS = Number(integer=True, at_least=1)
+CRASHES = Number(integer=True, at_least=1)
+NICE = Number(integer=True, at_least=0, at_most=19)
+RSS = Number(integer=True, above=0, unit="bytes", none="no limit")
+START_METHOD = Choice(("forkserver", "spawn", "fork"), none="the best start method here")
+PRELOAD = Modules()
+JOB_TIMEOUT = Number(above=0, at_most=MAX_SECONDS, unit="seconds", none="no limit")
+"""A job's timeout where ``None`` means none (a config, a pool's job)."""
+CALL_TIMEOUT = Number(above=0, at_most=MAX_SECONDS, unit="seconds", none="the scheduler's timeout")
+"""A request's ``timeout=``: ``None`` means the scheduler's."""
+IDLE_TIMEOUT = Number(above=0, at_most=MAX_SECONDS, unit="seconds", none="no limit")
+CLOSE_GRACE = Number(at_least=0, at_most=MAX_SECONDS, unit="seconds", none="the configuration's close_grace")
+POOL_GRACE = Number(at_least=0, at_most=MAX_SECONDS, unit="seconds", none="no limit")
