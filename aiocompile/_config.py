@@ -16,6 +16,9 @@ AIOCOMPILE_MAX_WORKER_RSS  bytes of resident memory after which a worker is repl
 AIOCOMPILE_IDLE_TIMEOUT    seconds after which an idle worker is stopped (default: never)
 AIOCOMPILE_CACHE_DIR       directory of the disk cache shared by processes (default: none)
 AIOCOMPILE_CACHE_DIR_BYTES bound of that directory in bytes (default: 4 GiB)
+AIOCOMPILE_CACHE_KEY       secret that signs the directory's entries: only entries
+                           signed with it are loaded (default: none: entries unsigned,
+                           the directory used only if no other user can write it)
 AIOCOMPILE_EVENT_LOG       JSON-lines file every record and worker event is appended to
                            (default: none)
 AIOCOMPILE_COST_HISTORY    JSON file of compile times, for starting a batch's longest
@@ -83,6 +86,12 @@ class SchedulerConfig:
     """A directory where compiled results are kept across processes and restarts."""
     cache_dir_bytes: int | None = 4 * 1024 * 1024 * 1024
     """Bound of ``cache_dir``; least recently used files go first."""
+    cache_key: bytes | str | None = field(default=None, repr=False)
+    """A secret (bytes, or text taken as UTF-8) that signs every entry written to
+    ``cache_dir`` (HMAC-SHA256); with it, an entry not signed with it is never loaded, and
+    a directory owned by another user may be read for its signed entries. Never shown in
+    ``repr``. None: entries are unsigned, and only a directory that no other user can
+    write is used."""
     close_grace: float = 5.0
     """Seconds running jobs get to finish in ``aclose()`` before their workers are killed."""
     cancel_running: str = "keep"
@@ -103,7 +112,8 @@ class SchedulerConfig:
     cost_history: str | None = None
     """A JSON file of how long each kernel took to compile, read by later processes so that
     ``compile_many`` starts the longest compiles first. None: ``costs.json`` in
-    ``cache_dir`` if there is one, else the history lasts as long as the scheduler."""
+    ``cache_dir`` if there is one and it is trusted (written only if it is writable), else
+    the history lasts as long as the scheduler."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 1:
@@ -134,6 +144,9 @@ class SchedulerConfig:
             raise ValueError(f"metrics must be True or False, got {self.metrics!r}")
         if self.cache_dir_bytes is not None and self.cache_dir_bytes <= 0:
             raise ValueError(f"cache_dir_bytes must be positive, got {self.cache_dir_bytes!r}")
+        if self.cache_key is not None and (not isinstance(self.cache_key, (bytes, str)) or not self.cache_key):
+            # The value itself stays out of the message: it is a secret.
+            raise ValueError(f"cache_key must be non-empty bytes or str, got a {type(self.cache_key).__name__}")
 
     def with_changes(self, **changes: Any) -> SchedulerConfig:
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
@@ -161,6 +174,8 @@ class SchedulerConfig:
         changes["idle_timeout"] = number("AIOCOMPILE_IDLE_TIMEOUT", float)
         changes["cache_dir"] = environ.get("AIOCOMPILE_CACHE_DIR", "").strip() or None
         changes["cache_dir_bytes"] = number("AIOCOMPILE_CACHE_DIR_BYTES", int)
+        # Stripped like every other value: a secret read from a file often ends in a newline.
+        changes["cache_key"] = environ.get("AIOCOMPILE_CACHE_KEY", "").strip() or None
         changes["event_log"] = environ.get("AIOCOMPILE_EVENT_LOG", "").strip() or None
         changes["cost_history"] = environ.get("AIOCOMPILE_COST_HISTORY", "").strip() or None
         changes["worker_nice"] = number("AIOCOMPILE_WORKER_NICE", int)

@@ -120,7 +120,7 @@ class Scheduler:
             )
         self._cache = KernelCache(self.config.cache_entries, self.config.cache_bytes, self.config.error_ttl)
         self._disk = None if self.config.cache_dir is None else DiskCache(
-            self.config.cache_dir, self.config.cache_dir_bytes)
+            self.config.cache_dir, self.config.cache_dir_bytes, self.config.cache_key)
         self._metrics = Metrics()
         self._events = EventHub(event_log=self.config.event_log if self.config.metrics else None,
                                 on_event=on_event)
@@ -128,8 +128,9 @@ class Scheduler:
             self._pool.on_event = self._events.emit
             self._pool.job_events_wanted = self._events.job_events_wanted
         history, history_read_only = self.config.cost_history, False
-        if history is None and self._disk is not None and self._disk.access != "refused":
-            # Beside the kernels, and written only where they are.
+        if history is None and self._disk is not None and self._disk.trusted:
+            # Beside the kernels, under the same rules: read only from a trusted directory,
+            # written only where the kernels are.
             history = os.path.join(self._disk.directory, "costs.json")
             history_read_only = self._disk.access != "read-write"
         self._costs = CostHistory(history, read_only=history_read_only)
@@ -223,6 +224,7 @@ class Scheduler:
             "disk_writes": disk.writes if disk else 0,
             "disk_evictions": disk.evictions if disk else 0,
             "disk_corrupt": disk.corrupt if disk else 0,
+            "disk_refused": disk.refused if disk else 0,
             "disk_errors": disk.errors if disk else 0,
             "worker_crashes": counters.worker_crashes,
             "retries": counters.retries,

@@ -118,3 +118,16 @@ def test_config_from_env():
             aiocompile.SchedulerConfig(**bad)
     with pytest.raises(ValueError):
         aiocompile.SchedulerConfig.from_env({"AIOCOMPILE_WORKERS": "many"})
+
+
+def test_the_cache_key_is_a_secret():
+    config = aiocompile.SchedulerConfig(cache_key=b"hunter2-bytes")
+    assert "hunter2" not in repr(config) and "cache_key" not in repr(config)
+    assert aiocompile.SchedulerConfig(cache_key="text key").cache_key == "text key"
+    env = aiocompile.SchedulerConfig.from_env({"AIOCOMPILE_CACHE_KEY": " from the environment\n"})
+    assert env.cache_key == "from the environment" and "environment" not in repr(env)
+    assert aiocompile.SchedulerConfig.from_env({"AIOCOMPILE_CACHE_KEY": ""}).cache_key is None
+    for bad in (b"", "", 1234, bytearray(b"mutable")):
+        with pytest.raises(ValueError) as raised:
+            aiocompile.SchedulerConfig(cache_key=bad)
+        assert "mutable" not in str(raised.value)  # the value stays out of the message
