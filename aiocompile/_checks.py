@@ -31,7 +31,7 @@ from typing import Any
 
 __all__ = [
     "CALL_TIMEOUT", "CLOSE_GRACE", "CRASHES", "IDLE_TIMEOUT", "JOB_TIMEOUT", "MAX_SECONDS", "NICE", "POOL_GRACE",
-    "PRELOAD", "RSS", "START_METHOD", "WORKERS", "Choice", "FilePath", "Flag", "Modules", "Number", "Rule",
+    "PRELOAD", "RSS", "START_METHOD", "WORKERS", "Choice", "FilePath", "Flag", "Modules", "Number", "Rule", "Secret",
     "check_callable",
 ]
 
@@ -222,6 +222,23 @@ class Modules(Rule):
             if not _ENTRY.match(entry):
                 raise ValueError(f"{setting} must be {self.what()}, got {value!r} (whose {entry!r} is not one)")
         return tuple(value)
+
+
+@dataclass(frozen=True)
+class Secret(Rule):
+    """A secret: non-empty ``bytes`` or ``str``. Messages never show its value."""
+
+    none: str | None = None
+
+    def what(self) -> str:
+        return "non-empty bytes or str"
+
+    def _check(self, setting: str, value: Any, unset: str) -> Any:
+        if not isinstance(value, (bytes, str)):
+            raise TypeError(f"{setting} must be {self.describe(unset)}, got a {type(value).__name__}")
+        if not value:
+            raise ValueError(f"{setting} must be {self.describe(unset)}, got an empty {type(value).__name__}")
+        return value
 
 
 def check_callable(setting: str, value: Any) -> Any:

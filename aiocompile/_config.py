@@ -20,6 +20,9 @@ AIOCOMPILE_MAX_WORKER_RSS  bytes of resident memory after which a worker is repl
 AIOCOMPILE_IDLE_TIMEOUT    seconds after which an idle worker is stopped (default: never)
 AIOCOMPILE_CACHE_DIR       directory of the disk cache shared by processes (default: none)
 AIOCOMPILE_CACHE_DIR_BYTES bound of that directory in bytes (default: 4 GiB)
+AIOCOMPILE_CACHE_KEY       secret that signs the directory's entries: only entries
+                           signed with it are loaded (default: none: entries unsigned,
+                           the directory used only if no other user can write it)
 AIOCOMPILE_EVENT_LOG       JSON-lines file every record and worker event is appended to
                            (default: none)
 AIOCOMPILE_COST_HISTORY    JSON file of compile times, for starting a batch's longest
@@ -89,6 +92,12 @@ class SchedulerConfig:
     """A directory where compiled results are kept across processes and restarts."""
     cache_dir_bytes: int | None = 4 * 1024 * 1024 * 1024
     """Bound of ``cache_dir``; least recently used files go first."""
+    cache_key: bytes | str | None = field(default=None, repr=False)
+    """A secret (bytes, or text taken as UTF-8) that signs every entry written to
+    ``cache_dir`` (HMAC-SHA256); with it, an entry not signed with it is never loaded, and
+    a directory owned by another user may be read for its signed entries. Never shown in
+    ``repr``. None: entries are unsigned, and only a directory that no other user can
+    write is used."""
     close_grace: float = 5.0
     """Seconds running jobs get to finish in ``aclose()`` before their workers are killed."""
     cancel_running: str = "keep"
@@ -109,7 +118,8 @@ class SchedulerConfig:
     cost_history: str | None = None
     """A JSON file of how long each kernel took to compile, read by later processes so that
     ``compile_many`` starts the longest compiles first. None: ``costs.json`` in
-    ``cache_dir`` if there is one, else the history lasts as long as the scheduler."""
+    ``cache_dir`` if there is one and it is trusted (written only if it is writable), else
+    the history lasts as long as the scheduler."""
 
     def __post_init__(self) -> None:
         for name, rule in SETTINGS.items():
@@ -145,6 +155,7 @@ SETTINGS: dict[str, _checks.Rule] = {
     "error_ttl": _checks.Number(at_least=0, at_most=_checks.MAX_SECONDS, unit="seconds"),
     "cache_dir": _checks.FilePath(none="no disk cache"),
     "cache_dir_bytes": _checks.Number(integer=True, above=0, unit="bytes", none="no bound"),
+    "cache_key": _checks.Secret(none="no signing"),
     "close_grace": _checks.Number(at_least=0, at_most=_checks.MAX_SECONDS, unit="seconds"),
     "cancel_running": _checks.Choice(("keep", "kill")),
     "max_worker_rss": _checks.RSS,
@@ -166,6 +177,7 @@ ENVIRONMENT = (
     ("AIOCOMPILE_IDLE_TIMEOUT", "idle_timeout"),
     ("AIOCOMPILE_CACHE_DIR", "cache_dir"),
     ("AIOCOMPILE_CACHE_DIR_BYTES", "cache_dir_bytes"),
+    ("AIOCOMPILE_CACHE_KEY", "cache_key"),  # stripped: a secret read from a file often ends in a newline
     ("AIOCOMPILE_EVENT_LOG", "event_log"),
     ("AIOCOMPILE_COST_HISTORY", "cost_history"),
     ("AIOCOMPILE_METRICS", "metrics"),

@@ -32,8 +32,10 @@ Family = tuple[str, str, str]
 
 
 class CostHistory:
-    def __init__(self, path: str | None = None, limit: int = 20000) -> None:
+    def __init__(self, path: str | None = None, limit: int = 20000, read_only: bool = False) -> None:
         self.path = path
+        self.read_only = read_only
+        """Read the file, never write it (it is in a directory this process may not write)."""
         self.limit = limit
         self._lock = threading.Lock()
         self._costs: dict[str, list[Any]] = {}
@@ -91,7 +93,7 @@ class CostHistory:
 
     def save(self) -> None:
         """Write the history to its file, merged with what the file holds now (blocking)."""
-        if self.path is None:
+        if self.path is None or self.read_only:
             return
         with self._save_lock:
             self._save(self.path)

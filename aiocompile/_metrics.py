@@ -190,10 +190,23 @@ class Statistics:
     """Results in the memory cache now, and the bytes they hold."""
     cache_bytes: int = 0
     cache_evictions: int = 0
+    disk_access: str = "none"
+    """What the scheduler may do with ``cache_dir``: "read-write", "read-only" (not
+    writable here), "signed-only" (not trusted, read for entries signed with
+    ``cache_key``), "refused" (not trusted: neither read nor written), or "none" (no
+    ``cache_dir``)."""
     disk_writes: int = 0
     disk_evictions: int = 0
     disk_corrupt: int = 0
-    """Files of the disk cache that did not decode, deleted and recompiled."""
+    """Files of the disk cache that did not decode: never loaded, recompiled, and deleted
+    where the directory is writable."""
+    disk_refused: int = 0
+    """Files of the disk cache not trusted, never loaded, recompiled: owned by another
+    user, writable by group or others, not a regular file, or, with ``cache_key``, not
+    signed with it."""
+    disk_errors: int = 0
+    """Reads and writes of the disk cache that failed (permission, I/O, a full disk): a
+    read that failed is a miss, a write that failed leaves the kernel out of the directory."""
     worker_crashes: int = 0
     """Worker processes that died unasked."""
     retries: int = 0
@@ -340,7 +353,7 @@ class Metrics:
                 stage_seconds={name: d.histogram() for name, d in self.stages.items()},
             )
 
-    def snapshot(self, pool: dict[str, int]) -> Statistics:
+    def snapshot(self, pool: dict[str, Any]) -> Statistics:
         with self._lock:
             outcomes = dict(self.outcomes)
             return Statistics(

@@ -122,18 +122,21 @@ class Scheduler:
                 worker_nice=self.config.worker_nice,
             )
         self._cache = KernelCache(self.config.cache_entries, self.config.cache_bytes, self.config.error_ttl)
-        self._disk = None if self.config.cache_dir is None else DiskCache(self.config.cache_dir,
-                                                                          self.config.cache_dir_bytes)
+        self._disk = None if self.config.cache_dir is None else DiskCache(
+            self.config.cache_dir, self.config.cache_dir_bytes, self.config.cache_key)
         self._metrics = Metrics()
         self._events = EventHub(event_log=self.config.event_log if self.config.metrics else None,
                                 on_event=on_event)
         if self.config.metrics:
             self._pool.on_event = self._events.emit
             self._pool.job_events_wanted = self._events.job_events_wanted
-        history = self.config.cost_history
-        if history is None and self.config.cache_dir is not None:
-            history = os.path.join(self.config.cache_dir, "costs.json")
-        self._costs = CostHistory(history)
+        history, history_read_only = self.config.cost_history, False
+        if history is None and self._disk is not None and self._disk.trusted:
+            # Beside the kernels, under the same rules: read only from a trusted directory,
+            # written only where the kernels are.
+            history = os.path.join(self._disk.directory, "costs.json")
+            history_read_only = self._disk.access != "read-write"
+        self._costs = CostHistory(history, read_only=history_read_only)
         self._context = _Context(self)
         self._gates = Gates()
         self._triton = TritonBackend()
@@ -225,9 +228,12 @@ class Scheduler:
             "cache_entries": len(self._cache),
             "cache_bytes": self._cache.bytes,
             "cache_evictions": self._cache.evictions,
+            "disk_access": disk.access if disk else "none",
             "disk_writes": disk.writes if disk else 0,
             "disk_evictions": disk.evictions if disk else 0,
             "disk_corrupt": disk.corrupt if disk else 0,
+            "disk_refused": disk.refused if disk else 0,
+            "disk_errors": disk.errors if disk else 0,
             "worker_crashes": counters.worker_crashes,
             "retries": counters.retries,
             "timeouts": counters.timeouts,
@@ -609,38 +615,31 @@ class Scheduler:
         """Start the work for a new entry: a read of the disk cache if there is one for this
         kind of result, a job otherwise (or after a miss)."""
         disk = self._disk
-        if disk is not None and request.key is not None and request.decode is not None:
-            lookup = disk.submit(disk.get, request.key)
+        if disk is not None and disk.access != "refused" and request.key is not None and request.decode is not None:
+            lookup = disk.submit(disk.load, request.key, request.decode)
             lookup.add_done_callback(lambda done: self._after_disk(entry, request, timeout, done))
             return
         self._submit(entry, request, timeout)
 
-    def _after_disk(self, entry: Entry, request: Request, timeout: float | None, done: Any) -> None:
-        # In a disk cache thread.
-        assert self._disk is not None and request.key is not None and request.decode is not None
-        data = None if done.exception() else done.result()
-        if data is not None:
-            started = time.perf_counter()
-            try:
-                result = request.decode(data)
-                if getattr(result, "key", request.key) != request.key:
-                    raise ValueError("the file holds another key's result")
-            except ValueError:
-                self._disk.reject(request.key)
-            else:
-                entry.load_time = time.perf_counter() - started
+    def _after_disk(self, entry: Entry, request: Request, timeout: float | None, done: cf.Future[Any]) -> None:
+        # In a disk cache thread, as a done-callback: an exception escaping it would only be
+        # logged, and every request waiting on the entry would wait forever. So whatever
+        # goes wrong here fails those requests instead. (A file that cannot be used is not
+        # such a thing: load() answers a miss for it.)
+        try:
+            found = done.result()
+            if found is not None:
+                result, entry.load_time = found
                 entry.source = "disk"
                 self._complete(entry, request, result)
                 return
-        if self._cache.abandoned(entry):
-            # Everyone stopped waiting while the disk was read: no compile for nobody.
-            entry.future.cancel()
-            return
-        try:
+            if self._cache.abandoned(entry):
+                # Everyone stopped waiting while the disk was read: no compile for nobody.
+                entry.future.cancel()
+                return
             self._submit(entry, request, timeout)
         except BaseException as exc:
-            self._cache.discard(entry)
-            entry.future.set_exception(exc)
+            self._fail(entry, exc)
 
     def _submit(self, entry: Entry, request: Request, timeout: float | None) -> None:
         job = self._pool.submit_job(
@@ -667,13 +666,23 @@ class Scheduler:
                 self._cache.fail(entry, exc, remember)
                 entry.future.set_exception(exc)
                 return
-            self._complete(entry, request, result)
+            try:
+                self._complete(entry, request, result)
+            except BaseException as exc:  # a done-callback must not leave its waiters waiting
+                self._fail(entry, exc)
+                return
             disk = self._disk
             if disk is not None and request.key is not None and request.encode is not None:
-                encode, key = request.encode, request.key
-                disk.submit(lambda: disk.put(key, encode(result)))
+                encode = request.encode
+                disk.store(request.key, lambda: encode(result))
 
         job.future.add_done_callback(finish)
+
+    def _fail(self, entry: Entry, exc: BaseException) -> None:
+        """Fail an entry whose work went wrong outside the job itself (not remembered)."""
+        self._cache.discard(entry)
+        if not entry.future.done():
+            entry.future.set_exception(exc)
 
     def _complete(self, entry: Entry, request: Request, result: Any) -> None:
         self._cache.complete(entry, result, request.size(result) if request.size is not None else 0)

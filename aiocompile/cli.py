@@ -9,6 +9,12 @@ the same DIR compiles only what changed.
 
 KERNELS is a Python file or module whose ``KERNELS`` list holds ``compile_triton``'s
 keyword arguments per kernel, the kernel itself under ``"kernel"`` and a ``"label"``.
+
+Everything it writes is private to the user who runs it (directories 0700, files 0600),
+and, with ``AIOCOMPILE_CACHE_KEY`` set, every cache file is signed with that key (see
+docs/deployment.md). A DIR the build could not write to, or would not trust, stops it
+before anything is compiled.
+
 ``--events FILE`` appends every request's record and every worker event to FILE, a
 JSON-lines event log (``Scheduler(event_log=FILE)``).
 
@@ -26,7 +32,6 @@ import asyncio
 import importlib
 import importlib.util
 import json
-import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -34,7 +39,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from aiocompile._config import SETTINGS, SchedulerConfig
-from aiocompile._diskcache import DiskCache
+from aiocompile._diskcache import DiskCache, make_private_dir, write_private
 from aiocompile._errors import CompileError
 from aiocompile._scheduler import Scheduler
 from aiocompile._target import parse_target
@@ -112,6 +117,11 @@ async def _build(args: argparse.Namespace) -> int:
           f"({', '.join(targets)}) with {config.workers} workers", file=sys.stderr)
     started = time.perf_counter()
     async with Scheduler(config=config, cache_dir=out, event_log=args.events) as sched:
+        access = sched.statistics().disk_access
+        if access != "read-write":
+            # Kernels compiled into a directory that keeps none of them would be a build
+            # that ships nothing.
+            _usage_error(f"cannot build into {out}: the directory is {access} for this user (see the warning above)")
         show_progress = not args.no_progress and sys.stderr.isatty()
         results = await sched.compile_many([spec for _, _, spec in specs], progress=show_progress,
                                            return_exceptions=True)
@@ -126,10 +136,11 @@ async def _build(args: argparse.Namespace) -> int:
             failures.append((label, target, result))
             continue
         artifact = DiskCache.path_in(out, result.key)
+        make_private_dir(out / "binaries")
         directory = out / "binaries" / _target_dir(target)
-        directory.mkdir(parents=True, exist_ok=True)
+        make_private_dir(directory)
         binary = directory / f"{label}.{result.binary_ext}"
-        _write_atomic(binary, result.binary)
+        write_private(binary, result.binary)
         meta = result.metadata
         manifest.append({
             "label": label, "kernel": result.name, "target": target, "key": result.key,
@@ -143,8 +154,8 @@ async def _build(args: argparse.Namespace) -> int:
 
     from aiocompile import __version__
 
-    out.mkdir(parents=True, exist_ok=True)
-    _write_atomic(out / "manifest.json", json.dumps({
+    make_private_dir(out)
+    write_private(out / "manifest.json", json.dumps({
         "aiocompile": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "targets": targets, "kernels": manifest, "statistics": stats.to_dict(),
         "wall_time": round(wall, 6),
@@ -199,12 +210,6 @@ def _report(args: argparse.Namespace) -> int:
             _usage_error(str(exc))
         print(f"\ntimeline written to {args.timeline}")
     return 0
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def _print_summary(rows: list[Any], failures: list[Any], wall: float, stats: Any, workers: int, out: Path) -> None:

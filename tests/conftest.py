@@ -8,8 +8,12 @@ session-wide one (a ``Scheduler`` is not tied to an event loop) or makes its own
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
+import shutil
+import stat
+import subprocess
 import sys
 import tempfile
 import time
@@ -158,3 +162,36 @@ def wait_until(predicate, timeout=10.0, interval=0.02) -> bool:
             return True
         time.sleep(interval)
     return predicate()
+
+
+@contextlib.contextmanager
+def read_only_directory(path: Path):
+    """Make the directory tree at ``path`` read-only to this process for the block, for
+    real: by its modes when not root, by the immutable attribute (``chattr +i``) as root,
+    whom modes do not stop. Skips the test where root cannot set the attribute (no
+    ``chattr``, a file system without it, no CAP_LINUX_IMMUTABLE)."""
+    directories = [path, *(p for p in path.rglob("*") if p.is_dir() and not p.is_symlink())]
+    if os.geteuid() != 0:
+        modes = {d: stat.S_IMODE(d.stat().st_mode) for d in directories}
+        for d in directories:
+            os.chmod(d, 0o555)
+        try:
+            yield
+        finally:
+            for d in directories:
+                os.chmod(d, modes[d])
+        return
+    chattr = shutil.which("chattr")
+    if chattr is None:
+        pytest.skip("running as root, and there is no chattr to make a directory read-only")
+    made = []
+    try:
+        for d in directories:
+            proc = subprocess.run([chattr, "+i", str(d)], capture_output=True, text=True)
+            if proc.returncode != 0:
+                pytest.skip(f"running as root, and chattr +i does not work here: {proc.stderr.strip()}")
+            made.append(d)
+        yield
+    finally:
+        for d in made:
+            subprocess.run([chattr, "-i", str(d)], capture_output=True)

@@ -1,8 +1,11 @@
 """The CompiledTritonKernels cache: exact keys, single-flight, bounds, and the disk cache."""
 
+import hashlib
 import json
 import linecache
+import logging
 import os
+import struct
 import subprocess
 import sys
 import textwrap
@@ -10,10 +13,11 @@ import textwrap
 import anyio
 import jobs
 import pytest
-from conftest import ROOT, subprocess_env
+from conftest import ROOT, read_only_directory, subprocess_env
 from triton_kernels import ADD_SIGNATURE, add_kernel, type_error_kernel
 
 import aiocompile
+from aiocompile.backends import Request
 
 ADD = {"signature": ADD_SIGNATURE, "constexprs": {"BLOCK": 128}, "target": "cuda:80"}
 
@@ -324,6 +328,94 @@ async def test_a_damaged_file_is_discarded_and_recompiled_never_loaded(tmp_path,
     assert (stats.disk_corrupt, stats.disk_hits, stats.compiled) == (1, 0, 1)
     # The recompiled kernel replaced the damaged file.
     assert aiocompile.TritonKernel.from_bytes(path.read_bytes()).key == good.key
+
+
+def without_header_field(data, field):
+    """A Triton cache file's bytes with one field gone from its header and the checksum
+    made to match: whole bytes, from a writer that left something out."""
+    magic = b"AIOCOMPILE-TRITON\n"
+    body = data[len(magic) + 33:]
+    (length,) = struct.unpack_from("<I", body)
+    header = json.loads(body[4:4 + length])
+    del header[field]
+    encoded = json.dumps(header).encode()
+    body = struct.pack("<I", len(encoded)) + encoded + body[4 + length:]
+    return data[:len(magic) + 1] + hashlib.sha256(body).digest() + body
+
+
+def warnings_about(caplog, text):
+    return [r for r in caplog.records if r.name == "aiocompile" and r.levelno == logging.WARNING
+            and text in r.getMessage()]
+
+
+async def test_a_file_with_a_field_missing_from_its_header_is_compiled_not_waited_for(tmp_path, caplog):
+    async with aiocompile.Scheduler(workers=1, cache_dir=tmp_path) as sched:
+        good = await compile_add(sched)
+    path = tmp_path / good.key[:2] / f"{good.key}.aiok"
+    path.write_bytes(without_header_field(path.read_bytes(), "triton_hash"))
+    async with aiocompile.Scheduler(workers=1, cache_dir=tmp_path) as sched:
+        with anyio.fail_after(60):  # such a file once left its request, and every later one, waiting forever
+            first = await compile_add(sched)
+            later = await compile_add(sched)
+        stats = sched.statistics()
+    assert first is later and first.binary == good.binary
+    assert (stats.disk_corrupt, stats.disk_hits, stats.compiled, stats.cache_hits, stats.in_flight) == (1, 0, 1, 1, 0)
+    assert len(warnings_about(caplog, "do not decode")) == 1
+    # The compile replaced the file with a whole one.
+    assert aiocompile.TritonKernel.from_bytes(path.read_bytes()).triton_hash == good.triton_hash
+
+
+async def test_a_damaged_file_in_a_read_only_directory_is_compiled_and_left_alone(tmp_path, caplog):
+    caplog.set_level(logging.DEBUG, logger="aiocompile")
+    async with aiocompile.Scheduler(workers=1, cache_dir=tmp_path) as sched:
+        good = await compile_add(sched)
+    path = tmp_path / good.key[:2] / f"{good.key}.aiok"
+    damaged = path.read_bytes()
+    damaged = damaged[:500] + bytes([damaged[500] ^ 0xFF]) + damaged[501:]
+    path.write_bytes(damaged)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    # No memory cache: each request reads the directory again.
+    config = aiocompile.SchedulerConfig(workers=1, cache_dir=str(tmp_path), cache_entries=0)
+    with read_only_directory(tmp_path):
+        async with aiocompile.Scheduler(config=config) as sched:
+            assert sched.statistics().disk_access == "read-only"
+            with anyio.fail_after(60):  # deleting the file failed, and its request waited forever
+                first = await compile_add(sched)
+                later = await compile_add(sched)
+        stats = sched.statistics()
+    assert first.binary == later.binary == good.binary
+    # Compiled twice, written never: not even tried (no errors), and no costs.json either.
+    assert (stats.compiled, stats.disk_corrupt, stats.disk_writes, stats.disk_errors) == (2, 2, 0, 0)
+    assert path.read_bytes() == damaged
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    # Once at WARNING for the cause, each file at DEBUG.
+    assert len(warnings_about(caplog, "do not decode")) == 1
+    assert sum(r.levelno == logging.DEBUG and "does not decode" in r.getMessage() for r in caplog.records) == 2
+
+
+def _size_with_a_bug(result):
+    raise ZeroDivisionError("a bug in the backend's size()")
+
+
+async def test_a_bug_after_the_disk_read_or_the_compile_fails_the_request_instead_of_hanging(tmp_path):
+    # A backend whose size() raises: the scheduler's bookkeeping fails after the disk
+    # read, and after the compile. Done-callbacks that raised once left the request, and
+    # every later one for its key, waiting forever.
+    def request(key):
+        return Request(backend="python", key=key, name="echo", target=None, fn=jobs.echo, args=(b"made",),
+                       finish=bytes, encode=bytes, decode=bytes, size=_size_with_a_bug)
+
+    on_disk = "ab" * 32
+    (tmp_path / on_disk[:2]).mkdir(mode=0o700)
+    (tmp_path / on_disk[:2] / f"{on_disk}.aiok").write_bytes(b"read")
+    async with aiocompile.Scheduler(workers=1, cache_dir=tmp_path) as sched:
+        with anyio.fail_after(60):
+            for key in (on_disk, "cd" * 32):
+                for _ in range(2):
+                    with pytest.raises(ZeroDivisionError):
+                        await sched._execute(request(key), None)
+        stats = sched.statistics()
+    assert (stats.failed, stats.in_flight, stats.compiled, stats.disk_hits) == (4, 0, 0, 0)
 
 
 async def test_the_directory_is_bounded_least_recently_used_first(tmp_path):

@@ -1,6 +1,8 @@
 """The `aiocompile build` command, run as a user runs it."""
 
 import json
+import os
+import stat
 import subprocess
 import sys
 
@@ -9,9 +11,9 @@ from conftest import ROOT, subprocess_env
 import aiocompile
 
 
-def _aiocompile(*args, cwd=ROOT):
+def _aiocompile(*args, cwd=ROOT, umask=-1, **env):
     return subprocess.run([sys.executable, "-m", "aiocompile", *args], capture_output=True, text=True, cwd=cwd,
-                          env=subprocess_env(), timeout=600)
+                          env=subprocess_env(**env), timeout=600, umask=umask)
 
 
 def test_build_the_example_set_for_two_targets(tmp_path):
@@ -106,3 +108,49 @@ def test_bad_arguments_are_refused_with_status_2(tmp_path):
     for option, value in (("-j", "0"), ("--timeout", "-1"), ("--timeout", "soon"), ("--timeout", "inf")):
         proc = _aiocompile("build", "examples/kernels.py", "-t", "cuda:90", option, value)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr and value in proc.stderr
+
+
+TWO_KERNELS = (
+    "import sys\n"
+    "sys.path.insert(0, {tests!r})\n"
+    "from triton_kernels import ADD_SIGNATURE, add_kernel\n\n"
+    "KERNELS = [\n"
+    "    {{'label': 'add_64', 'kernel': add_kernel, 'signature': ADD_SIGNATURE, 'constexprs': {{'BLOCK': 64}}}},\n"
+    "    {{'label': 'add_128', 'kernel': add_kernel, 'signature': ADD_SIGNATURE, 'constexprs': {{'BLOCK': 128}}}},\n"
+    "]\n"
+)
+
+
+def test_a_build_with_a_key_writes_signed_files_private_to_its_user(tmp_path):
+    from aiocompile._sealed import unseal
+
+    kernel_set = tmp_path / "two_kernels.py"
+    kernel_set.write_text(TWO_KERNELS.format(tests=str(ROOT / "tests")))
+    out = tmp_path / "kernels"
+    proc = _aiocompile("build", str(kernel_set), "-t", "cuda:80", "--out", str(out), "--no-progress", "-j", "1",
+                       umask=0, AIOCOMPILE_CACHE_KEY="the fleet's key")
+    assert proc.returncode == 0, proc.stderr
+    for path in [out, *out.rglob("*")]:
+        assert stat.S_IMODE(path.stat().st_mode) == (0o700 if path.is_dir() else 0o600), path
+    manifest = json.loads((out / "manifest.json").read_text())
+    for kernel in manifest["kernels"]:
+        signed = (out / kernel["file"]).read_bytes()
+        data = unseal(signed, b"the fleet's key", kernel["key"])
+        assert aiocompile.TritonKernel.from_bytes(data).key == kernel["key"]
+    # A build again with the key reads them all; one with another key trusts none of them.
+    again = _aiocompile("build", str(kernel_set), "-t", "cuda:80", "--out", str(out), "--no-progress", "-j", "1",
+                        AIOCOMPILE_CACHE_KEY="the fleet's key")
+    assert "2 built (2 of them from the cache)" in again.stdout, again.stderr
+    other = _aiocompile("build", str(kernel_set), "-t", "cuda:80", "--out", str(out), "--no-progress", "-j", "1",
+                        AIOCOMPILE_CACHE_KEY="another key")
+    stats = json.loads((out / "manifest.json").read_text())["statistics"]
+    assert other.returncode == 0 and (stats["disk_refused"], stats["compiled"]) == (2, 2)
+
+
+def test_a_build_into_a_directory_others_can_write_stops_before_compiling(tmp_path):
+    out = tmp_path / "shared"
+    out.mkdir()
+    os.chmod(out, 0o777)
+    proc = _aiocompile("build", "examples/kernels.py", "-t", "cuda:80", "--out", str(out), "--no-progress")
+    assert proc.returncode == 2 and "cannot build into" in proc.stderr and "refusing" in proc.stderr
+    assert list(out.iterdir()) == []

@@ -180,6 +180,7 @@ BAD_SETTINGS = [
     ("metrics", 1, TypeError), ("metrics", "yes", TypeError), ("metrics", None, TypeError),
     ("event_log", "", ValueError), ("event_log", 3, TypeError),
     ("cost_history", "", ValueError), ("cost_history", 3, TypeError),
+    ("cache_key", b"", ValueError), ("cache_key", "", ValueError), ("cache_key", 1234, TypeError),
 ]
 
 
@@ -195,7 +196,11 @@ def test_a_bad_setting_is_refused_naming_itself_and_its_value(field, value, exc)
     with pytest.raises(exc) as info:
         aiocompile.SchedulerConfig(**{field: value})
     assert type(info.value) is exc
-    assert field in str(info.value) and repr(value) in str(info.value)
+    assert field in str(info.value)
+    if field == "cache_key":
+        assert "1234" not in str(info.value)  # a secret: its value stays out of messages
+    else:
+        assert repr(value) in str(info.value)
     if value is not None:
         with pytest.raises(exc):
             aiocompile.SchedulerConfig().with_changes(**{field: value})
@@ -415,3 +420,16 @@ async def test_durations_at_their_smallest_work():
     finally:
         with anyio.fail_after(60):
             await sched.aclose()
+
+
+def test_the_cache_key_is_a_secret():
+    config = aiocompile.SchedulerConfig(cache_key=b"hunter2-bytes")
+    assert "hunter2" not in repr(config) and "cache_key" not in repr(config)
+    assert aiocompile.SchedulerConfig(cache_key="text key").cache_key == "text key"
+    env = aiocompile.SchedulerConfig.from_env({"AIOCOMPILE_CACHE_KEY": " from the environment\n"})
+    assert env.cache_key == "from the environment" and "environment" not in repr(env)
+    assert aiocompile.SchedulerConfig.from_env({"AIOCOMPILE_CACHE_KEY": ""}).cache_key is None
+    for bad, exc in ((b"", ValueError), ("", ValueError), (1234, TypeError), (bytearray(b"mutable"), TypeError)):
+        with pytest.raises(exc) as raised:
+            aiocompile.SchedulerConfig(cache_key=bad)
+        assert "mutable" not in str(raised.value) and "1234" not in str(raised.value)  # the value stays out

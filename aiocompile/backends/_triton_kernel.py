@@ -133,26 +133,31 @@ class TritonKernel:
         digest, body = data[prefix + 1:prefix + 33], data[prefix + 33:]
         if hashlib.sha256(body).digest() != digest:
             raise ValueError("the kernel's bytes are corrupted (checksum mismatch)")
-        (header_len,) = struct.unpack_from("<I", body)
-        header = json.loads(body[4:4 + header_len])
-        blob = body[4 + header_len:]
-        asm: dict[str, str | bytes] = {}
-        for ext, section in header["sections"].items():
-            raw = blob[section["offset"]:section["offset"] + section["length"]]
-            asm[ext] = raw.decode() if section["text"] else raw
-        return cls(
-            name=header["name"],
-            key=header["key"],
-            target=header["target"],
-            asm=asm,
-            metadata_json=header["metadata_json"],
-            compile_time=header["compile_time"],
-            arg_names=tuple(header["arg_names"]),
-            signature=header["signature"],
-            constexprs={k: _decode_constexpr(v) for k, v in header["constexprs"].items()},
-            triton_version=header["triton_version"],
-            triton_hash=header["triton_hash"],
-        )
+        # A checksum that matches says the bytes are as written, not that what wrote them
+        # wrote a whole header: anything missing or of the wrong kind is bad bytes too.
+        try:
+            (header_len,) = struct.unpack_from("<I", body)
+            header = json.loads(body[4:4 + header_len])
+            blob = body[4 + header_len:]
+            asm: dict[str, str | bytes] = {}
+            for ext, section in header["sections"].items():
+                raw = blob[section["offset"]:section["offset"] + section["length"]]
+                asm[ext] = raw.decode() if section["text"] else raw
+            return cls(
+                name=header["name"],
+                key=header["key"],
+                target=header["target"],
+                asm=asm,
+                metadata_json=header["metadata_json"],
+                compile_time=header["compile_time"],
+                arg_names=tuple(header["arg_names"]),
+                signature=header["signature"],
+                constexprs={k: _decode_constexpr(v) for k, v in header["constexprs"].items()},
+                triton_version=header["triton_version"],
+                triton_hash=header["triton_hash"],
+            )
+        except (KeyError, TypeError, AttributeError, IndexError, struct.error, UnicodeDecodeError) as exc:
+            raise ValueError(f"the kernel's header is incomplete or malformed ({type(exc).__name__}: {exc})") from exc
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (TritonKernel.from_bytes, (self.to_bytes(),))
