@@ -35,9 +35,9 @@ class Gate:
     later iteration of that loop, after what is ready now (``loop.call_soon``, trio's
     ``TrioToken.run_sync_soon``). Used from that loop's thread only."""
 
-    def __init__(self, soon: Callable[[Callable[[], None]], Any], budget: float = BUDGET) -> None:
+    def __init__(self, soon: Callable[[Callable[[], None]], Any], budget: float | None = None) -> None:
         self._soon = soon
-        self.budget = budget
+        self.budget = BUDGET if budget is None else budget
         self._slice_started: float | None = None
         self._admitted = 0  # in the current slice
         self._waiting: collections.deque[Any] = collections.deque()

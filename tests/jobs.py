@@ -108,3 +108,51 @@ def setenv_then_get(name, value):
     before = os.environ.get(name)
     os.environ[name] = value
     return before
+
+
+# -- answers this process cannot rebuild ------------------------------------------------------
+
+WORKER_ONLY_MODULE = "aiocompile_worker_only_module"
+WORKER_ONLY_SOURCE = '''
+class OnlyHere(Exception):
+    """An exception class only a worker that put this directory on sys.path can import."""
+
+
+class Thing:
+    pass
+'''
+
+
+def _import_worker_only(directory):
+    import importlib
+
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
+    return importlib.import_module(WORKER_ONLY_MODULE)
+
+
+def raise_worker_only(directory, message):
+    """Raise an exception whose class lives in a module that only this worker can import."""
+    raise _import_worker_only(directory).OnlyHere(message)
+
+
+def big_result_holding_a_worker_only_object(directory, megabytes):
+    """A large answer (streamed) that cannot be unpickled in the parent halfway through."""
+    return [b"\x02" * (megabytes * 1024 * 1024), _import_worker_only(directory).Thing(), b"\x03" * 1024]
+
+
+class ReadOnlyOutput(Exception):
+    """An exception whose ``output`` is a read-only property (and empty)."""
+
+    @property
+    def output(self):
+        return ""
+
+
+def raise_read_only_output(text):
+    print(text, file=sys.stderr, flush=True)
+    raise ReadOnlyOutput("output is not mine to set")
+
+
+def raise_big(megabytes):
+    raise ValueError("e" * (megabytes * 1024 * 1024))
