@@ -184,3 +184,31 @@ def test_jobs_ending_right_at_their_timeouts_never_charge_an_innocent():
                 outcomes["timeout"] += 1
         assert sum(outcomes.values()) == 300
         assert pool.counters.worker_crashes == 0
+
+
+def test_a_wake_up_written_while_the_supervisor_drains_its_pipe_is_never_lost(monkeypatch):
+    """A submitter writes its wake-up at the very moment the supervisor reads the pipe
+    empty. The supervisor must still hear every later wake-up: here, shutdown's."""
+    import os
+
+    from aiocompile import _pool
+
+    with WorkerPool(1, preload=()) as pool:
+        assert pool.submit(echo, 0).result(timeout=60) == 0
+        real_read = os.read
+        raced = threading.Event()
+
+        def read(fd, size):
+            if fd == pool._wake_r and not raced.is_set():
+                raced.set()
+                pool._wake()  # another thread's wake-up, landing just as the pipe is read
+            return real_read(fd, size)
+
+        monkeypatch.setattr(_pool.os, "read", read)
+        pool._wake()
+        assert raced.wait(30)
+        monkeypatch.setattr(_pool.os, "read", real_read)
+        closer = threading.Thread(target=pool.shutdown, daemon=True)
+        closer.start()
+        closer.join(30)
+        assert not closer.is_alive(), "shutdown's wake-up was lost: the supervisor never heard it"
