@@ -14,7 +14,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import sys
 import threading
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
 
 T = TypeVar("T")
 
@@ -53,29 +53,60 @@ async def wait(future: cf.Future[T]) -> T:
     return future.result()
 
 
+class Once:
+    """A done-callback ``fn(*args, future)`` that forgets ``fn`` and ``args`` once called.
+
+    A ``concurrent.futures.Future`` keeps its callbacks after it is done. A callback that
+    holds what holds the future (a job, its cache entry) would make them a reference cycle,
+    freed only by the garbage collector's next full pass: a burst of thousands of requests
+    left tens of thousands of objects for it, and the pass that freed them held every
+    event loop of the process for tens of milliseconds."""
+
+    __slots__ = ("_fn", "_args")
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._fn: Callable[..., Any] | None = fn
+        self._args = args
+
+    def __call__(self, future: Any) -> None:
+        fn, args = self._fn, self._args
+        self._fn, self._args = None, ()
+        if fn is not None:
+            fn(*args, future)
+
+
+def _wake(waiter: Any) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+class _AsyncioWaker:
+    """Wakes one asyncio waiter when a concurrent future is done, from whichever thread
+    finishes it (one object, where closures cost a function and a cell per variable)."""
+
+    __slots__ = ("loop", "waiter", "thread")
+
+    def __init__(self, loop: Any, waiter: Any) -> None:
+        self.loop, self.waiter, self.thread = loop, waiter, threading.get_ident()
+
+    def __call__(self, _: cf.Future[Any]) -> None:
+        if threading.get_ident() == self.thread:
+            # Resolved in the loop's own thread (the loop read the answer itself): the
+            # waiter can be woken now, without the self-pipe or another loop iteration.
+            _wake(self.waiter)
+            return
+        try:
+            self.loop.call_soon_threadsafe(_wake, self.waiter)
+        except RuntimeError:
+            pass  # the loop is closed: nobody is waiting any more
+
+
 async def _wait_asyncio(future: cf.Future[Any]) -> None:
     import asyncio
 
     loop = asyncio.get_running_loop()
     waiter = loop.create_future()
-    loop_thread = threading.get_ident()
-
-    def wake(waiter: asyncio.Future[None]) -> None:
-        if not waiter.done():
-            waiter.set_result(None)
-
-    def on_done(_: cf.Future[Any]) -> None:
-        if threading.get_ident() == loop_thread:
-            # Resolved in the loop's own thread (the loop read the answer itself): the
-            # waiter can be woken now, without the self-pipe or another loop iteration.
-            wake(waiter)
-            return
-        try:
-            loop.call_soon_threadsafe(wake, waiter)
-        except RuntimeError:
-            pass  # the loop is closed: nobody is waiting any more
-
-    future.add_done_callback(on_done)
+    future.add_done_callback(_AsyncioWaker(loop, waiter))
     await waiter
 
 

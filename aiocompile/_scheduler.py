@@ -36,6 +36,7 @@ from aiocompile._diskcache import DiskCache
 from aiocompile._errors import CompileError, CompileTimeout, SchedulerClosed, WorkerCrashedError
 from aiocompile._events import EventHub, Listener
 from aiocompile._foreign import ExecutorSpec, ForeignPool
+from aiocompile._jobs import Job
 from aiocompile._metrics import JobRecord, Metrics, Statistics
 from aiocompile._pool import WorkerPool, check_timeout
 from aiocompile._progress import Progress
@@ -647,36 +648,36 @@ class Scheduler:
         )
         entry.job = job
 
-        def finish(done: Any) -> None:
-            # Runs in the supervisor thread as soon as the worker has answered (or, for a
-            # ``direct`` request, maybe in the event loop's thread that read the answer).
-            try:
-                raw = done.result()
-                if request.details is not None and self.config.metrics:
-                    entry.details = request.details(raw)
-                    if not entry.details.get("compiler_cache_hit") and job.run_time is not None:
-                        self._costs.note(request.key, request.name, request.backend, request.target, job.run_time)
-                started = time.perf_counter()
-                result = request.finish(raw)
-                entry.load_time = time.perf_counter() - started
-            except BaseException as exc:
-                # Only a deterministic compile error is worth remembering: a crash or a
-                # timeout may well not happen again.
-                remember = isinstance(exc, CompileError) and not isinstance(exc, (CompileTimeout, WorkerCrashedError))
-                self._cache.fail(entry, exc, remember)
-                entry.future.set_exception(exc)
-                return
-            try:
-                self._complete(entry, request, result)
-            except BaseException as exc:  # a done-callback must not leave its waiters waiting
-                self._fail(entry, exc)
-                return
-            disk = self._disk
-            if disk is not None and request.key is not None and request.encode is not None:
-                encode = request.encode
-                disk.store(request.key, lambda: encode(result))
+        job.future.add_done_callback(_bridge.Once(self._job_finished, entry, request, job))
 
-        job.future.add_done_callback(finish)
+    def _job_finished(self, entry: Entry, request: Request, job: Job, done: cf.Future[Any]) -> None:
+        # Runs in the supervisor thread as soon as the worker has answered (or, for a
+        # ``direct`` request, maybe in the event loop's thread that read the answer).
+        try:
+            raw = done.result()
+            if request.details is not None and self.config.metrics:
+                entry.details = request.details(raw)
+                if not entry.details.get("compiler_cache_hit") and job.run_time is not None:
+                    self._costs.note(request.key, request.name, request.backend, request.target, job.run_time)
+            started = time.perf_counter()
+            result = request.finish(raw)
+            entry.load_time = time.perf_counter() - started
+        except BaseException as exc:
+            # Only a deterministic compile error is worth remembering: a crash or a
+            # timeout may well not happen again.
+            remember = isinstance(exc, CompileError) and not isinstance(exc, (CompileTimeout, WorkerCrashedError))
+            self._cache.fail(entry, exc, remember)
+            entry.future.set_exception(exc)
+            return
+        try:
+            self._complete(entry, request, result)
+        except BaseException as exc:  # a done-callback must not leave its waiters waiting
+            self._fail(entry, exc)
+            return
+        disk = self._disk
+        if disk is not None and request.key is not None and request.encode is not None:
+            encode = request.encode
+            disk.store(request.key, lambda: encode(result))
 
     def _fail(self, entry: Entry, exc: BaseException) -> None:
         """Fail an entry whose work went wrong outside the job itself (not remembered)."""
@@ -822,8 +823,9 @@ class Scheduler:
             self._record(request, _success_outcome(how, entry), wall, arrived, entry, result=result)
             answer.set_result(result)
 
-        answer.add_done_callback(on_cancelled)
-        entry.future.add_done_callback(on_finished)
+        # Once: each closure holds what holds the future it is a callback of.
+        answer.add_done_callback(_bridge.Once(on_cancelled))
+        entry.future.add_done_callback(_bridge.Once(on_finished))
         return answer
 
 
