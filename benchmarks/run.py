@@ -487,9 +487,28 @@ def render_loop_lag(throughput: dict[str, Any] | None, loop_lag: dict[str, Any] 
         rows = [[name, row.get("wall_s"), row.get("p50_ms"), row.get("p99_ms"), row.get("max_ms"),
                  row.get("over_10ms")]
                 for name, row in loop_lag.items() if isinstance(row, dict) and "p99_ms" in row]
-        parts.append(f"`bench_loop_lag.py`: 32 kernels{' compiled and loaded' if loop_lag.get('gpu') else ''}:")
-        parts.append(_table(["way", "wall s", "p50 ms", "p99 ms", "max ms", "ticks > 10 ms"], rows))
+        if rows:
+            parts.append(f"`bench_loop_lag.py`: 32 kernels{' compiled and loaded' if loop_lag.get('gpu') else ''}:")
+            parts.append(_table(["way", "wall s", "p50 ms", "p99 ms", "max ms", "ticks > 10 ms"], rows))
+        bursts = loop_lag.get("bursts")
+        if bursts:
+            parts.append(render_bursts(bursts))
     return "\n\n".join(parts)
+
+
+def render_bursts(b: dict[str, Any]) -> str:
+    names = {"many_calls": f"{b['calls']} concurrent calls",
+             "large_result": f"one {b['large_result_bytes'] >> 20} MB result"}
+    rows = []
+    for burst, label in names.items():
+        for way, rounds in b.get(burst, {}).items():
+            for index, r in enumerate(rounds, 1):
+                rows.append([label, way, index, r["wall_s"], r["p99_ms"], r["max_ms"], r["max_without_gc_ms"],
+                             r["gc_longest_ms"]])
+    return (f"Bursts, {b['workers']} warm workers in each pool, {b['rounds']} rounds of each, alternating; then as "
+            "many rounds after `gc.freeze()`. `max w/o gc` takes the garbage collector's pauses (measured with "
+            "`gc.callbacks`) out of each tick; `gc max` is the longest pause in the round:\n\n"
+            + _table(["burst", "way", "round", "wall s", "p99 ms", "max ms", "max w/o gc ms", "gc max ms"], rows))
 
 
 def render_dispatch(r: dict[str, Any]) -> str:
