@@ -29,15 +29,15 @@ _EXPORTS = {
     "WorkerCrashedError": "aiocompile._errors",
     "WorkerEvent": "aiocompile._metrics",
     "WorkerPool": "aiocompile._pool",
-    "compile_many": "aiocompile._scheduler",
-    "compile_triton": "aiocompile._scheduler",
-    "default_scheduler": "aiocompile._scheduler",
-    "inductor_triton": "aiocompile._scheduler",
-    "run": "aiocompile._scheduler",
-    "statistics": "aiocompile._scheduler",
-    "wait": "aiocompile._scheduler",
-    "warm": "aiocompile._scheduler",
-    "warmup": "aiocompile._scheduler",
+    "compile_many": "aiocompile._default",
+    "compile_triton": "aiocompile._default",
+    "default_scheduler": "aiocompile._default",
+    "inductor_triton": "aiocompile._default",
+    "run": "aiocompile._default",
+    "statistics": "aiocompile._default",
+    "wait": "aiocompile._default",
+    "warm": "aiocompile._default",
+    "warmup": "aiocompile._default",
 }
 
 __all__ = [
@@ -84,17 +84,7 @@ def __dir__() -> list[str]:
 
 if _typing.TYPE_CHECKING:
     from aiocompile._config import SchedulerConfig
-    from aiocompile._errors import (
-        AiocompileError,
-        CompileError,
-        CompileTimeout,
-        SchedulerClosed,
-        WorkerCrashedError,
-    )
-    from aiocompile._metrics import JobRecord, Statistics, Summary, WorkerEvent
-    from aiocompile._pool import WorkerPool
-    from aiocompile._scheduler import (
-        Scheduler,
+    from aiocompile._default import (
         compile_many,
         compile_triton,
         default_scheduler,
@@ -105,6 +95,16 @@ if _typing.TYPE_CHECKING:
         warm,
         warmup,
     )
+    from aiocompile._errors import (
+        AiocompileError,
+        CompileError,
+        CompileTimeout,
+        SchedulerClosed,
+        WorkerCrashedError,
+    )
+    from aiocompile._metrics import JobRecord, Statistics, Summary, WorkerEvent
+    from aiocompile._pool import WorkerPool
+    from aiocompile._scheduler import Scheduler
     from aiocompile._target import Target
     from aiocompile.backends._triton_kernel import TritonKernel
     from aiocompile.backends.triton import TritonSource

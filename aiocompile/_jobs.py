@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from aiocompile import _serialize
+from aiocompile._errors import CompileTimeout, SchedulerClosed, WorkerCrashedError
 from aiocompile._metrics import WorkerEvent
 from aiocompile._worker import job_env
 from aiocompile._workers import UNDELIVERED
@@ -54,6 +55,64 @@ class Job:
         if self.started_at is None:
             return None
         return self.started_at - self.submitted_at
+
+    # -- its outcome (in whichever thread decides it) -------------------------------------
+
+    def succeed(self, result: Any) -> None:
+        """Its result; a future already done (cancelled, failed at shutdown) keeps its own."""
+        if self.finished_at is None:
+            self.finished_at = time.monotonic()
+        if self.future.done():
+            return
+        if self.future.running() or self.future.set_running_or_notify_cancel():
+            self.future.set_result(result)
+
+    def fail(self, exc: BaseException) -> None:
+        if self.finished_at is None:
+            self.finished_at = time.monotonic()
+        if self.future.done():
+            return
+        if self.future.running() or self.future.set_running_or_notify_cancel():
+            self.future.set_exception(exc)
+
+    def stopped_error(self, reason: str) -> BaseException:
+        """What it fails with when stopped on purpose: cancelled by its caller, or the
+        scheduler closing (``reason`` says so)."""
+        return cf.CancelledError() if reason == "cancelled" else SchedulerClosed(reason)
+
+    def after_death(self, reason: str | None, exitcode: int | None, tail: str, machinery_failed: bool,
+                    counters: PoolCounters) -> bool:
+        """Its worker died holding it: ``reason`` says why it was killed, None if it was
+        not (a crash). Fails it, or returns True: it is to run again."""
+        self.last_exitcode = exitcode
+        self.last_output = tail
+        self.finished_at = time.monotonic()
+        if reason == UNDELIVERED:
+            self.attempts -= 1  # it never reached the worker
+            return True
+        if reason == "timeout":
+            counters.timeouts += 1
+            self.fail(CompileTimeout(f"did not finish within {self.timeout:g} s; its worker was killed",
+                                     timeout=self.timeout, kernel_name=self.name, key=self.key, output=tail))
+            return False
+        if reason is not None:
+            counters.killed += 1
+            self.fail(self.stopped_error(reason))
+            return False
+        counters.worker_crashes += 1
+        if machinery_failed:
+            # The fork server died and took its workers with it: not this job's doing, so
+            # it runs again without counting against it.
+            counters.retries += 1
+            return True
+        self.crashes += 1
+        if self.crashes >= self.max_crashes:
+            self.fail(WorkerCrashedError(
+                f"killed its worker {self.crashes} time(s), last with {signal_name(exitcode)}",
+                exitcode=exitcode, attempts=self.attempts, kernel_name=self.name, key=self.key, output=tail))
+            return False
+        counters.retries += 1
+        return True
 
     @classmethod
     def create(

@@ -77,7 +77,7 @@ class SchedulerCollector(_Collector):
     def _target(self) -> Scheduler:
         if self._scheduler is not None:
             return self._scheduler
-        from aiocompile._scheduler import default_scheduler
+        from aiocompile._default import default_scheduler
 
         return default_scheduler()
 
