@@ -60,20 +60,18 @@ class Job:
 
     def succeed(self, result: Any) -> None:
         """Its result; a future already done (cancelled, failed at shutdown) keeps its own."""
-        if self.finished_at is None:
-            self.finished_at = time.monotonic()
-        if self.future.done():
-            return
-        if self.future.running() or self.future.set_running_or_notify_cancel():
+        if self._may_finish():
             self.future.set_result(result)
 
     def fail(self, exc: BaseException) -> None:
+        if self._may_finish():
+            self.future.set_exception(exc)
+
+    def _may_finish(self) -> bool:
         if self.finished_at is None:
             self.finished_at = time.monotonic()
-        if self.future.done():
-            return
-        if self.future.running() or self.future.set_running_or_notify_cancel():
-            self.future.set_exception(exc)
+        # A queued job never started is RUNNING once it has an outcome.
+        return not self.future.done() and (self.future.running() or self.future.set_running_or_notify_cancel())
 
     def stopped_error(self, reason: str) -> BaseException:
         """What it fails with when stopped on purpose: cancelled by its caller, or the
