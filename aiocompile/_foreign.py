@@ -17,6 +17,11 @@ past its timeout fails with ``CompileTimeout`` at once but occupies its worker u
 ends, and cancelling a running job only stops waiting for it. At shutdown, the processes
 of a stdlib ``ProcessPoolExecutor`` still busy after the grace period are killed.
 
+A job's exception comes back described in plain values (as aiocompile's own workers send
+it) and is rebuilt here by ``_answers``: an executor would unpickle the exception itself in
+its own thread, and a stdlib pool that cannot (its class lives in a module only the worker
+imports) breaks, failing or re-running every job it holds.
+
 The PENDING/RUNNING sort relies on the executor's bookkeeping: when the first future of a
 broken stdlib executor is failed, ours is the first callback to run, and the other futures
 still show the state they had at the break (the stdlib fails them one after another, in one
@@ -39,11 +44,11 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_for_any
 from typing import Any, Callable, Union
 
-from aiocompile import _checks
+from aiocompile import _answers, _checks
 from aiocompile._errors import CompileTimeout, SchedulerClosed, WorkerCrashedError
 from aiocompile._jobs import Job, PoolCounters, emit_event
 from aiocompile._metrics import WorkerEvent
-from aiocompile._worker import _JobState
+from aiocompile._worker import _JobState, describe_job_failure
 
 ExecutorFactory = Callable[[], cf.Executor]
 
@@ -54,14 +59,23 @@ ExecutorSpec = Union[cf.Executor, ExecutorFactory]
 _state = _JobState()
 
 
-def run_in_foreign_worker(payload: bytes, env: dict[str, str], sys_path: list[str]) -> tuple[Any, float, int, float]:
-    """What a foreign executor runs: apply the job's environment, run it, time it."""
+def run_in_foreign_worker(
+    payload: bytes, env: dict[str, str], sys_path: list[str]
+) -> tuple[bool, Any, float, int, float]:
+    """What a foreign executor runs: apply the job's environment, run it, time it.
+
+    Returns ``(ok, value, run_time, pid, started_wall)``: ``value`` is the result, or the
+    job's exception described by ``describe_job_failure``; this never raises."""
     started_wall = time.time()
     started = time.perf_counter()
-    _state.apply(env, sys_path)
-    fn, args, kwargs = pickle.loads(payload)
-    result = fn(*args, **kwargs)
-    return result, time.perf_counter() - started, os.getpid(), started_wall
+    try:
+        _state.apply(env, sys_path)
+        fn, args, kwargs = pickle.loads(payload)
+        result = fn(*args, **kwargs)
+    except BaseException as exc:  # noqa: BLE001 - a job's failure, whatever it is, goes to its caller
+        run_time = time.perf_counter() - started
+        return False, describe_job_failure(exc), run_time, os.getpid(), started_wall
+    return True, result, time.perf_counter() - started, os.getpid(), started_wall
 
 
 def _factory_for(executor: cf.Executor) -> ExecutorFactory | None:
@@ -291,12 +305,14 @@ class ForeignPool:
             # withdrawn from _sent before they are cancelled): the job never ran.
             self._fail(job, SchedulerClosed("the scheduler was closed before the job started"))
         else:
-            result, run_time, pid, started_wall = future.result()
+            ok, value, run_time, pid, started_wall = future.result()
             job.run_time, job.worker_pid = run_time, pid
             job.started_at = job.attempt_started_at = time.monotonic() - (time.time() - started_wall)
-            emit_event(self.on_event, "job_ended", pid, job, status="ok")
-            if not job.future.done():
-                job.future.set_result(result)
+            emit_event(self.on_event, "job_ended", pid, job, status="ok" if ok else "error")
+            if not ok:
+                self._fail(job, _answers.outcome(job, False, value, "")[1])
+            elif not job.future.done():
+                job.future.set_result(value)
 
     def _on_timeout(self, job: Job) -> None:
         with self._lock:

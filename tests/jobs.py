@@ -108,3 +108,13 @@ def setenv_then_get(name, value):
     before = os.environ.get(name)
     os.environ[name] = value
     return before
+
+
+def raise_from_module_only_here(directory, module_name):
+    """Raise an exception whose class lives in a module that only this worker imports
+    (``directory`` goes on this worker's import path, not on its parent's)."""
+    import importlib
+
+    sys.path.insert(0, directory)
+    module = importlib.import_module(module_name)
+    raise module.OnlyHere("raised by a class that only the worker can import")

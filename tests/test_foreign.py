@@ -3,6 +3,7 @@ breakage, the poison job is found, and no innocent job fails."""
 
 import concurrent.futures as cf
 import multiprocessing
+import sys
 import time
 
 import anyio
@@ -13,6 +14,7 @@ from test_faults import gather
 from triton_kernels import ADD_SIGNATURE, add_kernel
 
 import aiocompile
+from aiocompile._errors import RemoteTraceback
 from aiocompile._foreign import ForeignPool
 
 
@@ -152,3 +154,49 @@ async def test_jobs_still_queued_in_a_stdlib_pool_fail_at_close_rather_than_hang
             await anyio.sleep(1.0)
             await sched.aclose(grace=0.2)
     assert len(errors) == 4
+
+
+# -- exceptions that this process cannot rebuild ------------------------------------------
+
+
+@pytest.mark.parametrize("failure", ["class only the worker imports", "exception that does not pickle"])
+async def test_an_exception_that_cannot_be_rebuilt_here_fails_its_job_alone(failure, tmp_path):
+    (tmp_path / "aiocompile_only_in_worker.py").write_text("class OnlyHere(Exception):\n    pass\n")
+    executor = stdlib_pool(2)
+    sched = aiocompile.Scheduler(executor=executor)
+    if failure == "exception that does not pickle":
+        poison, expected = (lambda: sched.run(jobs.raise_unpicklable)), "Unpicklable: this exception holds a lock"
+    else:
+        poison = lambda: sched.run(jobs.raise_from_module_only_here, str(tmp_path), "aiocompile_only_in_worker")  # noqa: E731
+        expected = "OnlyHere: raised by a class that only the worker can import"
+    try:
+        innocents = [lambda i=i: sched.run(jobs.sleep_then, 0.3, i) for i in range(4)]
+        results = await gather(*innocents[:2], poison, *innocents[2:])
+        error = results.pop(2)
+        assert type(error) is aiocompile.CompileError, error
+        assert expected in str(error)
+        assert isinstance(error.__cause__, RemoteTraceback) and expected in error.__cause__.tb
+        assert results == [0, 1, 2, 3]
+        stats = sched.statistics()
+        assert (stats.worker_crashes, stats.retries, stats.compiled, stats.failed) == (0, 0, 4, 1)
+        assert sched._pool._executor is executor  # never broken, never rebuilt
+    finally:
+        await sched.aclose()
+
+
+@pytest.mark.parametrize("kind", ["process pool", "thread pool"])
+async def test_an_ordinary_exception_arrives_as_itself_with_the_workers_traceback(kind):
+    executor = stdlib_pool(1) if kind == "process pool" else cf.ThreadPoolExecutor(1)
+    async with aiocompile.Scheduler(executor=executor) as sched:
+        with anyio.fail_after(60):
+            with pytest.raises(ValueError, match="invalid literal") as info:
+                await sched.run(int, "not a number")
+            assert isinstance(info.value.__cause__, RemoteTraceback)
+            assert "invalid literal" in info.value.__cause__.tb
+            # A job that exits fails as it does in aiocompile's own pool.
+            with pytest.raises(RuntimeError, match="SystemExit"):
+                await sched.run(sys.exit, 3)
+            pid = await sched.run(jobs.pid)
+        record = next(r for r in sched.records() if r.outcome == "error")
+        assert record.worker_pid == pid and record.run_time is not None
+        assert sched.statistics().worker_crashes == 0
