@@ -156,6 +156,119 @@ async def test_jobs_still_queued_in_a_stdlib_pool_fail_at_close_rather_than_hang
     assert len(errors) == 4
 
 
+# -- timeouts: a job's clock starts when a worker is free for it --------------------------
+
+
+class _Delegating(cf.Executor):
+    """An executor of a kind the pool does not know: how many jobs it runs at once, and in
+    which order, are its own business."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def submit(self, fn, /, *args, **kwargs):
+        return self._inner.submit(fn, *args, **kwargs)
+
+    def shutdown(self, wait=True, *, cancel_futures=False):
+        self._inner.shutdown(wait, cancel_futures=cancel_futures)
+
+
+async def until_submitted(sched, count):
+    """Until ``count`` requests have been handed to the pool (each is sent as it is counted)."""
+    while sched.statistics().submitted < count:
+        await anyio.sleep(0.005)
+
+
+EXECUTORS = {
+    "process pool": lambda: stdlib_pool(1),
+    "factory of process pools": lambda: (lambda: stdlib_pool(1)),
+    "thread pool": lambda: cf.ThreadPoolExecutor(1),
+}
+
+
+@pytest.mark.parametrize("kind", list(EXECUTORS))
+async def test_a_short_job_queued_behind_a_long_one_does_not_time_out_for_its_wait(kind):
+    sched = aiocompile.Scheduler(executor=EXECUTORS[kind]())
+    results = {}
+
+    async def call(label, seconds, timeout=None):
+        results[label] = await sched.run(jobs.sleep_then, seconds, label, timeout=timeout)
+
+    try:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as group:
+                group.start_soon(call, "long", 3.0)
+                await until_submitted(sched, 1)
+                group.start_soon(call, "short", 0.1, 1)
+        assert results == {"long": "long", "short": "short"}
+        assert sched.statistics().timeouts == 0
+        # The worker's own start corrects the records: the short job waited about 3 s.
+        short = next(r for r in sched.records() if r.run_time is not None and r.run_time < 1)
+        assert short.queue_wait > 2.5, short
+    finally:
+        await sched.aclose()
+
+
+async def test_a_job_past_its_timeout_fails_that_long_after_it_starts_and_keeps_its_worker():
+    sched = aiocompile.Scheduler(executor=stdlib_pool(1))
+    ended = {}
+
+    async def first():
+        assert await sched.run(jobs.sleep_then, 1.5, "first") == "first"
+        ended["first"] = time.monotonic()
+
+    try:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as group:
+                group.start_soon(first)
+                await until_submitted(sched, 1)
+                sent = time.monotonic()
+                with pytest.raises(aiocompile.CompileTimeout):
+                    await sched.run(jobs.sleep_then, 3.0, timeout=0.5)
+                failed = time.monotonic()
+            # It failed about 0.5 s into its own run, after waiting 1.5 s for the worker.
+            assert failed - sent > 1.5
+            assert 0.3 < failed - ended["first"] < 1.2
+            # The executor cannot stop it: the next job waits for the worker it holds.
+            assert await sched.run(jobs.echo, "next") == "next"
+            assert time.monotonic() - ended["first"] > 2.7
+        stats = sched.statistics()
+        assert (stats.timeouts, stats.worker_crashes) == (1, 0)
+    finally:
+        await sched.aclose()
+
+
+async def test_jobs_with_timeouts_queued_behind_long_ones_all_succeed():
+    sched = aiocompile.Scheduler(executor=stdlib_pool(2))
+    try:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as group:
+                for _ in range(2):  # one on each worker
+                    group.start_soon(sched.run, jobs.sleep_then, 2.0)
+                await until_submitted(sched, 2)
+                # Each waits 2 s or more, longer than its timeout, then runs 0.3 s.
+                queued = [lambda i=i: sched.run(jobs.sleep_then, 0.3, i, timeout=1.0) for i in range(6)]
+                results = await gather(*queued, lambda: sched.run(jobs.sleep_then, 0.3, "no timeout"))
+        assert results == [0, 1, 2, 3, 4, 5, "no timeout"]
+        stats = sched.statistics()
+        assert (stats.timeouts, stats.failed, stats.compiled) == (0, 0, 9)
+    finally:
+        await sched.aclose()
+
+
+async def test_with_an_executor_of_unknown_order_the_clock_starts_at_the_hand_over():
+    sched = aiocompile.Scheduler(executor=_Delegating(cf.ThreadPoolExecutor(1)))
+    try:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as group:
+                group.start_soon(sched.run, jobs.sleep_then, 1.0)
+                await until_submitted(sched, 1)
+                with pytest.raises(aiocompile.CompileTimeout):
+                    await sched.run(jobs.sleep_then, 0.05, timeout=0.3)
+    finally:
+        await sched.aclose()
+
+
 # -- exceptions that this process cannot rebuild ------------------------------------------
 
 
@@ -200,3 +313,19 @@ async def test_an_ordinary_exception_arrives_as_itself_with_the_workers_tracebac
         record = next(r for r in sched.records() if r.outcome == "error")
         assert record.worker_pid == pid and record.run_time is not None
         assert sched.statistics().worker_crashes == 0
+
+
+async def test_behind_workers_held_by_jobs_past_their_timeouts_a_job_times_out_rather_than_wait_forever():
+    sched = aiocompile.Scheduler(executor=stdlib_pool(1))
+    try:
+        with anyio.fail_after(30):
+            with pytest.raises(aiocompile.CompileTimeout):
+                await sched.run(jobs.hang, timeout=0.3)
+            # The only worker is held for good: the next job's clock starts at once.
+            started = time.monotonic()
+            with pytest.raises(aiocompile.CompileTimeout):
+                await sched.run(jobs.echo, 1, timeout=0.5)
+            assert time.monotonic() - started < 2.0
+            assert sched.statistics().timeouts == 2
+    finally:
+        await sched.aclose(grace=0.2)
