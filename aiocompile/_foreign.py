@@ -17,6 +17,27 @@ past its timeout fails with ``CompileTimeout`` at once but occupies its worker u
 ends, and cancelling a running job only stops waiting for it. At shutdown, the processes
 of a stdlib ``ProcessPoolExecutor`` still busy after the grace period are killed.
 
+Timeouts count from when a worker is free for the job, as in aiocompile's own pool; but a
+foreign executor does not say when that is (a stdlib pool's future turns RUNNING when the
+job enters its call queue, where ``max_workers`` + 1 may wait). So the clock is started by
+count. Jobs go to the executor in order; a stdlib ``ProcessPoolExecutor`` or
+``ThreadPoolExecutor`` runs them in that order on ``max_workers`` workers, and a job keeps
+its worker until it ends, past its timeout too. A job therefore has a worker once fewer
+than ``max_workers`` of the jobs sent before it are unfinished, and its clock starts then,
+as the job before it is seen to end. That is a moment after the worker really takes it
+(the previous answer's way back to this process), so a job may run that much past its
+timeout; or, where the executor starts a worker process for the job, a moment before (the
+process's start-up counts). Jobs past their timeouts may never end: a job waiting for
+workers that they hold, all of them, has its clock started at once rather than wait
+forever. With any other executor (its order or its number of workers unknown) the clock
+starts when the job is handed over, and its wait in the executor counts. Records take the
+start time the worker reports with its answer.
+
+A job's exception comes back described in plain values (as aiocompile's own workers send
+it) and is rebuilt here by ``_answers``: an executor would unpickle the exception itself in
+its own thread, and a stdlib pool that cannot (its class lives in a module only the worker
+imports) breaks, failing or re-running every job it holds.
+
 The PENDING/RUNNING sort relies on the executor's bookkeeping: when the first future of a
 broken stdlib executor is failed, ours is the first callback to run, and the other futures
 still show the state they had at the break (the stdlib fails them one after another, in one
@@ -35,15 +56,16 @@ import sys
 import threading
 import time
 from concurrent.futures.process import ProcessPoolExecutor
+from concurrent.futures.thread import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_for_any
 from typing import Any, Callable, Union
 
-from aiocompile import _checks
+from aiocompile import _answers, _checks
 from aiocompile._errors import CompileTimeout, SchedulerClosed, WorkerCrashedError
 from aiocompile._jobs import Job, PoolCounters, emit_event
 from aiocompile._metrics import WorkerEvent
-from aiocompile._worker import _JobState
+from aiocompile._worker import _JobState, describe_job_failure
 
 ExecutorFactory = Callable[[], cf.Executor]
 
@@ -54,14 +76,23 @@ ExecutorSpec = Union[cf.Executor, ExecutorFactory]
 _state = _JobState()
 
 
-def run_in_foreign_worker(payload: bytes, env: dict[str, str], sys_path: list[str]) -> tuple[Any, float, int, float]:
-    """What a foreign executor runs: apply the job's environment, run it, time it."""
+def run_in_foreign_worker(
+    payload: bytes, env: dict[str, str], sys_path: list[str]
+) -> tuple[bool, Any, float, int, float]:
+    """What a foreign executor runs: apply the job's environment, run it, time it.
+
+    Returns ``(ok, value, run_time, pid, started_wall)``: ``value`` is the result, or the
+    job's exception described by ``describe_job_failure``; this never raises."""
     started_wall = time.time()
     started = time.perf_counter()
-    _state.apply(env, sys_path)
-    fn, args, kwargs = pickle.loads(payload)
-    result = fn(*args, **kwargs)
-    return result, time.perf_counter() - started, os.getpid(), started_wall
+    try:
+        _state.apply(env, sys_path)
+        fn, args, kwargs = pickle.loads(payload)
+        result = fn(*args, **kwargs)
+    except BaseException as exc:  # noqa: BLE001 - a job's failure, whatever it is, goes to its caller
+        run_time = time.perf_counter() - started
+        return False, describe_job_failure(exc), run_time, os.getpid(), started_wall
+    return True, result, time.perf_counter() - started, os.getpid(), started_wall
 
 
 def _factory_for(executor: cf.Executor) -> ExecutorFactory | None:
@@ -79,11 +110,23 @@ def _factory_for(executor: cf.Executor) -> ExecutorFactory | None:
     return None
 
 
+def _workers_in_order(executor: cf.Executor | None) -> int:
+    """How many jobs ``executor`` runs at once, taking them in the order sent; 0 where
+    either is not known."""
+    if isinstance(executor, (ProcessPoolExecutor, ThreadPoolExecutor)):
+        return int(getattr(executor, "_max_workers", 0) or 0)
+    return 0
+
+
 @dataclass(eq=False)
 class _Sent:
     job: Job
     future: cf.Future[Any]
     generation: int
+    # When, by the pool's count, a worker was free for the job (its clock's start).
+    started: float | None = None
+    timer: threading.Timer | None = None
+    timed_out: bool = False
 
 
 class ForeignPool:
@@ -100,6 +143,7 @@ class ForeignPool:
             raise TypeError(f"executor must be a concurrent.futures.Executor or a factory of one, got {executor!r}")
         self.max_crashes = _checks.CRASHES.check("max_crashes", max_crashes)
         self.max_workers = int(getattr(self._executor, "_max_workers", 0) or 0)
+        self._slots = _workers_in_order(self._executor)
         self.counters = PoolCounters()
         self.on_event: Callable[[WorkerEvent], None] | None = None
         self.job_events_wanted: Callable[[], bool] = lambda: True  # as WorkerPool's; every event is sent here
@@ -113,7 +157,6 @@ class ForeignPool:
         self._suspects: collections.deque[Job] = collections.deque()
         self._held: collections.deque[Job] = collections.deque()
         self._alone: Job | None = None
-        self._timers: dict[int, threading.Timer] = {}
 
     # -- the pool interface -----------------------------------------------------------------
 
@@ -167,6 +210,8 @@ class ForeignPool:
             sent = self._sent.get(job.id)
             if sent is not None and sent.future.cancel():
                 del self._sent[job.id]
+                _stop_clock(sent)
+                self._start_clocks()
                 job.future.cancel()
                 return True
         return False
@@ -197,8 +242,8 @@ class ForeignPool:
             waiting = list(self._held) + list(self._suspects)
             self._held.clear()
             self._suspects.clear()
-            for timer in self._timers.values():
-                timer.cancel()
+            for sent in self._sent.values():
+                _stop_clock(sent)
         for job in waiting:
             self._fail(job, closed)
         if executor is not None:
@@ -216,6 +261,8 @@ class ForeignPool:
         with self._lock:
             # Killing the busy processes above breaks the executor, and its callbacks
             # may have sorted the lost jobs into suspects and held jobs meanwhile.
+            for sent in self._sent.values():
+                _stop_clock(sent)
             left = [sent.job for sent in self._sent.values()] + list(self._suspects) + list(self._held)
             if self._alone is not None:
                 left.append(self._alone)
@@ -237,6 +284,7 @@ class ForeignPool:
                 raise SchedulerClosed("the executor broke and cannot be rebuilt: pass a factory as executor=")
             self._executor = self._factory()
             self.max_workers = int(getattr(self._executor, "_max_workers", self.max_workers) or self.max_workers)
+            self._slots = _workers_in_order(self._executor)
         return self._executor
 
     def _send(self, job: Job) -> None:
@@ -257,13 +305,40 @@ class ForeignPool:
         if not job.future.running():
             job.future.set_running_or_notify_cancel()
         job.attempts += 1
-        self._sent[job.id] = _Sent(job, future, generation)
-        if job.timeout is not None and job.id not in self._timers:
-            timer = threading.Timer(job.timeout, self._on_timeout, (job,))
-            timer.daemon = True
-            self._timers[job.id] = timer
-            timer.start()
+        sent = self._sent[job.id] = _Sent(job, future, generation)
+        if self._slots:
+            self._start_clocks()
+        else:
+            self._start_clock(sent)
         future.add_done_callback(lambda f: self._on_done(job, f, generation))
+
+    def _start_clocks(self) -> None:
+        """Start the clock of each job that a worker is free for, by count: fewer than
+        ``_slots`` unfinished jobs were sent before it. Or that waits for workers all held
+        by jobs past their timeouts: those may never end, and it must not wait forever."""
+        if not self._slots:
+            return  # each clock started as its job was handed over
+        ahead = stuck = 0
+        for sent in self._sent.values():
+            if sent.started is None:
+                if ahead >= self._slots > stuck:
+                    break  # so does every job after it: the jobs with a clock are a prefix
+                self._start_clock(sent)
+            ahead += 1
+            stuck += sent.timed_out
+
+    def _start_clock(self, sent: _Sent) -> None:
+        if self._closed:
+            return  # every job still held fails at the end of shutdown(): no timer may outlive it
+        job = sent.job
+        sent.started = now = time.monotonic()
+        if job.started_at is None:
+            job.started_at = now
+        job.attempt_started_at = now
+        if job.timeout is not None and not job.future.done():
+            sent.timer = threading.Timer(job.timeout, self._on_timeout, (sent,))
+            sent.timer.daemon = True
+            sent.timer.start()
 
     def _on_done(self, job: Job, future: cf.Future[Any], generation: int) -> None:
         with self._lock:
@@ -276,13 +351,12 @@ class ForeignPool:
                 self._pump()
                 return
             del self._sent[job.id]
+            _stop_clock(sent)
             if job is self._alone:
                 self._alone = None
             self._pump()
-        timer = self._timers.pop(job.id, None)
-        if timer is not None:
-            timer.cancel()
-        job.finished_at = time.monotonic()
+            self._start_clocks()
+        job.finished_at = now = time.monotonic()
         if exc is not None:
             emit_event(self.on_event, "job_ended", None, job, status="error")
             self._fail(job, exc)
@@ -291,18 +365,27 @@ class ForeignPool:
             # withdrawn from _sent before they are cancelled): the job never ran.
             self._fail(job, SchedulerClosed("the scheduler was closed before the job started"))
         else:
-            result, run_time, pid, started_wall = future.result()
+            ok, value, run_time, pid, started_wall = future.result()
             job.run_time, job.worker_pid = run_time, pid
-            job.started_at = job.attempt_started_at = time.monotonic() - (time.time() - started_wall)
-            emit_event(self.on_event, "job_ended", pid, job, status="ok")
-            if not job.future.done():
-                job.future.set_result(result)
+            # The worker knows when it really started: that replaces the count's estimate,
+            # kept between the job's submission and now (another machine's clock may differ).
+            job.attempt_started_at = min(max(now - (time.time() - started_wall), job.submitted_at), now)
+            if job.attempts == 1:
+                job.started_at = job.attempt_started_at
+            emit_event(self.on_event, "job_ended", pid, job, status="ok" if ok else "error")
+            if not ok:
+                self._fail(job, _answers.outcome(job, False, value, "")[1])
+            elif not job.future.done():
+                job.future.set_result(value)
 
-    def _on_timeout(self, job: Job) -> None:
+    def _on_timeout(self, sent: _Sent) -> None:
+        job = sent.job
         with self._lock:
-            if self._timers.pop(job.id, None) is None or job.future.done():
+            if self._sent.get(job.id) is not sent or job.future.done():
                 return
             self.counters.timeouts += 1
+            sent.timed_out = True
+            self._start_clocks()
         # The job's own future fails now; its executor future stays tracked until the
         # worker is free again, so that a later break is still blamed correctly.
         self._fail(job, CompileTimeout(
@@ -320,6 +403,7 @@ class ForeignPool:
         lost = [s for s in self._sent.values() if s.generation == generation]
         for sent in lost:
             del self._sent[sent.job.id]
+            _stop_clock(sent)  # a re-run's clock starts afresh, once a worker is free for it
         alone, self._alone = self._alone, None
         for sent in lost:
             job = sent.job
@@ -348,9 +432,6 @@ class ForeignPool:
     def _crashed(self, job: Job) -> None:
         job.crashes += 1
         if job.crashes >= job.max_crashes:
-            timer = self._timers.pop(job.id, None)
-            if timer is not None:
-                timer.cancel()
             self._fail(job, WorkerCrashedError(
                 f"broke the executor {job.crashes} time(s), running alone each time",
                 exitcode=None, attempts=job.attempts, kernel_name=job.name, key=job.key))
@@ -381,6 +462,12 @@ class ForeignPool:
             if not job.future.running():
                 job.future.set_running_or_notify_cancel()
             job.future.set_exception(exc)
+
+
+def _stop_clock(sent: _Sent) -> None:
+    if sent.timer is not None:
+        sent.timer.cancel()
+        sent.timer = None
 
 
 def _join(processes: list[Any], timeout: float) -> None:

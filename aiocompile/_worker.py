@@ -235,6 +235,15 @@ def _describe_failure(exc: BaseException) -> bytes:
     return pickle.dumps(_Failure(exc_data, name, message, tb), protocol=pickle.HIGHEST_PROTOCOL)
 
 
+def describe_job_failure(exc: BaseException) -> bytes:
+    """A job's exception as its caller is sent it (a pickled ``_Failure``), by whichever
+    worker ran the job: aiocompile's own, or a foreign executor's."""
+    if isinstance(exc, (SystemExit, KeyboardInterrupt)):
+        # A job that calls sys.exit() must not take the worker's loop with it.
+        exc = RuntimeError(f"the job raised {type(exc).__name__}({exc})")
+    return _describe_failure(exc)
+
+
 def run_one(
     state: _JobState, env: dict[str, str] | None, sys_path: list[str] | None, payload: bytes
 ) -> tuple[bool, bytes, float]:
@@ -246,10 +255,7 @@ def run_one(
         result = fn(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - a job's failure, whatever it is, goes to its caller
         run_time = time.perf_counter() - started
-        if isinstance(exc, (SystemExit, KeyboardInterrupt)):
-            # A job that calls sys.exit() must not take the worker's loop with it.
-            exc = RuntimeError(f"the job raised {type(exc).__name__}({exc})")
-        return False, _describe_failure(exc), run_time
+        return False, describe_job_failure(exc), run_time
     run_time = time.perf_counter() - started
     try:
         return True, pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL), run_time

@@ -3,6 +3,7 @@ breakage, the poison job is found, and no innocent job fails."""
 
 import concurrent.futures as cf
 import multiprocessing
+import sys
 import time
 
 import anyio
@@ -13,6 +14,7 @@ from test_faults import gather
 from triton_kernels import ADD_SIGNATURE, add_kernel
 
 import aiocompile
+from aiocompile._errors import RemoteTraceback
 from aiocompile._foreign import ForeignPool
 
 
@@ -152,3 +154,179 @@ async def test_jobs_still_queued_in_a_stdlib_pool_fail_at_close_rather_than_hang
             await anyio.sleep(1.0)
             await sched.aclose(grace=0.2)
     assert len(errors) == 4
+
+
+# -- timeouts: a job's clock starts when a worker is free for it --------------------------
+
+
+class _Delegating(cf.Executor):
+    """An executor of a kind the pool does not know: how many jobs it runs at once, and in
+    which order, are its own business."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def submit(self, fn, /, *args, **kwargs):
+        return self._inner.submit(fn, *args, **kwargs)
+
+    def shutdown(self, wait=True, *, cancel_futures=False):
+        self._inner.shutdown(wait, cancel_futures=cancel_futures)
+
+
+async def until_submitted(sched, count):
+    """Until ``count`` requests have been handed to the pool (each is sent as it is counted)."""
+    while sched.statistics().submitted < count:
+        await anyio.sleep(0.005)
+
+
+EXECUTORS = {
+    "process pool": lambda: stdlib_pool(1),
+    "factory of process pools": lambda: (lambda: stdlib_pool(1)),
+    "thread pool": lambda: cf.ThreadPoolExecutor(1),
+}
+
+
+@pytest.mark.parametrize("kind", list(EXECUTORS))
+async def test_a_short_job_queued_behind_a_long_one_does_not_time_out_for_its_wait(kind):
+    sched = aiocompile.Scheduler(executor=EXECUTORS[kind]())
+    results = {}
+
+    async def call(label, seconds, timeout=None):
+        results[label] = await sched.run(jobs.sleep_then, seconds, label, timeout=timeout)
+
+    try:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as group:
+                group.start_soon(call, "long", 3.0)
+                await until_submitted(sched, 1)
+                group.start_soon(call, "short", 0.1, 1)
+        assert results == {"long": "long", "short": "short"}
+        assert sched.statistics().timeouts == 0
+        # The worker's own start corrects the records: the short job waited about 3 s.
+        short = next(r for r in sched.records() if r.run_time is not None and r.run_time < 1)
+        assert short.queue_wait > 2.5, short
+    finally:
+        await sched.aclose()
+
+
+async def test_a_job_past_its_timeout_fails_that_long_after_it_starts_and_keeps_its_worker():
+    sched = aiocompile.Scheduler(executor=stdlib_pool(1))
+    ended = {}
+
+    async def first():
+        assert await sched.run(jobs.sleep_then, 1.5, "first") == "first"
+        ended["first"] = time.monotonic()
+
+    try:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as group:
+                group.start_soon(first)
+                await until_submitted(sched, 1)
+                sent = time.monotonic()
+                with pytest.raises(aiocompile.CompileTimeout):
+                    await sched.run(jobs.sleep_then, 3.0, timeout=0.5)
+                failed = time.monotonic()
+            # It failed about 0.5 s into its own run, after waiting 1.5 s for the worker.
+            assert failed - sent > 1.5
+            assert 0.3 < failed - ended["first"] < 1.2
+            # The executor cannot stop it: the next job waits for the worker it holds.
+            assert await sched.run(jobs.echo, "next") == "next"
+            assert time.monotonic() - ended["first"] > 2.7
+        stats = sched.statistics()
+        assert (stats.timeouts, stats.worker_crashes) == (1, 0)
+    finally:
+        await sched.aclose()
+
+
+async def test_jobs_with_timeouts_queued_behind_long_ones_all_succeed():
+    sched = aiocompile.Scheduler(executor=stdlib_pool(2))
+    try:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as group:
+                for _ in range(2):  # one on each worker
+                    group.start_soon(sched.run, jobs.sleep_then, 2.0)
+                await until_submitted(sched, 2)
+                # Each waits 2 s or more, longer than its timeout, then runs 0.3 s.
+                queued = [lambda i=i: sched.run(jobs.sleep_then, 0.3, i, timeout=1.0) for i in range(6)]
+                results = await gather(*queued, lambda: sched.run(jobs.sleep_then, 0.3, "no timeout"))
+        assert results == [0, 1, 2, 3, 4, 5, "no timeout"]
+        stats = sched.statistics()
+        assert (stats.timeouts, stats.failed, stats.compiled) == (0, 0, 9)
+    finally:
+        await sched.aclose()
+
+
+async def test_with_an_executor_of_unknown_order_the_clock_starts_at_the_hand_over():
+    sched = aiocompile.Scheduler(executor=_Delegating(cf.ThreadPoolExecutor(1)))
+    try:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as group:
+                group.start_soon(sched.run, jobs.sleep_then, 1.0)
+                await until_submitted(sched, 1)
+                with pytest.raises(aiocompile.CompileTimeout):
+                    await sched.run(jobs.sleep_then, 0.05, timeout=0.3)
+    finally:
+        await sched.aclose()
+
+
+# -- exceptions that this process cannot rebuild ------------------------------------------
+
+
+@pytest.mark.parametrize("failure", ["class only the worker imports", "exception that does not pickle"])
+async def test_an_exception_that_cannot_be_rebuilt_here_fails_its_job_alone(failure, tmp_path):
+    (tmp_path / f"{jobs.WORKER_ONLY_MODULE}.py").write_text(jobs.WORKER_ONLY_SOURCE)
+    executor = stdlib_pool(2)
+    sched = aiocompile.Scheduler(executor=executor)
+    if failure == "exception that does not pickle":
+        poison, expected = (lambda: sched.run(jobs.raise_unpicklable)), "Unpicklable: this exception holds a lock"
+    else:
+        message = "raised by a class that only the worker can import"
+        poison = lambda: sched.run(jobs.raise_worker_only, str(tmp_path), message)  # noqa: E731
+        expected = f"OnlyHere: {message}"
+    try:
+        innocents = [lambda i=i: sched.run(jobs.sleep_then, 0.3, i) for i in range(4)]
+        results = await gather(*innocents[:2], poison, *innocents[2:])
+        error = results.pop(2)
+        assert type(error) is aiocompile.CompileError, error
+        assert expected in str(error)
+        assert isinstance(error.__cause__, RemoteTraceback) and expected in error.__cause__.tb
+        assert results == [0, 1, 2, 3]
+        stats = sched.statistics()
+        assert (stats.worker_crashes, stats.retries, stats.compiled, stats.failed) == (0, 0, 4, 1)
+        assert sched._pool._executor is executor  # never broken, never rebuilt
+    finally:
+        await sched.aclose()
+
+
+@pytest.mark.parametrize("kind", ["process pool", "thread pool"])
+async def test_an_ordinary_exception_arrives_as_itself_with_the_workers_traceback(kind):
+    executor = stdlib_pool(1) if kind == "process pool" else cf.ThreadPoolExecutor(1)
+    async with aiocompile.Scheduler(executor=executor) as sched:
+        with anyio.fail_after(60):
+            with pytest.raises(ValueError, match="invalid literal") as info:
+                await sched.run(int, "not a number")
+            assert isinstance(info.value.__cause__, RemoteTraceback)
+            assert "invalid literal" in info.value.__cause__.tb
+            # A job that exits fails as it does in aiocompile's own pool.
+            with pytest.raises(RuntimeError, match="SystemExit"):
+                await sched.run(sys.exit, 3)
+            pid = await sched.run(jobs.pid)
+        record = next(r for r in sched.records() if r.outcome == "error")
+        assert record.worker_pid == pid and record.run_time is not None
+        assert sched.statistics().worker_crashes == 0
+
+
+async def test_behind_workers_held_by_jobs_past_their_timeouts_a_job_times_out_rather_than_wait_forever():
+    sched = aiocompile.Scheduler(executor=stdlib_pool(1))
+    try:
+        with anyio.fail_after(30):
+            with pytest.raises(aiocompile.CompileTimeout):
+                await sched.run(jobs.hang, timeout=0.3)
+            # The only worker is held for good: the next job's clock starts at once.
+            started = time.monotonic()
+            with pytest.raises(aiocompile.CompileTimeout):
+                await sched.run(jobs.echo, 1, timeout=0.5)
+            assert time.monotonic() - started < 2.0
+            assert sched.statistics().timeouts == 2
+    finally:
+        await sched.aclose(grace=0.2)
