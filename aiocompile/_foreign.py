@@ -127,6 +127,9 @@ class _Sent:
     started: float | None = None
     timer: threading.Timer | None = None
     timed_out: bool = False
+    # Being withdrawn by cancel(): cancelling a future runs its done-callbacks at once, in
+    # the cancelling thread, and _on_done must leave this one to cancel().
+    withdrawn: bool = False
 
 
 class ForeignPool:
@@ -208,12 +211,15 @@ class ForeignPool:
                     job.future.cancel()
                     return True
             sent = self._sent.get(job.id)
-            if sent is not None and sent.future.cancel():
-                del self._sent[job.id]
-                _stop_clock(sent)
-                self._start_clocks()
-                job.future.cancel()
-                return True
+            if sent is not None:
+                sent.withdrawn = True
+                if sent.future.cancel():
+                    del self._sent[job.id]
+                    _stop_clock(sent)
+                    self._start_clocks()
+                    job.future.cancel()
+                    return True
+                sent.withdrawn = False  # running already: it stays, and ends as it will
         return False
 
     def kill(self, job: Job, reason: str = "cancelled") -> None:
@@ -245,7 +251,7 @@ class ForeignPool:
             for sent in self._sent.values():
                 _stop_clock(sent)
         for job in waiting:
-            self._fail(job, closed)
+            job.fail(closed)
         if executor is not None:
             # The stdlib forgets its processes in shutdown(): note them first.
             processes = list((getattr(executor, "_processes", None) or {}).values())
@@ -271,7 +277,7 @@ class ForeignPool:
             self._held.clear()
             self._alone = None
         for job in left:
-            self._fail(job, closed)
+            job.fail(closed)
 
     # -- sending and receiving (the lock is held in every method below) ---------------------
 
@@ -300,7 +306,7 @@ class ForeignPool:
             self._pump()
             return
         except SchedulerClosed as exc:
-            self._fail(job, exc)
+            job.fail(exc)
             return
         if not job.future.running():
             job.future.set_running_or_notify_cancel()
@@ -343,7 +349,7 @@ class ForeignPool:
     def _on_done(self, job: Job, future: cf.Future[Any], generation: int) -> None:
         with self._lock:
             sent = self._sent.get(job.id)
-            if sent is None or sent.future is not future:
+            if sent is None or sent.future is not future or sent.withdrawn:
                 return  # dealt with by a break, or cancelled
             exc = None if future.cancelled() else future.exception()
             if isinstance(exc, cf.BrokenExecutor):
@@ -359,11 +365,11 @@ class ForeignPool:
         job.finished_at = now = time.monotonic()
         if exc is not None:
             emit_event(self.on_event, "job_ended", None, job, status="error")
-            self._fail(job, exc)
+            job.fail(exc)
         elif future.cancelled():
             # Only the executor's own shutdown cancels a future we still track (ours are
             # withdrawn from _sent before they are cancelled): the job never ran.
-            self._fail(job, SchedulerClosed("the scheduler was closed before the job started"))
+            job.fail(SchedulerClosed("the scheduler was closed before the job started"))
         else:
             ok, value, run_time, pid, started_wall = future.result()
             job.run_time, job.worker_pid = run_time, pid
@@ -374,9 +380,9 @@ class ForeignPool:
                 job.started_at = job.attempt_started_at
             emit_event(self.on_event, "job_ended", pid, job, status="ok" if ok else "error")
             if not ok:
-                self._fail(job, _answers.outcome(job, False, value, "")[1])
-            elif not job.future.done():
-                job.future.set_result(value)
+                job.fail(_answers.outcome(job, False, value, "")[1])
+            else:
+                job.succeed(value)
 
     def _on_timeout(self, sent: _Sent) -> None:
         job = sent.job
@@ -388,7 +394,7 @@ class ForeignPool:
             self._start_clocks()
         # The job's own future fails now; its executor future stays tracked until the
         # worker is free again, so that a later break is still blamed correctly.
-        self._fail(job, CompileTimeout(
+        job.fail(CompileTimeout(
             f"did not finish within {job.timeout:g} s (the executor cannot stop it: it runs on)",
             timeout=job.timeout, kernel_name=job.name, key=job.key))
 
@@ -410,7 +416,7 @@ class ForeignPool:
             if job.future.done():
                 continue  # timed out or cancelled already: nobody waits for a re-run
             if self._closed:
-                self._fail(job, SchedulerClosed("the scheduler was closed while the job ran"))
+                job.fail(SchedulerClosed("the scheduler was closed while the job ran"))
                 continue
             if job is alone:
                 self._crashed(job)  # it ran alone: the culprit, for certain
@@ -425,14 +431,14 @@ class ForeignPool:
         if self._factory is None:
             error = SchedulerClosed("the executor broke and cannot be rebuilt: pass a factory as executor=")
             for job in list(self._suspects) + list(self._held):
-                self._fail(job, error)
+                job.fail(error)
             self._suspects.clear()
             self._held.clear()
 
     def _crashed(self, job: Job) -> None:
         job.crashes += 1
         if job.crashes >= job.max_crashes:
-            self._fail(job, WorkerCrashedError(
+            job.fail(WorkerCrashedError(
                 f"broke the executor {job.crashes} time(s), running alone each time",
                 exitcode=None, attempts=job.attempts, kernel_name=job.name, key=job.key))
         else:
@@ -455,13 +461,6 @@ class ForeignPool:
         while self._held and not self._quarantine():
             self._send(self._held.popleft())
 
-    def _fail(self, job: Job, exc: BaseException) -> None:
-        if job.finished_at is None:
-            job.finished_at = time.monotonic()
-        if not job.future.done():
-            if not job.future.running():
-                job.future.set_running_or_notify_cancel()
-            job.future.set_exception(exc)
 
 
 def _stop_clock(sent: _Sent) -> None:

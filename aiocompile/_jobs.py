@@ -59,19 +59,32 @@ class Job:
     # -- its outcome (in whichever thread decides it) -------------------------------------
 
     def succeed(self, result: Any) -> None:
-        """Its result; a future already done (cancelled, failed at shutdown) keeps its own."""
+        """Its result; a future already done (cancelled, failed at shutdown) keeps its own.
+        Two threads may settle one job at once (its answer, and its timeout or the pool
+        closing): the first one wins, and the other is no error."""
         if self._may_finish():
-            self.future.set_result(result)
+            try:
+                self.future.set_result(result)
+            except cf.InvalidStateError:
+                pass
 
     def fail(self, exc: BaseException) -> None:
         if self._may_finish():
-            self.future.set_exception(exc)
+            try:
+                self.future.set_exception(exc)
+            except cf.InvalidStateError:
+                pass
 
     def _may_finish(self) -> bool:
         if self.finished_at is None:
             self.finished_at = time.monotonic()
         # A queued job never started is RUNNING once it has an outcome.
-        return not self.future.done() and (self.future.running() or self.future.set_running_or_notify_cancel())
+        if self.future.done():
+            return False
+        try:
+            return self.future.running() or self.future.set_running_or_notify_cancel()
+        except RuntimeError:  # finished meanwhile, in another thread
+            return False
 
     def stopped_error(self, reason: str) -> BaseException:
         """What it fails with when stopped on purpose: cancelled by its caller, or the

@@ -330,3 +330,26 @@ async def test_behind_workers_held_by_jobs_past_their_timeouts_a_job_times_out_r
             assert sched.statistics().timeouts == 2
     finally:
         await sched.aclose(grace=0.2)
+
+
+async def test_cancelling_a_request_queued_in_the_executor_drops_its_job(tmp_path):
+    """The job is still PENDING in the stdlib pool (behind three others on one worker) when
+    its only caller gives up: it is withdrawn and never runs, and the caller sees its own
+    cancellation, nothing else."""
+    marker = tmp_path / "ran"
+    sched = aiocompile.Scheduler(executor=stdlib_pool(1))
+    try:
+        with anyio.fail_after(60):
+            await sched.run(jobs.echo, 0)  # the worker is up
+            async with anyio.create_task_group() as group:
+                for _ in range(3):  # one running, two filling the stdlib pool's call queue
+                    group.start_soon(sched.run, jobs.sleep_then, 1.0)
+                await anyio.sleep(0.1)
+                with anyio.move_on_after(0.2):
+                    await sched.run(jobs.mark_then_sleep, str(marker), 0)
+            assert await sched.run(jobs.echo, "after") == "after"
+        assert not marker.exists()
+        stats = sched.statistics()
+        assert stats.outcomes["cancelled"] == 1 and stats.in_flight == 0
+    finally:
+        await sched.aclose()
