@@ -24,7 +24,7 @@ _EXPORTS = {
     "Statistics": "aiocompile._metrics",
     "Summary": "aiocompile._metrics",
     "Target": "aiocompile._target",
-    "TritonKernel": "aiocompile.backends._triton_kernel",
+    "TritonKernel": "aiocompile.backends.triton._kernel",
     "TritonSource": "aiocompile.backends.triton",
     "WorkerCrashedError": "aiocompile._errors",
     "WorkerEvent": "aiocompile._metrics",
@@ -106,5 +106,5 @@ if _typing.TYPE_CHECKING:
     from aiocompile._pool import WorkerPool
     from aiocompile._scheduler import Scheduler
     from aiocompile._target import Target
-    from aiocompile.backends._triton_kernel import TritonKernel
     from aiocompile.backends.triton import TritonSource
+    from aiocompile.backends.triton._kernel import TritonKernel

@@ -44,7 +44,7 @@ from typing import Any, Mapping
 from aiocompile import _checks
 
 _MAX_DEFAULT_WORKERS = 16
-TRITON_PRELOAD = "aiocompile.backends._triton_worker:prepare_process"
+TRITON_PRELOAD = "aiocompile.backends.triton._worker:prepare_process"
 
 
 def available_cpus() -> int:

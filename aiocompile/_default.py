@@ -11,7 +11,7 @@ from typing import Any, Callable
 from aiocompile._config import SchedulerConfig
 from aiocompile._metrics import Statistics
 from aiocompile._scheduler import Scheduler
-from aiocompile.backends._triton_kernel import TritonKernel
+from aiocompile.backends.triton._kernel import TritonKernel
 
 
 class _DefaultScheduler:

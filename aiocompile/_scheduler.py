@@ -40,8 +40,8 @@ from aiocompile._progress import Progress
 from aiocompile._requests import Requests
 from aiocompile._target import parse_target
 from aiocompile.backends import Request
-from aiocompile.backends._triton_kernel import TritonKernel
 from aiocompile.backends.triton import TritonBackend
+from aiocompile.backends.triton._kernel import TritonKernel
 
 
 class _Context:
@@ -209,7 +209,8 @@ class Scheduler:
         self._check_open()
         parsed = parse_target(target) or parse_target("cuda:90")
         assert parsed is not None
-        from aiocompile.backends import _triton_kernel, _triton_worker
+        from aiocompile.backends.triton import _kernel as _triton_kernel
+        from aiocompile.backends.triton import _worker as _triton_worker
 
         keys = _threads.KEYS.submit(lambda: self._triton.warm_keys(parsed))
         loading = _threads.LOADS.submit(lambda: _triton_kernel.prime_loading(parsed.backend))
@@ -326,7 +327,7 @@ class Scheduler:
         ``dtype``; a torch dtype stands for a tensor of that type), integers,
         floats; ``kwargs`` the constexprs and options the launch passes. The
         specialisation is Triton's own: argument types, divisibility by 16, integers equal
-        to 1, constexprs and options (see ``aiocompile.backends._triton_warmup``). ``grid``
+        to 1, constexprs and options (see ``aiocompile.backends.triton._warmup``). ``grid``
         is accepted so that a launch can be copied as it is; it plays no part in the
         compile.
 
@@ -339,7 +340,7 @@ class Scheduler:
         ``triton.autotune``/``heuristics`` raises ``TypeError``. Cancelling the await while
         the compile runs lets it finish (and be cached) and primes nothing.
         """
-        from aiocompile.backends import _triton_warmup
+        from aiocompile.backends.triton import _warmup as _triton_warmup
 
         _checks.CALL_TIMEOUT.check("timeout", timeout)
         if grid is not None and not (callable(grid) or isinstance(grid, (tuple, list, int))):

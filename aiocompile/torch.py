@@ -66,7 +66,7 @@ from typing import Any, Callable
 from aiocompile import _checks
 from aiocompile._config import SchedulerConfig
 from aiocompile._scheduler import Scheduler
-from aiocompile.backends._inductor_worker import PRELOAD
+from aiocompile.backends.inductor._worker import PRELOAD
 
 __all__ = ["PRELOAD", "install", "installed", "is_installed", "uninstall"]
 
@@ -281,7 +281,7 @@ def _warm(installation: _Installation) -> None:
         if installation.warmed:
             return
         installation.warmed = True
-    from aiocompile.backends import _inductor_worker
+    from aiocompile.backends.inductor import _worker as _inductor_worker
 
     try:
         scheduler._warm_workers(_inductor_worker.warm_up)

@@ -93,7 +93,7 @@ def start_pool(mode: str, workers: int, wait: bool = True) -> object:
         AsyncCompile.wait_pool_ready(timeout=300)
         return None
     import aiocompile.torch
-    from aiocompile.backends import _inductor_worker
+    from aiocompile.backends.inductor import _worker as _inductor_worker
 
     os.environ["AIOCOMPILE_WORKERS"] = str(workers)
     sched = aiocompile.torch.install()

@@ -199,7 +199,7 @@ def test_warm_pays_the_one_time_cost_of_loading_before_the_first_load():
         "import aiocompile\n"
         "logging.getLogger('aiocompile').addHandler(logging.StreamHandler())\n"  # why priming failed, if it did
         "logging.getLogger('aiocompile').setLevel(logging.DEBUG)\n"
-        "from aiocompile.backends import _triton_kernel\n"
+        "from aiocompile.backends.triton import _kernel as _triton_kernel\n"
         "assert not torch.cuda.is_initialized()\n"
         "async def main():\n"
         "    async with aiocompile.Scheduler(workers=2) as sched:\n"

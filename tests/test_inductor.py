@@ -148,7 +148,7 @@ async def test_inductor_triton_checks_its_input_before_any_worker():
 def test_the_key_is_inductors_own_with_the_environment_and_settings_folded_in(monkeypatch):
     from torch._inductor.async_compile import CompiledTritonKernels
 
-    from aiocompile.backends import inductor
+    from aiocompile.backends.inductor import _backend as inductor
 
     kernel = one_kernel()
     source = kernel["source_code"]
@@ -167,7 +167,8 @@ def test_the_key_is_inductors_own_with_the_environment_and_settings_folded_in(mo
 
 
 def test_a_request_names_the_kernel_and_travels_by_reference(monkeypatch, tmp_path):
-    from aiocompile.backends import _inductor_worker, inductor
+    from aiocompile.backends.inductor import _backend as inductor
+    from aiocompile.backends.inductor import _worker as _inductor_worker
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("TRITON_LIBDEVICE_PATH", raising=False)
@@ -184,7 +185,7 @@ def test_a_request_names_the_kernel_and_travels_by_reference(monkeypatch, tmp_pa
 
 
 def test_the_worker_calls_inductors_own_worker_function_as_the_installed_torch_wants():
-    from aiocompile.backends._inductor_worker import _torch_arguments
+    from aiocompile.backends.inductor._worker import _torch_arguments
 
     values = {"load_kernel": "L", "extra_env": "E", "extra_config": "C"}
 
@@ -406,7 +407,7 @@ def test_a_forked_child_of_an_installed_program_gets_a_scheduler_of_its_own():
 
 
 def test_the_torch_preload_refuses_to_leave_threads_in_the_fork_server(monkeypatch):
-    from aiocompile.backends import _inductor_worker
+    from aiocompile.backends.inductor import _worker as _inductor_worker
 
     for name in _inductor_worker._THREAD_POOL_SIZES:
         monkeypatch.setenv(name, "4")

@@ -17,7 +17,7 @@ BURST = textwrap.dedent('''
     import asyncio, json, sys, threading
     sys.path.insert(0, sys.argv[1])
     import aiocompile
-    from aiocompile.backends import _triton_kernel
+    from aiocompile.backends.triton import _kernel as _triton_kernel
     from triton_kernels import ADD_SIGNATURE, add_kernel
 
     watching = False

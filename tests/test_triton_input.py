@@ -53,7 +53,7 @@ async def test_a_constexpr_with_a_default_takes_it_and_is_the_same_kernel_as_giv
 
 async def test_the_default_is_what_tritons_own_jit_passes(scheduler):
     torch = pytest.importorskip("torch", reason="example tensors come from torch")
-    from aiocompile.backends import _triton_warmup
+    from aiocompile.backends.triton import _warmup as _triton_warmup
 
     # Triton's own binder specialises a launch that leaves SQUARE out...
     plan = _triton_warmup.plan(axpy_kernel, (torch.float32, torch.float32, torch.float32, 2.0, 1000),

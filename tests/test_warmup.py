@@ -6,7 +6,7 @@ import pytest
 from triton_kernels import ADD_SIGNATURE, add_kernel, axpy_kernel
 
 import aiocompile
-from aiocompile.backends import _triton_warmup
+from aiocompile.backends.triton import _warmup as _triton_warmup
 
 torch = pytest.importorskip("torch", reason="example tensors come from torch")
 

@@ -141,7 +141,7 @@ def prime(plan: Plan, kernel: Any, *, load: bool = True) -> Any:
     run it in a thread."""
     from triton.compiler.compiler import ASTSource
 
-    from aiocompile.backends._triton_kernel import rebuild_compiled_kernel
+    from aiocompile.backends.triton._kernel import rebuild_compiled_kernel
 
     if plan.device is None:
         raise ValueError("a specialisation for an explicit target has no JIT cache to prime")

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from aiocompile._errors import CompileError
-from aiocompile.backends._triton_ship import Resolver
+from aiocompile.backends.triton._ship import Resolver
 
 _resolver = Resolver()
 _warm_kernels: dict[str, Any] = {}

@@ -15,7 +15,7 @@ back is the very object ``async_compile.triton(...)`` would have produced:
 2. in a worker: Inductor's own worker function loads the module (``PyCodeCache``), calls
    ``precompile(warm_cache_only=True)`` (every configuration through Triton, filling
    Triton's disk cache) and ``prepare_for_pickle()``; the autotuner comes back pickled
-   (see ``_inductor_worker``);
+   (see ``_worker``);
 3. back in the parent, once per compiled kernel however many callers share it
    (:meth:`InductorArtifact.ready`): ``restore_after_unpickle()`` and
    ``precompile()``, which builds the launchers from Triton's now warm cache.
@@ -39,8 +39,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiocompile.backends import BackendContext, Request, _inductor_worker
-from aiocompile.backends.triton import KEY_ENV_NAMES
+from aiocompile.backends import BackendContext, Request
+from aiocompile.backends.inductor import _worker as _inductor_worker
+from aiocompile.backends.triton._backend import KEY_ENV_NAMES
 
 __all__ = [
     "InductorArtifact",

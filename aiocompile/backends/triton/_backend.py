@@ -2,7 +2,7 @@
 
 The parent checks everything it can before a worker is involved (argument names and types,
 the target, option names and types), decides how the kernel travels (see
-``_triton_ship``), and computes the kernel's key.
+``_ship``), and computes the kernel's key.
 
 The key is Triton's own cache key, computed with Triton's own functions: ``triton_key()``
 (the Triton build: its version, its sources and its shared library), the kernel's
@@ -34,10 +34,11 @@ from typing import Any
 
 from aiocompile._errors import CompileError
 from aiocompile._target import Target, parse_target
-from aiocompile.backends import BackendContext, Request, _triton_worker
-from aiocompile.backends._triton_check import check_options, constexpr_defaults, fill_defaults, normalize
-from aiocompile.backends._triton_kernel import TritonKernel
-from aiocompile.backends._triton_ship import KernelRef, SourceBundle, SourceModule, exec_source_module, ship, unwrap_jit
+from aiocompile.backends import BackendContext, Request
+from aiocompile.backends.triton import _worker as _triton_worker
+from aiocompile.backends.triton._check import check_options, constexpr_defaults, fill_defaults, normalize
+from aiocompile.backends.triton._kernel import TritonKernel
+from aiocompile.backends.triton._ship import KernelRef, SourceBundle, SourceModule, exec_source_module, ship, unwrap_jit
 
 __all__ = ["TritonBackend", "TritonKernel", "TritonSource", "TritonSpec"]
 
@@ -246,7 +247,7 @@ class _ByIdentity:
 
 
 def _global_names(jit: Any) -> set[str]:
-    from aiocompile.backends._triton_ship import free_names
+    from aiocompile.backends.triton._ship import free_names
 
     func = next(n for n in ast.walk(ast.parse(jit.src)) if isinstance(n, ast.FunctionDef))
     body, defaults = free_names(func)

@@ -16,9 +16,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from aiocompile._errors import CompileError
-from aiocompile.backends._triton_worker import StageTimes
+from aiocompile.backends.triton._worker import StageTimes
 
-PRELOAD = "aiocompile.backends._inductor_worker:prepare_process"
+PRELOAD = "aiocompile.backends.inductor._worker:prepare_process"
 """The fork server preload entry (see ``SchedulerConfig.preload``) that imports torch's
 Inductor runtime before workers are forked."""
 
