@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Protocol
 
+from aiocompile._worker import kill_group
+
 _OUTPUT_TAIL = 8192
 
 
@@ -378,7 +380,7 @@ class SpawnLauncher(_DirectChildren):
     def kill(self, worker: WorkerProcess) -> None:
         proc = self._procs.get(worker.pid)
         if proc is not None and proc.returncode is None:
-            proc.kill()
+            kill_group(proc.pid)  # a session of its own: its compilers with it
 
     def wait_exit(self, worker: WorkerProcess, timeout: float) -> int | None:
         proc = self._procs.get(worker.pid)
@@ -394,7 +396,7 @@ class SpawnLauncher(_DirectChildren):
     def close(self) -> None:
         for proc in self._procs.values():
             if proc.returncode is None:
-                proc.kill()
+                kill_group(proc.pid)
         for proc in self._procs.values():
             proc.wait()
         self._procs.clear()
@@ -431,6 +433,10 @@ class ForkLauncher(_DirectChildren):
                 _worker.start(child_sock.detach(), alive_r, output_fd)
             finally:
                 os._exit(72)
+        try:
+            os.setpgid(pid, pid)  # as the worker does itself (see _zygote.fork)
+        except OSError:
+            pass
         child_sock.close()
         _close_all(alive_r)
         self._pids.add(pid)
@@ -438,10 +444,7 @@ class ForkLauncher(_DirectChildren):
 
     def kill(self, worker: WorkerProcess) -> None:
         if worker.pid in self._pids:
-            try:
-                os.kill(worker.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill_group(worker.pid)
 
     def wait_exit(self, worker: WorkerProcess, timeout: float) -> int | None:
         if worker.pid not in self._pids:
@@ -458,10 +461,10 @@ class ForkLauncher(_DirectChildren):
 
     def close(self) -> None:
         for pid in list(self._pids):
+            kill_group(pid)
             try:
-                os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
-            except (ProcessLookupError, ChildProcessError):
+            except ChildProcessError:
                 pass
         self._pids.clear()
 

@@ -300,8 +300,34 @@ def serve(conn: Connection) -> NoReturn:
         del data
 
 
+def lead_own_group() -> None:
+    """Make this process the leader of a process group of its own (a no-op where it is
+    already, as a session leader is). What a job starts (a compiler driver and the
+    compilers it runs: g++ -> cc1plus, as, ld; Triton -> ptxas) stays in the group, so that
+    killing the group kills all of it; killing the worker alone would leave them running."""
+    try:
+        os.setpgid(0, 0)
+    except OSError:
+        pass
+
+
+def kill_group(pid: int, signum: int = signal.SIGKILL) -> None:
+    """Send ``signum`` to worker ``pid`` and everything in its process group; to the worker
+    alone where it does not lead one (yet)."""
+    try:
+        os.killpg(pid, signum)
+        return
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
+
+
 def start(job_fd: int, alive_fd: int, output_fd: int) -> NoReturn:
     """Become a worker on the given descriptors (after fork, or in a fresh interpreter)."""
+    lead_own_group()
     for fd in (job_fd, alive_fd, output_fd):
         # Keep our descriptors out of the compilers' own subprocesses.
         os.set_inheritable(fd, False)

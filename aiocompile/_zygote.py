@@ -155,10 +155,9 @@ class _Zygote:
         elif message[0] == "kill":
             _, pid, signum = message
             if pid in self.children:
-                try:
-                    os.kill(pid, signum)
-                except ProcessLookupError:
-                    pass
+                from aiocompile._worker import kill_group
+
+                kill_group(pid, signum)  # the worker and whatever compilers it runs
         for fd in fds if message[0] != "fork" else ():
             os.close(fd)
         return True
@@ -168,6 +167,12 @@ class _Zygote:
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child's side is measured through the pool's tests
             self.become_worker(job_fd, alive_fd, output_fd)
+        # Its own process group, set from both sides of the fork (the worker does it too):
+        # a kill sent right after the fork then reaches the group whichever ran first.
+        try:
+            os.setpgid(pid, pid)
+        except OSError:
+            pass
         for fd in fds:
             os.close(fd)
         self.children.add(pid)
@@ -203,11 +208,10 @@ class _Zygote:
                 pass
 
     def shutdown(self) -> None:
+        from aiocompile._worker import kill_group
+
         for pid in list(self.children):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill_group(pid)
         for pid in list(self.children):
             try:
                 os.waitpid(pid, 0)

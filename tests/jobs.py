@@ -156,3 +156,15 @@ def raise_read_only_output(text):
 
 def raise_big(megabytes):
     raise ValueError("e" * (megabytes * 1024 * 1024))
+
+
+def start_tree_then_hang(path):
+    """Start a child that starts a grandchild (as g++ starts cc1plus, nvcc cicc and ptxas),
+    write both pids to ``path``, then hang."""
+    import subprocess
+
+    child = subprocess.Popen(["sh", "-c", "sleep 300 & echo $!; wait"], stdout=subprocess.PIPE, text=True)
+    grandchild = int(child.stdout.readline())
+    with open(path, "w") as f:
+        f.write(f"{child.pid} {grandchild}\n")
+    time.sleep(300)

@@ -367,3 +367,29 @@ async def test_bad_results_are_clear_errors_and_never_break_the_pool():
         assert (stats.workers_started, stats.worker_crashes, stats.compiled, stats.failed) == (1, 0, 2, 2)
     finally:
         await close_and_check(sched)
+
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+@pytest.mark.parametrize("how", ["timeout", "cancel_running=kill"])
+async def test_a_killed_job_takes_the_processes_it_started_with_it(how, start_method, tmp_path):
+    """A worker killed for its job (its timeout, or its last caller gone with
+    cancel_running="kill") leads a process group, and the whole group goes: no compiler
+    it started outlives the job."""
+    pids_file = tmp_path / "pids"
+    config = NO_PRELOAD.with_changes(workers=1, cancel_running="kill", start_method=start_method)
+    sched = aiocompile.Scheduler(config=config)
+    try:
+        with anyio.fail_after(60):
+            if how == "timeout":
+                with pytest.raises(aiocompile.CompileTimeout):
+                    await sched.run(jobs.start_tree_then_hang, str(pids_file), timeout=3)
+            else:
+                with anyio.move_on_after(3):
+                    await sched.run(jobs.start_tree_then_hang, str(pids_file))
+            tree = [int(pid) for pid in pids_file.read_text().split()]
+            assert len(tree) == 2
+            assert wait_until(lambda: not alive(tree), 10), f"outlived the job: {alive(tree)}"
+            assert await sched.run(jobs.echo, "after") == "after"
+    finally:
+        await close_and_check(sched)
