@@ -32,7 +32,7 @@ from typing import Any
 __all__ = [
     "CALL_TIMEOUT", "CLOSE_GRACE", "CRASHES", "IDLE_TIMEOUT", "JOB_TIMEOUT", "MAX_SECONDS", "NICE", "POOL_GRACE",
     "PRELOAD", "RSS", "START_METHOD", "WORKERS", "Choice", "FilePath", "Flag", "Modules", "Number", "Rule", "Secret",
-    "check_callable",
+    "SwitchablePath", "check_callable",
 ]
 
 MAX_SECONDS = 1_000_000
@@ -202,6 +202,17 @@ class FilePath(Rule):
         if not text.strip():
             raise self.bad_value(setting, value, unset)
         return text
+
+
+@dataclass(frozen=True)
+class SwitchablePath(FilePath):
+    """A path that may be switched off: ``None`` as a value; in the environment, one of
+    the false words (``0``, ``false``, ``no``, ``off``) or ``none``."""
+
+    def parse(self, setting: str, text: str) -> Any:
+        if text.lower() in (*_FALSE_WORDS, "none"):
+            return None
+        return self.check(setting, text, unset="set it to off")
 
 
 _ENTRY = re.compile(r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*(?::[A-Za-z_]\w*)?$")

@@ -47,6 +47,12 @@ Only Triton kernels move: C++, CUTLASS and other kernels compile as Inductor com
 them. Installing twice raises ``RuntimeError`` (uninstall first, or use ``installed()``
 once); ``uninstall()`` when nothing is installed does nothing.
 
+Compiling in the background while serving eagerly: ``compile_in_background(model)`` (see
+``aiocompile.backends.inductor._background`` and docs/torch.md).
+
+A Triton kernel that fails to compile (or kills its workers ``max_crashes`` times) leaves a
+repro bundle (``SchedulerConfig.repro_dir``) that the ``CompileError``'s ``repro`` names.
+
 Importing this module does not import torch; ``install()`` does.
 """
 
@@ -63,12 +69,30 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from aiocompile import _checks
+from aiocompile import _checks, _repro
 from aiocompile._config import SchedulerConfig
+from aiocompile._errors import CompileError
 from aiocompile._scheduler import Scheduler
+from aiocompile.backends.inductor import _bundles
+from aiocompile.backends.inductor._background import (
+    BackgroundCompiled,
+    BackgroundStatus,
+    ShapeStatus,
+    compile_in_background,
+)
 from aiocompile.backends.inductor._worker import PRELOAD
 
-__all__ = ["PRELOAD", "install", "installed", "is_installed", "uninstall"]
+__all__ = [
+    "BackgroundCompiled",
+    "BackgroundStatus",
+    "PRELOAD",
+    "ShapeStatus",
+    "compile_in_background",
+    "install",
+    "installed",
+    "is_installed",
+    "uninstall",
+]
 
 # The attributes of AsyncCompile that install() replaces, with what replaces them below.
 PATCHED = ("triton", "use_process_pool", "warm_pool", "wakeup", "wait_pool_ready")
@@ -320,9 +344,10 @@ def _submit(installation: _Installation, async_compile: Any, kernel_name: str, s
 
     request = inductor.build_request(kernel_name, source_code, strict=False)
     answer = installation.current_scheduler()._execute_sync(request, installation.timeout)
+    graph = _bundles.graph_context(module)  # for a repro bundle, should the kernel fail
 
     def get_result() -> Any:
-        artifact: inductor.InductorArtifact = _result(answer)
+        artifact: inductor.InductorArtifact = _result_or_bundle(answer, installation, kernel_name, source_code, graph)
         kernel = artifact.ready((compile_id, is_backward))
         if artifact.elapsed_us is not None:
             _report_compile_time(module, kernel, kernel_name, artifact.elapsed_us)
@@ -386,6 +411,23 @@ def _result(answer: cf.Future[Any]) -> Any:
     if exc is not None:
         raise exc.with_traceback(None)
     return answer.result()
+
+
+def _result_or_bundle(answer: cf.Future[Any], installation: _Installation, kernel_name: str, source_code: str,
+                      graph: Any) -> Any:
+    """``_result``, with a repro bundle written for a kernel that did not compile, once
+    however many callers share its error (the error's ``repro`` names it)."""
+    try:
+        return _result(answer)
+    except CompileError as exc:
+        root = _repro.root_of(installation.scheduler.config)
+        if root is not None and exc.repro is None:
+            try:
+                exc.repro = _bundles.kernel_failure(root, exc, kernel_name, source_code, graph)
+            except Exception as error:  # noqa: BLE001 - the compile's error is the one to raise
+                warnings.warn(f"the repro bundle of {kernel_name!r} could not be written: {error}", RuntimeWarning,
+                              stacklevel=2)
+        raise
 
 
 def _chain(answer: cf.Future[Any], convert: Callable[[Any], Any]) -> cf.Future[Any]:

@@ -181,6 +181,9 @@ BAD_SETTINGS = [
     ("event_log", "", ValueError), ("event_log", 3, TypeError),
     ("cost_history", "", ValueError), ("cost_history", 3, TypeError),
     ("cache_key", b"", ValueError), ("cache_key", "", ValueError), ("cache_key", 1234, TypeError),
+    ("repro_dir", "", ValueError), ("repro_dir", 3, TypeError), ("repro_dir", False, TypeError),
+    ("repro_keep", 0, ValueError), ("repro_keep", 1.5, TypeError), ("repro_keep", None, TypeError),
+    ("repro_dir_bytes", 0, ValueError), ("repro_dir_bytes", "1", TypeError),
 ]
 
 
@@ -230,6 +233,7 @@ BAD_ENVIRONMENT = [
     ("AIOCOMPILE_WORKERS", "1.5"), ("AIOCOMPILE_WORKERS", "0"), ("AIOCOMPILE_MAX_CRASHES", "0"),
     ("AIOCOMPILE_MAX_WORKER_RSS", "0"), ("AIOCOMPILE_CACHE_DIR_BYTES", "-1"), ("AIOCOMPILE_WORKER_NICE", "20"),
     ("AIOCOMPILE_METRICS", "maybe"), ("AIOCOMPILE_START_METHOD", "thread"), ("AIOCOMPILE_CANCEL_RUNNING", "maybe"),
+    ("AIOCOMPILE_REPRO_KEEP", "0"), ("AIOCOMPILE_REPRO_DIR_BYTES", "lots"),
 ]
 
 
