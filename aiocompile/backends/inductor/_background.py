@@ -450,6 +450,16 @@ class BackgroundCompiled:
             raise entry.error
         return entry.snapshot()
 
+    def state(self, *args: Any, **kwargs: Any) -> str | None:
+        """The state of these inputs' signature (``compiling``, ``compiled``, ``failed``,
+        ``eager``), or None when no call has met it yet; ``eager`` for inputs that cannot
+        be keyed. Starts nothing."""
+        key = self._key(args, kwargs)
+        if key is None:
+            return "eager"
+        entry = self._entries.get(key)
+        return None if entry is None else entry.state
+
     def status(self) -> BackgroundStatus:
         """Where every signature met so far stands (a frozen snapshot)."""
         with self._lock:
