@@ -28,7 +28,7 @@ torch = pytest.importorskip("torch")
 import background_models  # noqa: E402  (needs torch)
 
 import aiocompile.torch as aiotorch  # noqa: E402
-from aiocompile.backends.inductor._background import TRANSITIONS  # noqa: E402
+from aiocompile.backends.inductor._states import TRANSITIONS  # noqa: E402
 
 TIMEOUT = 600
 
@@ -226,6 +226,22 @@ async def test_inputs_that_cannot_be_keyed_are_answered_eagerly(sched):
     assert status.shapes == () and status.eager_calls == 1
     with pytest.raises(aiocompile.CompileError, match="cannot be keyed"):
         await compiled.ready(parameter)
+
+
+async def test_signatures_beyond_the_bound_are_served_eagerly_and_start_nothing(sched):
+    model = background_models.HoldsALock().eval()  # fails before any worker: cheap to try
+    compiled = aiotorch.compile_in_background(model, scheduler=sched, max_signatures=1)
+    with torch.no_grad():
+        compiled(torch.randn(2, 16))
+        assert compiled.state(torch.randn(3, 16)) == "eager"
+        for rows in (3, 4, 5):
+            torch.testing.assert_close(compiled(torch.ones(rows, 16)), model(torch.ones(rows, 16)))
+    status = compiled.status()
+    assert [shape.signature for shape in status.shapes] == ["f32[2, 16] cpu"] and status.eager_calls == 3
+    shape = await compiled.ready(torch.randn(6, 16))
+    assert shape.state == "eager" and "max_signatures=1" in shape.error
+    with pytest.raises(ValueError, match="max_signatures"):
+        aiotorch.compile_in_background(model, scheduler=sched, max_signatures=0)
 
 
 def test_disable_keeps_every_call_eager(sched):

@@ -30,7 +30,7 @@ it runs in a worker process of an aiocompile scheduler (``_export.build_package`
    process's own parameters and buffers (``load_constants(user_managed=True)``: no copy;
    weights changed in place later are used as they are).
 
-Each signature's life is a small state machine (``TRANSITIONS``): ``compiling`` then
+Each signature's life is a small state machine (``_states.TRANSITIONS``): ``compiling`` then
 ``compiled`` or ``failed``; ``compiled`` becomes ``failed`` if the compiled version ever
 raises (that call, and every later one, is answered eagerly). A signature that cannot be
 compiled at all (an input that is not a plain tensor or a plain value) is ``eager``.
@@ -45,9 +45,7 @@ import io
 import os
 import tempfile
 import threading
-import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from aiocompile import _bridge, _repro, _threads
@@ -55,11 +53,9 @@ from aiocompile._errors import CompileError, CompileTimeout, WorkerCrashedError
 from aiocompile._scheduler import Scheduler
 from aiocompile.backends import Request
 from aiocompile.backends.inductor import _export, _parcel
+from aiocompile.backends.inductor._states import TRANSITIONS, BackgroundStatus, ShapeStatus, _Entry
 
-__all__ = ["BackgroundCompiled", "BackgroundStatus", "ShapeStatus", "compile_in_background"]
-
-STATES = ("compiling", "compiled", "failed", "eager")
-TRANSITIONS = frozenset({("compiling", "compiled"), ("compiling", "failed"), ("compiled", "failed")})
+__all__ = ["TRANSITIONS", "BackgroundCompiled", "BackgroundStatus", "ShapeStatus", "compile_in_background"]
 
 MODES = (None, "default", "max-autotune", "max-autotune-no-cudagraphs")
 """``mode=`` values: Inductor's own settings for the mode, less CUDA graphs (the compiled
@@ -68,107 +64,6 @@ version is an AOTInductor package, which CUDA graph trees do not apply to)."""
 # Packing the model and loading packages: a lane of its own, so that a large model being
 # pickled never delays a kernel load.
 _LANE = _threads.Lane("aiocompile-background", 2)
-
-
-@dataclass(frozen=True)
-class ShapeStatus:
-    """Where one input signature stands."""
-
-    signature: str
-    """The inputs, readable: ``f32[4, 128, 256] cpu`` per argument."""
-    state: str
-    """``compiling``, ``compiled``, ``failed`` or ``eager`` (never compiled: see ``error``)."""
-    error: str | None = None
-    """Why it failed (or why it stays eager): the error's type and message."""
-    repro: str | None = None
-    """The repro bundle's directory, for a failed compile that wrote one."""
-    seconds: float | None = None
-    """From the first call with this signature to compiled (or failed)."""
-    stages: tuple[tuple[str, float], ...] = ()
-    """The worker's stages (load, export, compile, trial) and their seconds."""
-    max_abs_difference: float | None = None
-    """The largest difference between the compiled and the eager output in the worker's
-    trial run."""
-    eager_calls: int = 0
-    compiled_calls: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"signature": self.signature, "state": self.state, "error": self.error, "repro": self.repro,
-                "seconds": self.seconds, "stages": dict(self.stages),
-                "max_abs_difference": self.max_abs_difference, "eager_calls": self.eager_calls,
-                "compiled_calls": self.compiled_calls}
-
-
-@dataclass(frozen=True)
-class BackgroundStatus:
-    """A snapshot of every signature a :class:`BackgroundCompiled` has met."""
-
-    model: str
-    shapes: tuple[ShapeStatus, ...] = ()
-    eager_calls: int = 0
-    """Calls answered eagerly because their inputs could not be keyed."""
-
-    def _with(self, state: str) -> tuple[str, ...]:
-        return tuple(shape.signature for shape in self.shapes if shape.state == state)
-
-    @property
-    def compiled(self) -> tuple[str, ...]:
-        return self._with("compiled")
-
-    @property
-    def compiling(self) -> tuple[str, ...]:
-        return self._with("compiling")
-
-    @property
-    def failed(self) -> tuple[str, ...]:
-        return self._with("failed")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "eager_calls": self.eager_calls,
-                "compiled": list(self.compiled), "compiling": list(self.compiling), "failed": list(self.failed),
-                "shapes": [shape.to_dict() for shape in self.shapes]}
-
-
-@dataclass(eq=False)
-class _Entry:
-    """One signature's life (see the module docstring)."""
-
-    text: str
-    state: str = "compiling"
-    error: BaseException | None = None
-    runner: Any = None
-    constants: Mapping[str, Any] | None = None
-    """What the loaded package reads its weights from: kept alive here."""
-    started: float = field(default_factory=time.monotonic)
-    seconds: float | None = None
-    stages: tuple[tuple[str, float], ...] = ()
-    difference: float | None = None
-    eager_calls: int = 0
-    compiled_calls: int = 0
-    done: cf.Future[None] = field(default_factory=cf.Future)
-    """Resolved when the entry leaves ``compiling``."""
-
-    def move(self, state: str, error: BaseException | None = None) -> bool:
-        """Go to ``state`` if that is a transition there is; returns whether it moved."""
-        if (self.state, state) not in TRANSITIONS:
-            return False
-        self.state = state
-        if error is not None:
-            self.error = error
-        if self.seconds is None:
-            self.seconds = time.monotonic() - self.started
-        if not self.done.done():
-            self.done.set_result(None)
-        return True
-
-    def snapshot(self) -> ShapeStatus:
-        error = self.error
-        return ShapeStatus(
-            signature=self.text, state=self.state,
-            error=None if error is None else f"{type(error).__name__}: {error}",
-            repro=getattr(error, "repro", None), seconds=self.seconds, stages=self.stages,
-            max_abs_difference=self.difference, eager_calls=self.eager_calls, compiled_calls=self.compiled_calls,
-        )
 
 
 class BackgroundCompiled:
@@ -181,7 +76,8 @@ class BackgroundCompiled:
     """
 
     def __init__(self, model: Any, *, inductor_configs: Mapping[str, Any], scheduler: Scheduler,
-                 owns_scheduler: bool, strict: bool, timeout: float | None, disabled: bool) -> None:
+                 owns_scheduler: bool, strict: bool, timeout: float | None, disabled: bool,
+                 max_signatures: int = 8) -> None:
         import torch
 
         self._model = model
@@ -193,6 +89,7 @@ class BackgroundCompiled:
         self._strict = strict
         self._timeout = timeout
         self._disabled = disabled
+        self._max_signatures = max_signatures
         self._name = type(model).__qualname__
         self._lock = threading.Lock()
         self._entries: dict[Any, _Entry] = {}
@@ -219,7 +116,15 @@ class BackgroundCompiled:
             return self._model(*args, **kwargs)
         entry = self._entries.get(key)
         if entry is None:
+            # A signature met for the first time: this call is answered first, and only
+            # then is its compile started (whose packing would compete with the call).
+            out = self._model(*args, **kwargs)
             entry = self._begin(key, args, kwargs)
+            if entry is None:
+                self._unkeyed_calls += 1
+            else:
+                entry.eager_calls += 1
+            return out
         runner = entry.runner
         if runner is not None and not self._records_grad(args, kwargs):
             try:
@@ -276,11 +181,16 @@ class BackgroundCompiled:
 
     # -- compiles ---------------------------------------------------------------------------------
 
-    def _begin(self, key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Entry:
+    def _begin(self, key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Entry | None:
+        """The entry of a signature met for the first time, its compile started; None
+        once ``max_signatures`` signatures have been met (served eagerly, never
+        compiled: a model called with ever new shapes must not start a compile a call)."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
                 return entry
+            if len(self._entries) >= self._max_signatures:
+                return None
             entry = _Entry(_describe(self._torch, args, kwargs))
             self._entries[key] = entry
         if self._disabled:
@@ -298,8 +208,9 @@ class BackgroundCompiled:
         torch = self._torch
         try:
             parcel = self._take_parcel()
-        except TypeError as exc:
+        except Exception as exc:
             error = CompileError(f"the model cannot be compiled in a worker: {exc}", kernel_name=self._name)
+            error.__cause__ = exc
             self._fail(entry, error)
             return
         try:
@@ -350,11 +261,20 @@ class BackgroundCompiled:
 
     def _finish(self, entry: _Entry, job: _export.ExportJob, done: cf.Future[Any]) -> None:
         """Load the package the worker built and switch the signature to it (in a lane's
-        thread), or record why there is none."""
+        thread), or record why there is none. Whatever goes wrong here fails the
+        signature: nothing is left compiling for ever."""
         self._release_parcel()
+        try:
+            self._settle(entry, job, done)
+        except BaseException as exc:
+            self._fail(entry, exc)
+            raise
+
+    def _settle(self, entry: _Entry, job: _export.ExportJob, done: cf.Future[Any]) -> None:
         exc = done.exception()
         if exc is not None:
-            if isinstance(exc, (WorkerCrashedError, CompileTimeout)) and exc.repro is None and job.repro is not None:
+            if isinstance(exc, (WorkerCrashedError, CompileTimeout)) and exc.repro is None \
+                    and job.repro is not None:
                 # The worker could not write a bundle: it was gone.
                 from aiocompile.backends.inductor import _bundles
 
@@ -436,15 +356,18 @@ class BackgroundCompiled:
         the compiled version when it is ready, as they would have.
         """
         key = self._key(args, kwargs)
-        if key is None:
-            status = ShapeStatus(signature="(inputs that are not plain tensors or values)", state="eager",
-                                 error="the inputs cannot be keyed: a tensor subclass or an unsupported type")
+        entry = None if key is None else self._entries.get(key) or self._begin(key, args, kwargs)
+        if entry is None:
+            if key is None:
+                status = ShapeStatus(signature="(inputs that are not plain tensors or values)", state="eager",
+                                     error="the inputs cannot be keyed: a tensor subclass or an unsupported type")
+            else:
+                status = ShapeStatus(signature=_describe(self._torch, args, kwargs), state="eager",
+                                     error=f"max_signatures={self._max_signatures} signatures are compiled or "
+                                           "compiling already: these inputs are served eagerly")
             if self._strict:
                 raise CompileError(status.error or "", kernel_name=self._name)
             return status
-        entry = self._entries.get(key)
-        if entry is None:
-            entry = self._begin(key, args, kwargs)
         await _bridge.wait(entry.done)
         if entry.state == "failed" and self._strict and entry.error is not None:
             raise entry.error
@@ -453,12 +376,14 @@ class BackgroundCompiled:
     def state(self, *args: Any, **kwargs: Any) -> str | None:
         """The state of these inputs' signature (``compiling``, ``compiled``, ``failed``,
         ``eager``), or None when no call has met it yet; ``eager`` for inputs that cannot
-        be keyed. Starts nothing."""
+        be keyed, or met beyond ``max_signatures``. Starts nothing."""
         key = self._key(args, kwargs)
         if key is None:
             return "eager"
         entry = self._entries.get(key)
-        return None if entry is None else entry.state
+        if entry is None:
+            return "eager" if len(self._entries) >= self._max_signatures else None
+        return entry.state
 
     def status(self) -> BackgroundStatus:
         """Where every signature met so far stands (a frozen snapshot)."""
@@ -540,6 +465,7 @@ def compile_in_background(
     scheduler: Scheduler | None = None,
     strict: bool = False,
     timeout: float | None = None,
+    max_signatures: int = 8,
 ) -> BackgroundCompiled:
     """``model`` (a ``torch.nn.Module``), answering every call at once: eagerly until a
     compiled version for the call's inputs (their shapes, strides, dtypes, devices) is
@@ -554,11 +480,15 @@ def compile_in_background(
     cannot be honoured ``ValueError``. Then aiocompile's own:
 
     - ``scheduler``: where compiles run (default: ``aiocompile.torch.install()``'s
-      scheduler if installed, else a new one from the environment with torch preloaded
-      in its workers, which ``close()`` closes);
+      scheduler if installed, else a new one from the environment, at most 4 workers,
+      started at once with torch and the compile's modules imported, which ``close()``
+      closes);
     - ``timeout``: seconds one compile may take in its worker (None: the scheduler's);
     - ``strict``: ``ready()`` raises the ``CompileError`` of a compile that failed
-      rather than returning the failed status.
+      rather than returning the failed status;
+    - ``max_signatures``: how many input signatures are compiled at most (8, as
+      ``torch.compile`` recompiles at most 8 times); calls with further signatures are
+      answered eagerly, and start nothing.
 
     The whole compile (``torch.export``, AOTInductor's lowering and compile, a trial
     run) happens in a worker process; this process only packs the model, loads the
@@ -597,12 +527,13 @@ def compile_in_background(
     if scheduler is not None and scheduler.closed:
         raise ValueError("the scheduler is closed")
     _checks.CALL_TIMEOUT.check("timeout", timeout)
+    _checks.Number(integer=True, at_least=1).check("max_signatures", max_signatures)
     configs = _inductor_configs(torch, mode, dict(options or {}))
     owned = False
     if scheduler is None:
         scheduler, owned = _scheduler_for_background()
     return BackgroundCompiled(model, inductor_configs=configs, scheduler=scheduler, owns_scheduler=owned,
-                              strict=strict, timeout=timeout, disabled=disable)
+                              strict=strict, timeout=timeout, disabled=disable, max_signatures=max_signatures)
 
 
 def _torch() -> Any:
@@ -632,11 +563,23 @@ def _inductor_configs(torch: Any, mode: str | None, options: dict[str, Any]) -> 
 
 def _scheduler_for_background() -> tuple[Scheduler, bool]:
     """The scheduler ``aiocompile.torch.install()`` uses if installed (its workers start
-    with torch); else a new one of the environment's configuration with torch preloaded,
-    owned by the caller."""
+    with torch); else a new one, owned by the caller: the environment's configuration, at
+    most ``MAX_OWN_WORKERS`` workers, torch imported in its fork server, and its workers
+    started at once, each importing what a compile needs while the program starts up."""
     from aiocompile import torch as aiotorch
+    from aiocompile._config import SchedulerConfig
 
     installation = aiotorch._state.current
     if installation is not None:
         return installation.current_scheduler(), False
-    return aiotorch._own_scheduler(), True
+    config = SchedulerConfig.from_env()
+    scheduler = Scheduler(config=config.with_changes(preload=(*config.preload, aiotorch.PRELOAD),
+                                                     workers=min(config.workers, MAX_OWN_WORKERS)))
+    scheduler._warm_workers(_export.warm_up)
+    return scheduler, True
+
+
+MAX_OWN_WORKERS = 4
+"""Workers of a scheduler ``compile_in_background`` makes, at most: one compile per input
+signature, each a heavy compile of its own (Inductor compiles a package's kernels in
+parallel inside its worker)."""
