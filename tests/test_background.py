@@ -31,6 +31,9 @@ import aiocompile.torch as aiotorch  # noqa: E402
 from aiocompile.backends.inductor._states import TRANSITIONS  # noqa: E402
 
 TIMEOUT = 600
+# The module's scheduler starts its fork server (torch imported) in whichever test uses it
+# first: seconds on a busy 2-CPU machine.
+pytestmark = pytest.mark.timeout(TIMEOUT)
 
 
 @pytest.fixture(scope="module")
@@ -326,6 +329,28 @@ def test_a_worker_killed_mid_compile_leaves_eager_serving_with_a_bundle(sched, t
 
     proc = run_repro(shape.repro)
     assert proc.returncode == -9, (proc.returncode, proc.stderr[-2000:])
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.usefixtures("fresh_inductor")
+def test_on_a_gpu_a_model_run_eagerly_first_is_served_compiled(sched):
+    """The serving process has run the model on the GPU (CUDA initialised, kernels
+    loaded) before the package is loaded into it."""
+    model, x = background_models.make_mlp()
+    model, x = model.cuda(), x.cuda()
+    with torch.no_grad():
+        expected = model(x)
+    compiled = aiotorch.compile_in_background(model, scheduler=sched)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), expected)
+    shape = asyncio.run(compiled.ready(x))
+    assert shape.state == "compiled", shape.error
+    assert shape.signature == f"f32[4, 16] {x.device}"
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), expected, rtol=1e-3, atol=1e-3)
+    assert compiled.status().shapes[0].compiled_calls == 1
 
 
 @pytest.mark.timeout(TIMEOUT)
