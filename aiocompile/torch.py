@@ -51,7 +51,9 @@ Compiling in the background while serving eagerly: ``compile_in_background(model
 ``aiocompile.backends.inductor._background`` and docs/torch.md).
 
 A Triton kernel that fails to compile (or kills its workers ``max_crashes`` times) leaves a
-repro bundle (``SchedulerConfig.repro_dir``) that the ``CompileError``'s ``repro`` names.
+repro bundle (``SchedulerConfig.repro_dir``) that the ``CompileError``'s ``repro`` names;
+so does an error of Inductor's in this process (``wrap_compiler_debug`` of
+``torch._inductor.compile_fx`` is wrapped while installed, see ``_graph_repro``).
 
 Importing this module does not import torch; ``install()`` does.
 """
@@ -73,7 +75,7 @@ from aiocompile import _checks, _repro
 from aiocompile._config import SchedulerConfig
 from aiocompile._errors import CompileError
 from aiocompile._scheduler import Scheduler
-from aiocompile.backends.inductor import _bundles
+from aiocompile.backends.inductor import _bundles, _graph_repro
 from aiocompile.backends.inductor._background import (
     BackgroundCompiled,
     BackgroundStatus,
@@ -112,6 +114,8 @@ class _Installation:
     """Attribute name -> (whether it was the class's own, the raw value there)."""
     warmed: bool = False
     pid: int = field(default_factory=os.getpid)
+    graph_hook: Any = None
+    """What ``_graph_repro.patch`` replaced (Inductor's debug wrapper), for uninstall()."""
 
     def current_scheduler(self) -> Scheduler:
         """The scheduler; in a forked child, a scheduler ``install()`` made is made anew
@@ -186,6 +190,8 @@ def install(scheduler: Scheduler | None = None, *, timeout: float | None = None,
                 installation.originals[name] = (False, None)
         for name in installation.originals:
             setattr(target, name, _REPLACEMENTS[name])
+        # An Inductor error in this process leaves a repro bundle too.
+        installation.graph_hook = _graph_repro.patch(lambda: _repro.root_of(installation.scheduler.config))
         _state.current = installation
     return scheduler
 
@@ -220,6 +226,9 @@ def uninstall() -> bool:
                 setattr(target, name, raw)
             else:
                 delattr(target, name)
+        if installation.graph_hook is not None and not _graph_repro.unpatch(installation.graph_hook):
+            warnings.warn("torch._inductor.compile_fx.wrap_compiler_debug was replaced by someone else after "
+                          "aiocompile.torch.install(); left as it is", RuntimeWarning, stacklevel=2)
         _state.current = None
     if installation.owned and installation.pid == os.getpid():
         installation.scheduler.close()

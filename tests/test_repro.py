@@ -162,3 +162,44 @@ def test_a_kernel_that_does_not_compile_under_install_leaves_a_bundle_that_fails
     # repro's last word too.
     message = failed.value.message.split(": ", 1)[-1].strip().splitlines()[0]
     assert message in proc.stderr, (message, proc.stderr[-3000:])
+
+
+@pytest.mark.timeout(600)
+def test_an_inductor_error_under_install_leaves_a_graph_bundle_that_fails_the_same_way(tmp_path, monkeypatch):
+    torch = pytest.importorskip("torch")
+    import traceback
+
+    from torch._inductor import compile_fx
+
+    import aiocompile.torch as aiotorch
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    cxx = tmp_path / "broken-g++"
+    cxx.write_text('#!/bin/sh\necho "broken-g++: this compiler compiles nothing" >&2\nexit 1\n')
+    cxx.chmod(0o755)
+    repro = tmp_path / "repro"
+    sched = aiocompile.Scheduler(config=aiocompile.SchedulerConfig(workers=1, preload=(), repro_dir=str(repro)))
+    debug_wrapper = compile_fx.wrap_compiler_debug
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+    torch._dynamo.reset()
+    try:
+        with aiotorch.installed(sched, warm=False):
+            assert compile_fx.wrap_compiler_debug is not debug_wrapper
+            with pytest.raises(Exception) as failed:
+                torch.compile(model, options={"cpp.cxx": (None, str(cxx))})(torch.randn(2, 8))
+        assert compile_fx.wrap_compiler_debug is debug_wrapper  # uninstall put it back
+    finally:
+        sched.close()
+        torch._dynamo.reset()
+    (bundle,) = list_bundles(str(repro))
+    assert (bundle.kind, bundle.stage, bundle.error_type) == ("graph", "inductor", "InductorError")
+    # The error names the bundle in its traceback.
+    assert bundle.path in "".join(traceback.format_exception(failed.value))
+    graph = Path(bundle.path, "graph.py").read_text()
+    assert "torch.ops.aten" in graph and "f32[2, 8]" in graph
+
+    env = subprocess_env(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "again"))
+    proc = subprocess.run([sys.executable, os.path.join(bundle.path, "repro.py")], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "InvalidCxxCompiler" in proc.stderr and str(cxx) in proc.stderr, proc.stderr[-3000:]
