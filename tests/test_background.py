@@ -332,6 +332,21 @@ def test_a_worker_killed_mid_compile_leaves_eager_serving_with_a_bundle(sched, t
 
 
 @pytest.mark.timeout(TIMEOUT)
+@pytest.mark.usefixtures("fresh_inductor")
+def test_a_compile_past_its_timeout_leaves_eager_serving_with_a_bundle(sched, tmp_path):
+    # A compiler that never returns: the compile runs past its timeout, its worker (and the
+    # compiler with it) is killed.
+    cxx = compiler(tmp_path, "stuck-g++", "while :; do sleep 1; done\n")
+    model, x = background_models.make_mlp()
+    compiled = aiotorch.compile_in_background(model, options={"cpp.cxx": (None, cxx)}, scheduler=sched, timeout=5)
+    shape = asyncio.run(compiled.ready(x))
+    assert shape.state == "failed" and shape.error.startswith("CompileTimeout"), shape.error
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+    manifest = bundle_manifest(shape.repro)
+    assert manifest["stage"] == "unknown (the worker timed out)" and manifest["error_type"] == "CompileTimeout"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.usefixtures("fresh_inductor")
