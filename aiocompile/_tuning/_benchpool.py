@@ -155,6 +155,7 @@ class _Slot:
         self.process: BenchProcess | None = None
         self.thread: threading.Thread | None = None
         self.drops: collections.deque[int] = collections.deque()
+        self.offers: collections.deque[Session] = collections.deque()
         self.failed_starts = 0
         self.failed_at = 0.0
         self.last_failure = ""
@@ -206,12 +207,30 @@ class BenchPool:
             for device in devices:
                 self._ensure_thread(self._slots[device])
 
+    def offer(self, session: Session, devices: frozenset[int]) -> None:
+        """Send a tuning's tensors to these devices' processes as soon as they are idle,
+        ahead of its first configuration (which is still compiling)."""
+        with self._lock:
+            if self._closed:
+                return
+            for device in devices:
+                slot = self._slots[device]
+                slot.offers.append(session)
+                self._ensure_thread(slot)
+            self._lock.notify_all()
+
     def drop(self, session: Session) -> None:
         """The tuning is over: its tensors may go (told to each process before its next
         configuration; a process keeps only the latest few anyway)."""
         with self._lock:
             for slot in self._slots.values():
                 slot.drops.append(session.id)
+
+    def ready(self) -> set[int]:
+        """The devices whose process is up and idle."""
+        with self._lock:
+            return {device for device, slot in self._slots.items()
+                    if slot.process is not None and slot.process.state is State.IDLE}
 
     def processes(self) -> dict[int, int]:
         """Device -> pid of its live benchmark process."""
@@ -264,6 +283,8 @@ class BenchPool:
                             return task
                         break  # withdrawn: look again
                 else:
+                    if slot.offers:
+                        return _OFFER
                     if slot.process is None and slot.failed_starts == 0:
                         # Nothing to do yet: start the process meanwhile (and after one
                         # was lost, its replacement), so that no configuration waits for it.
@@ -278,6 +299,9 @@ class BenchPool:
                     break
                 if task is _WARM:
                     self._start_for(slot)
+                    continue
+                if task is _OFFER:
+                    self._send_offers(slot)
                     continue
                 outcome = self._run(slot, task)
                 task.future.set_result(outcome)
@@ -423,6 +447,21 @@ class BenchPool:
         reason = f"the benchmark process {describe_exit(code)} while timing this configuration"
         return self._outcome(task, process, "crashed", None, reason + (f"\n{tail}" if tail else ""), started)
 
+    def _send_offers(self, slot: _Slot) -> None:
+        with self._lock:
+            offers = list(slot.offers)
+            slot.offers.clear()
+        process = self._start_for(slot)
+        if isinstance(process, str):
+            return
+        try:
+            self._send_drops(slot, process)
+            for session in offers:
+                if session.id not in process.sessions and session.id not in slot.drops:
+                    self._send_inputs(process, session)  # a failure shows again with its first configuration
+        except Lost:
+            self._ended(slot, process, None if self._closed else "lost while taking the tensors")
+
     def _send_drops(self, slot: _Slot, process: BenchProcess) -> None:
         while slot.drops:
             session = slot.drops.popleft()
@@ -450,6 +489,7 @@ class BenchPool:
 
 
 _WARM: Any = object()
+_OFFER: Any = object()
 
 
 def _given_up(task: _Task, device: int, status: str, reason: str, started: float | None = None) -> Outcome:

@@ -263,7 +263,6 @@ class Tuner:
         started = time.perf_counter()
         pool = self.pool()
         pool.start(devices)  # the processes start while the configurations compile
-        session = Session(plan.read_inputs())
         bar = sched._progress(2 * len(plan.configs), progress, description=f"tuning {plan.name}")
         compiles: dict[cf.Future[Any], _plan.ConfigPlan] = {}
         failed: dict[int, tuple[str, str]] = {}
@@ -273,7 +272,12 @@ class Tuner:
             compiles[sched._execute_sync(request, timeout)] = planned
         benches: dict[cf.Future[Outcome], tuple[_plan.ConfigPlan, Any]] = {}
         outcomes: dict[int, Outcome | None] = {}
+        session: Session | None = None
         try:
+            # The tensors, read while the configurations compile, go to the processes
+            # ahead of the first configuration.
+            session = Session(plan.read_inputs())
+            pool.offer(session, devices)
             pending = set(compiles)
             while pending:
                 done, pending = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
@@ -297,7 +301,8 @@ class Tuner:
                 self._record(plan, planned, outcome, compiled.key)
         finally:
             bar.close()
-            pool.drop(session)
+            if session is not None:
+                pool.drop(session)
             for future in benches:
                 future.cancel()
         for index, (status, reason) in failed.items():
