@@ -186,6 +186,13 @@ class TuningPlan:
     tuner_args: tuple[Any, ...] = ()
     """What the autotuner is run with (the heuristics above it applied)."""
     tuner_kwargs: dict[str, Any] = field(default_factory=dict)
+    pruned: list[Any] = field(default_factory=list)
+    """The ``triton.Config`` objects left after pruning, in the autotuner's order."""
+
+    def expand(self) -> None:
+        """Specialise each configuration left (``configs``), as the JIT would."""
+        if not self.configs:
+            self.configs = [self.plan_config(index, config) for index, config in enumerate(self.pruned)]
 
     def plan_config(self, index: int, config: Any) -> ConfigPlan:
         """One configuration's compile and launch (raises what the launch would raise)."""
@@ -232,7 +239,7 @@ class TuningPlan:
     @property
     def tunes(self) -> bool:
         """Whether configurations are to be benchmarked (more than one is left)."""
-        return self.key is not None and len(self.configs) > 1
+        return self.key is not None and len(self.pruned) > 1
 
     def decision_key(self, device_name: str) -> str:
         """Where a decision for this launch is kept: the kernel (its source and what it
@@ -277,10 +284,10 @@ def _grid(grid: Any, bound_args: dict[str, Any]) -> tuple[int, int, int]:
     return (*dims, *(1,) * (3 - len(dims)))
 
 
-def plan(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any], grid: Any, device: int) -> TuningPlan:
-    """Work out what ``kernel[grid](*args, **kwargs)`` would tune on ``device``. Raises
-    what the launch would raise for arguments that do not bind, ``TypeError`` for what is
-    not an autotuned kernel. Blocking (it calls the user's functions): run it in a thread."""
+def prepare(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any], grid: Any, device: int) -> TuningPlan:
+    """The first half of ``plan``: the autotuner's arguments, its key and the
+    configurations left after pruning, without specialising any (which is what needs
+    Triton's driver). Enough to look a decision up."""
     chain = chain_of(kernel)
     tuner = chain.tuner
     # As KernelInterface.__getitem__ launches: grid and warmup are keywords from the top.
@@ -291,9 +298,16 @@ def plan(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any], grid: Any, 
         configs = prune(tuner, nargs, tuner_kwargs)
     else:
         key, configs = None, list(tuner.configs)
-    found = TuningPlan(chain, device, key, [], InputCollector(), _hooks(tuner), len(tuner.configs) - len(configs),
-                       _decision_parts(chain, key), tuner_args, tuner_kwargs)
-    found.configs = [found.plan_config(index, config) for index, config in enumerate(configs)]
+    return TuningPlan(chain, device, key, [], InputCollector(), _hooks(tuner), len(tuner.configs) - len(configs),
+                      _decision_parts(chain, key), tuner_args, tuner_kwargs, configs)
+
+
+def plan(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any], grid: Any, device: int) -> TuningPlan:
+    """Work out what ``kernel[grid](*args, **kwargs)`` would tune on ``device``. Raises
+    what the launch would raise for arguments that do not bind, ``TypeError`` for what is
+    not an autotuned kernel. Blocking (it calls the user's functions): run it in a thread."""
+    found = prepare(kernel, args, kwargs, grid, device)
+    found.expand()
     return found
 
 

@@ -201,16 +201,25 @@ class Tuner:
         _plan.chain_of(kernel)  # not an autotuned kernel: TypeError, before anything else
         current = self.timing.current_device()  # the caller's, read in the caller's thread
         target, devices, device_name = await _threads.LOADS.run(lambda: self._resolve(device, current))
-        plan = await _threads.LOADS.run(lambda: _plan.plan(kernel, args, kwargs, grid, target))
+        plan = await _threads.LOADS.run(lambda: _plan.prepare(kernel, args, kwargs, grid, target))
         sched._check_open()
         if not plan.tunes:
-            chosen = plan.configs[0]
-            result = await self._prime(plan, chosen, None, "single", device_name, timeout)
+            await _threads.LOADS.run(plan.expand)
+            result = await self._prime(plan, plan.configs[0], None, "single", device_name, timeout)
             sched._metrics.tuning("answered")
             return result
         decision_key = plan.decision_key(device_name)
         try:
-            decision, source = await self._decide(plan, decision_key, devices, device_name, timeout, progress)
+            found, source = self.decisions.remembered(decision_key), "memory"
+            if found is None:
+                found, source = await _threads.LOADS.run(lambda: self._load_or_start(decision_key, devices)), "disk"
+            await _threads.LOADS.run(plan.expand)
+            if found is not None and plan.config_for(found.config) is None:  # pragma: no cover - keyed by them
+                self.decisions.forget(decision_key)
+                found = None
+            if found is None:
+                found, source = await self._decide(plan, decision_key, devices, device_name, timeout, progress)
+            decision = found
             chosen_plan = plan.config_for(decision.config)
             if chosen_plan is None:  # pragma: no cover - the key covers the configurations
                 raise AutotuneError(f"the decision for {plan.name} names a configuration it does not have",
@@ -223,6 +232,15 @@ class Tuner:
         if source in ("memory", "disk"):
             sched._metrics.tuning("hits")
         return result
+
+    def _load_or_start(self, key: str, devices: frozenset[int]) -> Decision | None:
+        """The decision kept on disk; or, there being none, a tuning to come: its
+        benchmark processes start now, while the configurations are specialised (which
+        may build Triton's driver here) and compiled."""
+        found = self.decisions.load(key)
+        if found is None:
+            self.pool().start(devices)
+        return found
 
     async def _decide(self, plan: _plan.TuningPlan, key: str, devices: frozenset[int], device_name: str,
                       timeout: float | None, progress: bool) -> tuple[Decision, str]:
@@ -250,11 +268,9 @@ class Tuner:
 
     def _tune_or_load(self, plan: _plan.TuningPlan, key: str, devices: frozenset[int], device_name: str,
                       timeout: float | None, progress: bool) -> tuple[Decision, str]:
-        found = self.decisions.load(key)
-        if found is not None and plan.config_for(found.config) is not None:
-            return found, "disk"
+        found = self.decisions.remembered(key)  # a tuning that ended just before this one began
         if found is not None:
-            self.decisions.forget(key)
+            return found, "memory"
         return self._tune(plan, key, devices, device_name, timeout, progress), "tuned"
 
     def _tune(self, plan: _plan.TuningPlan, key: str, devices: frozenset[int], device_name: str,
