@@ -361,6 +361,7 @@ class Histograms:
     """By backend."""
     queue_wait_seconds: tuple[list[int], float]
     stage_seconds: dict[str, tuple[list[int], float]]
+    benchmark_seconds: tuple[list[int], float] = ([0] * (len(BUCKETS) + 1), 0.0)
 
 
 class Metrics:
@@ -442,6 +443,7 @@ class Metrics:
                 compile_seconds={name: d.histogram() for name, d in self.by_backend.items()},
                 queue_wait_seconds=self.queue_wait.histogram(),
                 stage_seconds={name: d.histogram() for name, d in self.stages.items()},
+                benchmark_seconds=self.benchmark_time.histogram(),
             )
 
     def snapshot(self, pool: dict[str, Any]) -> Statistics:

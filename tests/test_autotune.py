@@ -302,6 +302,18 @@ async def test_a_restarted_process_finds_the_decision_and_tunes_nothing(tmp_path
     assert sched._tuner._pool is None  # not a single benchmark process
     assert stats.disk_hits == 1  # and the chosen binary came from the disk cache too
 
+    # Carried to another machine's directory with the command line: found there too.
+    exported, fleet = tmp_path / "decisions.json", tmp_path / "fleet"
+    for command in (["export", str(cache), "-o", str(exported)], ["import", str(fleet), str(exported)]):
+        done = subprocess.run([sys.executable, "-m", "aiocompile", "decisions", *command], capture_output=True,
+                              text=True, env=subprocess_env(), timeout=120)
+        assert done.returncode == 0, done.stderr
+    kernel.cache.clear()
+    async with tuning_scheduler(cache_dir=fleet) as sched:
+        carried = await sched.autotune(kernel, torch.ones(4096), torch.empty(4096), 4096, 2.0, grid=tk.grid)
+        assert sched.statistics().benchmarks == 0 and sched._tuner._pool is None
+    assert carried.source == "disk" and carried.config is best.config
+
     # A decision file that does not decode is a miss: tuned again, and written anew.
     files[0].write_bytes(files[0].read_bytes()[:-5])
     kernel.cache.clear()

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 _MAGIC = b"AIOCOMPILE-DECISION\n"
@@ -71,7 +73,7 @@ class Decision:
                 config=str(data["config"]), label=str(data["label"]), timings=timings,
                 tuned_at=float(data.get("tuned_at", 0.0)),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"not a tuning decision ({type(exc).__name__}: {exc})") from None
         if len(decision.key) != 64 or any(c not in "0123456789abcdef" for c in decision.key):
             raise ValueError("not a tuning decision (its key is not a SHA-256 hex digest)")
@@ -137,3 +139,58 @@ class Decisions:
     def __len__(self) -> int:
         with self._lock:
             return len(self._memory)
+
+
+# -- carrying decisions between machines (``aiocompile decisions``) ------------------------------
+
+EXPORT_FORMAT = "aiocompile-decisions/1"
+
+
+def tuning_directory(cache_dir: str | os.PathLike[str]) -> Path:
+    return Path(cache_dir) / SUBDIRECTORY
+
+
+def read_all(cache_dir: str | os.PathLike[str], secret: bytes | str | None = None) -> tuple[list[Decision], Any]:
+    """Every decision kept in ``cache_dir`` that its trust rules let be read (see
+    ``_diskcache``), and the cache that read them."""
+    from aiocompile._diskcache import SUFFIX, DiskCache
+
+    directory = tuning_directory(cache_dir)
+    if not directory.is_dir():
+        return [], None
+    disk = DiskCache(directory, None, secret)
+    found = []
+    for path in sorted(directory.glob(f"*/*{SUFFIX}")):
+        loaded = disk.load(path.name[:-len(SUFFIX)], Decision.from_bytes)
+        if loaded is not None:
+            found.append(loaded[0])
+    disk.close()
+    return found, disk
+
+
+def write_all(cache_dir: str | os.PathLike[str], decisions: list[Decision], secret: bytes | str | None = None) -> Any:
+    """Keep ``decisions`` in ``cache_dir`` (sealed with ``secret`` if given); returns the
+    cache, whose ``access`` and ``writes`` say what became of them."""
+    from aiocompile._diskcache import DiskCache
+
+    disk = DiskCache(tuning_directory(cache_dir), None, secret)
+    for decision in decisions:
+        disk.store(decision.key, decision.to_bytes)
+    disk.close(wait=True)
+    return disk
+
+
+def export_text(decisions: list[Decision]) -> str:
+    return json.dumps({"format": EXPORT_FORMAT, "decisions": [d.to_dict() for d in decisions]}, indent=1,
+                      sort_keys=True) + "\n"
+
+
+def import_text(text: str) -> list[Decision]:
+    """Raises ``ValueError`` for text that is not an export of decisions."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(data, dict) or data.get("format") != EXPORT_FORMAT or not isinstance(data.get("decisions"), list):
+        raise ValueError(f"not an export of tuning decisions (format {EXPORT_FORMAT!r})")
+    return [Decision.from_dict(item) for item in data["decisions"]]
