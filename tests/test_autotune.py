@@ -13,7 +13,7 @@ import anyio
 import pytest
 import tuning_kernels as tk
 import tuning_stand_in as si
-from conftest import ROOT, subprocess_env
+from conftest import ROOT, alive, subprocess_env, wait_until
 
 import aiocompile
 from aiocompile._tuning._tuner import Tuner
@@ -86,6 +86,7 @@ async def test_tunes_in_benchmark_processes_and_primes_triton():
     records = sched._metrics.benchmark_records
     assert {r.pid for r in records} <= set(pids.values()) and all(r.attempt == 1 for r in records)
     assert all(r.pid != os.getpid() for r in records)  # never timed in the caller's process
+    assert not alive(pids.values())  # closing the scheduler ended them
 
     # Triton is primed: its own launch path, with its own hooks watching, finds the choice
     # in the autotuner's cache and the binary in the JIT's: nothing compiles, nothing is
@@ -337,6 +338,35 @@ async def test_sealed_decisions_need_the_key(tmp_path):
         async with tuning_scheduler(cache_dir=cache, config=config) as sched:
             best = await sched.autotune(kernel, x, out, 4096, 2.0, grid=tk.grid)
         assert best.source == source
+
+
+ABANDONED = textwrap.dedent('''
+    import asyncio, os, sys, time
+    sys.path.insert(0, sys.argv[1])
+    import aiocompile, tuning_stand_in as si
+    from aiocompile._tuning._tuner import Tuner
+
+    async def main():
+        sched = aiocompile.Scheduler(workers=1)
+        sched._tuner = Tuner(sched, si.StandInTiming(2))
+        await sched.warm("cuda:90", benchmark=True)
+        pool = sched._tuner.pool()
+        while pool.ready() != {0, 1}:
+            await asyncio.sleep(0.02)
+        print(*pool.processes().values(), flush=True)
+        os._exit(0)  # no close: the benchmark processes must notice on their own
+
+    asyncio.run(main())
+''')
+
+
+def test_benchmark_processes_die_with_their_parent():
+    done = subprocess.run([sys.executable, "-c", ABANDONED, str(ROOT / "tests")], capture_output=True, text=True,
+                          env=subprocess_env(), timeout=300)
+    assert done.returncode == 0, done.stderr
+    pids = [int(pid) for pid in done.stdout.split()]
+    assert len(pids) == 2
+    assert wait_until(lambda: not alive(pids), timeout=30)
 
 
 # -- records ----------------------------------------------------------------------------------------
