@@ -171,6 +171,9 @@ def main() -> None:
                     run["vs_triton_choice"] = theirs.get(run["chosen"], float("nan")) / theirs[triton_run["chosen"]]
                     run["same_choice"] = run["chosen"] == triton_run["chosen"]
                 runs.append(run)
+                if args.json:  # after each measurement: a run cut short keeps what it measured
+                    with open(args.json, "w") as f:
+                        json.dump(runs, f, indent=1)
                 extra = ""
                 if mode != "triton":
                     same = "same" if run.get("same_choice") else "other"

@@ -101,6 +101,17 @@ async def test_tunes_in_benchmark_processes_and_primes_triton():
     assert launched.hash == best.kernel.key and kernel.best_config is best.config
 
 
+async def test_configurations_are_timed_in_the_autotuners_order():
+    # Compiles end in any order (two workers, kernels of different sizes); the timings
+    # start in the order of the autotuner's list, as Triton's do.
+    blocks = [1024, 64, 512, 128, 256]
+    kernel = tk.tuned([tk.config(b, cost=b, num_warps=8 if b >= 512 else 2) for b in blocks])
+    async with tuning_scheduler(devices=1) as sched:
+        await sched.autotune(kernel, x, out, 4096, 2.0, grid=tk.grid)
+        records = sorted(sched._metrics.benchmark_records, key=lambda r: r.started_at)
+    assert [int(r.config.split(",")[0].split("=")[1]) for r in records] == blocks
+
+
 async def test_a_decision_is_kept_in_memory_and_shared_by_concurrent_calls():
     kernel = tk.tuned([tk.config(64, cost=30, mode=si.SLOW), tk.config(128, cost=10, mode=si.SLOW)])
     results = []
