@@ -228,6 +228,40 @@ async def test_cancelling_the_caller_leaves_the_tuning_to_finish():
     assert stats.tuned == 1 and stats.benchmarks == 2
 
 
+async def test_closing_the_scheduler_ends_a_tuning_without_a_decision(tmp_path):
+    kernel = tk.tuned([tk.config(64, cost=3), tk.config(128, mode=si.HANG)])
+    sched = tuning_scheduler(cache_dir=tmp_path)
+    errors = []
+    async with anyio.create_task_group() as group:
+        first_timing = anyio.Event()
+        token = anyio.lowlevel.current_token()
+        sched.subscribe(lambda e: e.event == "benchmark" and anyio.from_thread.run_sync(first_timing.set, token=token))
+
+        async def tune():
+            try:
+                await sched.autotune(kernel, x, out, 4096, 2.0, grid=tk.grid)
+            except aiocompile.SchedulerClosed as exc:
+                errors.append(exc)
+
+        group.start_soon(tune)
+        await first_timing.wait()  # the good configuration is timed; the hang is under way
+        pids = sched._tuner.pool().processes()
+        await sched.aclose(grace=0)
+    assert len(errors) == 1
+    assert not list((tmp_path / "tuning").rglob("*.aiok")) and kernel.cache == {}
+    assert not alive(pids.values())
+
+
+async def test_no_benchmark_process_that_starts_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("STAND_IN_FAIL_START", "1")
+    kernel = tk.tuned([tk.config(64), tk.config(128)])
+    async with tuning_scheduler() as sched:
+        with pytest.raises(aiocompile.AutotuneError, match="could not start: RuntimeError: no device answers here"):
+            await sched.autotune(kernel, x, out, 4096, 2.0, grid=tk.grid)
+        outcomes = sched.statistics().benchmark_outcomes
+    assert outcomes["start_failed"] == 2
+
+
 # -- bad input -----------------------------------------------------------------------------------
 
 

@@ -353,9 +353,11 @@ class Tuner:
                 timings[planned.index] = [inf, inf, inf]
                 reason = failed.get(planned.index, (None, None))[1] or (outcome.reason if outcome else None)
                 rows.append((planned.label, None, reason or "not timed"))
+        closed = any(o is not None and o.status == "closed" for o in outcomes.values())
+        if self._sched.closed or closed or any(reason.startswith("SchedulerClosed") for _, reason in failed.values()):
+            # Timings cut short say nothing about the configurations left: no decision.
+            raise SchedulerClosed("the scheduler was closed while it tuned")
         if all(t[0] == inf for t in timings.values()):
-            if self._sched.closed or any(o is not None and o.status == "closed" for o in outcomes.values()):
-                raise SchedulerClosed("the scheduler was closed while it tuned")
             failures = tuple((label, str(reason)) for label, _, reason in rows)
             listing = "\n".join(f"  [{label}] {_summary(reason)}" for label, reason in failures)
             raise AutotuneError(f"no configuration of {plan.name} could be used ({len(failures)} tried):\n{listing}",
@@ -366,7 +368,14 @@ class Tuner:
         decision = Decision(key=key, kernel=plan.name, tuning_key=repr(plan.key), device_name=device_name,
                             triton_version=triton.__version__, config=_plan.config_id(best.config), label=best.label,
                             timings=tuple(rows), tuned_at=time.time())
-        self.decisions.keep(decision)
+        if any(o is not None and o.status == "start_failed" for o in outcomes.values()):
+            # Chosen among the configurations some benchmark process could time: good for
+            # this call, not to be kept (the next call tunes again).
+            _log.warning("tuning %s: some configurations could not be timed (no benchmark process started); the "
+                         "choice among the others is not kept", plan.name)
+            self.decisions.forget(key)
+        else:
+            self.decisions.keep(decision)
         self._sched._metrics.tuning("tuned")
         _log.info("tuned %s for %s in %.2f s: [%s] at %.4f ms (%d configurations, %d failed)", plan.name,
                   device_name, seconds, best.label, timings[best.index][0], len(rows),
