@@ -268,11 +268,12 @@ class Scheduler:
         return list(self._metrics.records)
 
     def subscribe(self, listener: Listener) -> Callable[[], None]:
-        """Call ``listener(event)`` with every ``JobRecord`` and ``WorkerEvent`` from now
-        on; returns a function that stops it.
+        """Call ``listener(event)`` with every ``JobRecord``, ``WorkerEvent`` and
+        ``BenchmarkRecord`` from now on; returns a function that stops it.
 
         The listener runs in the thread where the event happened (an event loop's thread
-        for records, the pool's supervisor thread for worker events), so it must be quick
+        for records, the pool's supervisor thread for worker events, a tuning's thread for
+        benchmark records), so it must be quick
         and thread-safe; to reach an event loop, use its ``call_soon_threadsafe``. An
         exception it raises is logged once and otherwise ignored. Nothing is reported when
         ``config.metrics`` is off.

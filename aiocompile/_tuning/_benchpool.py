@@ -303,10 +303,25 @@ class BenchPool:
                 if task is _OFFER:
                     self._send_offers(slot)
                     continue
-                outcome = self._run(slot, task)
+                try:
+                    outcome = self._run(slot, task)
+                except Exception as exc:  # a bug here must not leave the configuration unanswered
+                    _log.exception("timing a configuration on device %d failed", slot.device)
+                    self._abandon(slot)
+                    outcome = _given_up(task, slot.device, "error", f"{type(exc).__name__}: {exc}")
                 task.future.set_result(outcome)
         finally:
             self._retire(slot)
+
+    def _abandon(self, slot: _Slot) -> None:
+        """After an unexpected error: a process that may be in the middle of something
+        is killed, so that the next configuration starts from a known state."""
+        process = slot.process
+        if process is None or process.state in (State.IDLE, State.GONE):
+            return
+        if process.state in (State.STARTING, State.BUSY):
+            process.kill()
+        self._ended(slot, process, None)
 
     def _retire(self, slot: _Slot) -> None:
         process = slot.process
