@@ -202,3 +202,27 @@ def test_values_that_cannot_travel():
     assert collector.ref(3) == ("value", 3) and collector.ref(None, constant=True) == ("none",)
     with pytest.raises(TypeError, match="does not pickle"):
         collector.ref(lambda: 0)
+
+
+# -- a benchmark process's life ------------------------------------------------------------------
+
+
+def test_a_benchmark_process_moves_only_as_its_table_allows():
+    from aiocompile._tuning._benchproc import TRANSITIONS, BenchProcess, InvalidTransition, State
+
+    events = {event for _, event in TRANSITIONS}
+    assert {target for target in TRANSITIONS.values()} | {State.STARTING} == set(State)
+    for state in State:
+        for event in events:
+            process = object.__new__(BenchProcess)  # the machine alone, no process behind it
+            process.state = state
+            process.popen = type("Popen", (), {"pid": 0})()
+            if (state, event) in TRANSITIONS:
+                process._move(event)
+                assert process.state is TRANSITIONS[(state, event)]
+            else:
+                with pytest.raises(InvalidTransition, match=f"a {state.value} benchmark process"):
+                    process._move(event)
+    # Every state but GONE can end; GONE is final.
+    assert all((state, "ended") in TRANSITIONS for state in State if state is not State.GONE)
+    assert not any(state is State.GONE for state, _ in TRANSITIONS)

@@ -256,7 +256,10 @@ class Tuner:
                 future = self._inflight[key] = self._executor.submit(
                     self._tune_or_load, plan, key, devices, device_name, timeout, progress)
                 future.add_done_callback(_bridge.Once(self._forget, key))
-        decision, source = await _bridge.wait(future)
+        try:
+            decision, source = await _bridge.wait(future)
+        except cf.CancelledError:  # withdrawn before it began: the scheduler closed
+            raise SchedulerClosed("the scheduler was closed before this tuning began") from None
         return decision, ("joined" if joined else source)
 
     def _forget(self, key: str, future: cf.Future[Any]) -> None:
