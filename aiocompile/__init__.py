@@ -15,6 +15,9 @@ __version__ = "0.1.0"
 # Public name -> the private module that defines it.
 _EXPORTS = {
     "AiocompileError": "aiocompile._errors",
+    "AutotuneError": "aiocompile._errors",
+    "AutotuneResult": "aiocompile._tuning._tuner",
+    "BenchmarkRecord": "aiocompile._metrics",
     "CompileError": "aiocompile._errors",
     "CompileTimeout": "aiocompile._errors",
     "JobRecord": "aiocompile._metrics",
@@ -29,6 +32,7 @@ _EXPORTS = {
     "WorkerCrashedError": "aiocompile._errors",
     "WorkerEvent": "aiocompile._metrics",
     "WorkerPool": "aiocompile._pool",
+    "autotune": "aiocompile._default",
     "compile_many": "aiocompile._default",
     "compile_triton": "aiocompile._default",
     "default_scheduler": "aiocompile._default",
@@ -42,6 +46,9 @@ _EXPORTS = {
 
 __all__ = [
     "AiocompileError",
+    "AutotuneError",
+    "AutotuneResult",
+    "BenchmarkRecord",
     "CompileError",
     "CompileTimeout",
     "JobRecord",
@@ -57,6 +64,7 @@ __all__ = [
     "WorkerEvent",
     "WorkerPool",
     "__version__",
+    "autotune",
     "compile_many",
     "compile_triton",
     "default_scheduler",
@@ -85,6 +93,7 @@ def __dir__() -> list[str]:
 if _typing.TYPE_CHECKING:
     from aiocompile._config import SchedulerConfig
     from aiocompile._default import (
+        autotune,
         compile_many,
         compile_triton,
         default_scheduler,
@@ -97,14 +106,16 @@ if _typing.TYPE_CHECKING:
     )
     from aiocompile._errors import (
         AiocompileError,
+        AutotuneError,
         CompileError,
         CompileTimeout,
         SchedulerClosed,
         WorkerCrashedError,
     )
-    from aiocompile._metrics import JobRecord, Statistics, Summary, WorkerEvent
+    from aiocompile._metrics import BenchmarkRecord, JobRecord, Statistics, Summary, WorkerEvent
     from aiocompile._pool import WorkerPool
     from aiocompile._scheduler import Scheduler
     from aiocompile._target import Target
+    from aiocompile._tuning._tuner import AutotuneResult
     from aiocompile.backends.triton import TritonSource
     from aiocompile.backends.triton._kernel import TritonKernel

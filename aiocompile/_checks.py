@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
-    "CALL_TIMEOUT", "CLOSE_GRACE", "CRASHES", "IDLE_TIMEOUT", "JOB_TIMEOUT", "MAX_SECONDS", "NICE", "POOL_GRACE",
-    "PRELOAD", "RSS", "START_METHOD", "WORKERS", "Choice", "FilePath", "Flag", "Modules", "Number", "Rule", "Secret",
-    "check_callable",
+    "BENCHMARK_TIMEOUT", "CALL_TIMEOUT", "CLOSE_GRACE", "CRASHES", "DEVICE", "IDLE_TIMEOUT", "JOB_TIMEOUT",
+    "MAX_SECONDS", "NICE", "POOL_GRACE", "PRELOAD", "RSS", "START_METHOD", "WORKERS", "Choice", "Devices", "FilePath",
+    "Flag", "Modules", "Number", "Rule", "Secret", "check_callable",
 ]
 
 MAX_SECONDS = 1_000_000
@@ -241,6 +241,33 @@ class Secret(Rule):
         return value
 
 
+@dataclass(frozen=True)
+class Devices(Rule):
+    """Device indices: a non-empty tuple of distinct integers >= 0; in the environment,
+    comma-separated (``0,1``)."""
+
+    none: str | None = None
+
+    def what(self) -> str:
+        return "a non-empty tuple of distinct device indices (integers >= 0)"
+
+    def _check(self, setting: str, value: Any, unset: str) -> Any:
+        if not isinstance(value, (tuple, list)) or not all(_is_number(v, True) for v in value):
+            raise self.wrong_type(setting, value, unset)
+        devices = tuple(int(v) for v in value)
+        if not devices or any(d < 0 for d in devices) or len(set(devices)) != len(devices):
+            raise self.bad_value(setting, value, unset)
+        return devices
+
+    def parse(self, setting: str, text: str) -> Any:
+        # The message shows the text as it was given, whatever was wrong with it.
+        try:
+            return self.check(setting, tuple(int(part) for part in text.split(",") if part.strip()),
+                              unset="leave it unset")
+        except ValueError:
+            raise self.bad_value(setting, text, "leave it unset") from None
+
+
 def check_callable(setting: str, value: Any) -> Any:
     if not callable(value):
         raise TypeError(f"{setting} must be callable, got {value!r} ({type(value).__name__})")
@@ -258,5 +285,8 @@ JOB_TIMEOUT = Number(above=0, at_most=MAX_SECONDS, unit="seconds", none="no limi
 CALL_TIMEOUT = Number(above=0, at_most=MAX_SECONDS, unit="seconds", none="the scheduler's timeout")
 """A request's ``timeout=``: ``None`` means the scheduler's."""
 IDLE_TIMEOUT = Number(above=0, at_most=MAX_SECONDS, unit="seconds", none="no limit")
+DEVICE = Number(integer=True, at_least=0, none="the current device")
+"""``autotune(device=)``."""
+BENCHMARK_TIMEOUT = Number(above=0, at_most=MAX_SECONDS, unit="seconds", none="no limit")
 CLOSE_GRACE = Number(at_least=0, at_most=MAX_SECONDS, unit="seconds", none="the configuration's close_grace")
 POOL_GRACE = Number(at_least=0, at_most=MAX_SECONDS, unit="seconds", none="no limit")

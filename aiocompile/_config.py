@@ -31,6 +31,11 @@ AIOCOMPILE_COST_HISTORY    JSON file of compile times, for starting a batch's lo
 AIOCOMPILE_METRICS         0 keeps only the counters: no records, summaries or events
                            (default: 1)
 AIOCOMPILE_WORKER_NICE     how much nicer than this process workers run (default: 10)
+AIOCOMPILE_BENCHMARK_TIMEOUT
+                           seconds one configuration may take in a benchmark process
+                           (``autotune()``) before it counts as hung (default: 60)
+AIOCOMPILE_TUNING_DEVICES  the devices given a benchmark process, comma-separated
+                           (default: every visible device)
 =========================  ============================================================
 """
 
@@ -121,6 +126,13 @@ class SchedulerConfig:
     ``cache_dir`` if there is one and it is trusted (written only if it is writable), else
     the history lasts as long as the scheduler."""
 
+    benchmark_timeout: float | None = 60.0
+    """Seconds a benchmark process may spend on one configuration (``autotune()``) before
+    it is killed and the configuration counts as hung (None: no limit)."""
+    tuning_devices: tuple[int, ...] | None = None
+    """The devices ``autotune()`` benchmarks on, one process each; None: every visible
+    device."""
+
     def __post_init__(self) -> None:
         for name, rule in SETTINGS.items():
             value = getattr(self, name)
@@ -164,6 +176,8 @@ SETTINGS: dict[str, _checks.Rule] = {
     "metrics": _checks.Flag(),
     "event_log": _checks.FilePath(none="no event log"),
     "cost_history": _checks.FilePath(none="costs.json in cache_dir, or memory only"),
+    "benchmark_timeout": _checks.BENCHMARK_TIMEOUT,
+    "tuning_devices": _checks.Devices(none="every visible device"),
 }
 """The rule each ``SchedulerConfig`` field is checked by (see ``aiocompile._checks``)."""
 
@@ -182,5 +196,7 @@ ENVIRONMENT = (
     ("AIOCOMPILE_COST_HISTORY", "cost_history"),
     ("AIOCOMPILE_METRICS", "metrics"),
     ("AIOCOMPILE_WORKER_NICE", "worker_nice"),
+    ("AIOCOMPILE_BENCHMARK_TIMEOUT", "benchmark_timeout"),
+    ("AIOCOMPILE_TUNING_DEVICES", "tuning_devices"),
 )
 """Each environment variable ``from_env`` reads, and the field it sets."""

@@ -11,6 +11,7 @@ from typing import Any, Callable
 from aiocompile._config import SchedulerConfig
 from aiocompile._metrics import Statistics
 from aiocompile._scheduler import Scheduler
+from aiocompile._tuning._tuner import AutotuneResult
 from aiocompile.backends.triton._kernel import TritonKernel
 
 
@@ -65,9 +66,14 @@ async def warmup(kernel: Any, *args: Any, **kwargs: Any) -> TritonKernel:
     return await _default.get().warmup(kernel, *args, **kwargs)
 
 
-async def warm(target: Any = "cuda:90") -> None:
+async def warm(target: Any = "cuda:90", *, benchmark: bool = False) -> None:
     """``Scheduler.warm`` on the default scheduler."""
-    await _default.get().warm(target)
+    await _default.get().warm(target, benchmark=benchmark)
+
+
+async def autotune(kernel: Any, *args: Any, **kwargs: Any) -> AutotuneResult:
+    """``Scheduler.autotune`` on the default scheduler."""
+    return await _default.get().autotune(kernel, *args, **kwargs)
 
 
 def statistics() -> Statistics:

@@ -5,7 +5,8 @@
     AiocompileError                 anything aiocompile raises on its own account
      ├── CompileError               the kernel did not compile (your kernel's fault)
      │    ├── CompileTimeout        ... within its timeout; also a TimeoutError
-     │    └── WorkerCrashedError    ... because it killed its worker max_crashes times
+     │    ├── WorkerCrashedError    ... because it killed its worker max_crashes times
+     │    └── AutotuneError         no configuration of an autotuned kernel could be used
      └── SchedulerClosed            the scheduler was used after aclose() (your program's fault)
 
 Bad input (a malformed signature, an unknown target, a wrong option type) is not in
@@ -22,6 +23,7 @@ from typing import Any
 
 __all__ = [
     "AiocompileError",
+    "AutotuneError",
     "CompileError",
     "CompileTimeout",
     "SchedulerClosed",
@@ -125,6 +127,20 @@ class WorkerCrashedError(CompileError):
             return signal.Signals(-self.exitcode).name
         except ValueError:
             return None
+
+
+class AutotuneError(CompileError):
+    """No configuration of an autotuned kernel could be used: each one failed to compile,
+    or failed, faulted, crashed or hung when it was timed. Whose fault: the kernel's (or
+    its configurations'); the benchmark processes that timed them were replaced as need
+    be, and nothing else was touched.
+
+    ``failures`` holds ``(configuration, reason)`` for each, and the message lists them.
+    """
+
+    def __init__(self, message: str, *, failures: tuple[tuple[str, str], ...] = (), **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.failures = tuple(failures)
 
 
 class SchedulerClosed(AiocompileError, RuntimeError):

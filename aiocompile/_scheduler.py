@@ -17,10 +17,9 @@ trio, and loops in several threads at once.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import inspect
 import os
-import sys
-from collections.abc import Iterable, Mapping, MutableMapping
+import threading
+from collections.abc import Iterable, Mapping
 from typing import Any, Callable
 
 import anyio
@@ -39,6 +38,8 @@ from aiocompile._pool import WorkerPool
 from aiocompile._progress import Progress
 from aiocompile._requests import Requests
 from aiocompile._target import parse_target
+from aiocompile._tuning._tuner import AutotuneResult, Tuner
+from aiocompile._waiting import wait_many
 from aiocompile.backends import Request
 from aiocompile.backends.triton import TritonBackend
 from aiocompile.backends.triton._kernel import TritonKernel
@@ -142,6 +143,8 @@ class Scheduler:
                                   metrics=self._metrics, events=self._events, costs=self._costs,
                                   check_open=self._check_open)
         self._triton = TritonBackend()
+        self._tuner: Tuner | None = None
+        self._tuner_lock = threading.Lock()
         self._pid = os.getpid()
         self._closed = False
         # Made inside a running loop (the default scheduler always is): warm anyio now.
@@ -184,6 +187,9 @@ class Scheduler:
         _checks.CLOSE_GRACE.check("grace", grace)
         self._closed = True
         grace = self.config.close_grace if grace is None else grace
+        tuner = self._tuner
+        if tuner is not None and self._pid == os.getpid():
+            tuner.close()  # before the pool: a tuning waiting on compiles then ends with them
         self._pool.shutdown(wait=True, cancel_futures=True, grace=grace)
         if self._disk is not None:
             self._disk.close(wait=True)  # results compiled before the close reach the disk
@@ -197,16 +203,23 @@ class Scheduler:
         if self._closed or self._pool.closed:
             raise SchedulerClosed("the scheduler is closed")
 
-    async def warm(self, target: Any = "cuda:90") -> None:
+    async def warm(self, target: Any = "cuda:90", *, benchmark: bool = False) -> None:
         """Start every worker now and run one tiny compile in each, so that the compiler's
         per-process set-up is paid before the first real job; meanwhile, pay this process's
         own first-key cost for ``target`` (hashing Triton, asking ptxas its version) and,
         where this machine has a GPU of ``target``'s kind, its one-time cost of loading
         kernels (Triton's GPU driver, the device's context; see ``prime_loading``).
 
+        With ``benchmark=True``, also start the benchmark processes ``autotune()`` times
+        configurations in (one per device), without waiting for them to be ready.
+
         Cancelling the await leaves the workers starting; they serve later jobs.
         """
         self._check_open()
+        if not isinstance(benchmark, bool):
+            raise TypeError(f"benchmark must be True or False, got {benchmark!r}")
+        if benchmark:
+            await self._tuning().warm()
         parsed = parse_target(target) or parse_target("cuda:90")
         assert parsed is not None
         from aiocompile.backends.triton import _kernel as _triton_kernel
@@ -247,6 +260,7 @@ class Scheduler:
             "busy_workers": pool["busy_workers"],
             "queue_depth": pool["queue_depth"],
             "queue_depth_max": counters.queue_depth_max,
+            **(self._tuner.counters() if self._tuner is not None else {}),
         })
 
     def records(self) -> list[JobRecord]:
@@ -254,11 +268,12 @@ class Scheduler:
         return list(self._metrics.records)
 
     def subscribe(self, listener: Listener) -> Callable[[], None]:
-        """Call ``listener(event)`` with every ``JobRecord`` and ``WorkerEvent`` from now
-        on; returns a function that stops it.
+        """Call ``listener(event)`` with every ``JobRecord``, ``WorkerEvent`` and
+        ``BenchmarkRecord`` from now on; returns a function that stops it.
 
         The listener runs in the thread where the event happened (an event loop's thread
-        for records, the pool's supervisor thread for worker events), so it must be quick
+        for records, the pool's supervisor thread for worker events, a tuning's thread for
+        benchmark records), so it must be quick
         and thread-safe; to reach an event loop, use its ``call_soon_threadsafe``. An
         exception it raises is logged once and otherwise ignored. Nothing is reported when
         ``config.metrics`` is off.
@@ -351,6 +366,59 @@ class Scheduler:
         if plan.device is not None:
             await _threads.LOADS.run(lambda: _triton_warmup.prime(plan, compiled))
         return compiled
+
+    async def autotune(
+        self,
+        kernel: Any,
+        *args: Any,
+        grid: Any = None,
+        device: int | None = None,
+        timeout: float | None = None,
+        progress: bool = False,
+        **kwargs: Any,
+    ) -> AutotuneResult:
+        """Tune a ``@triton.autotune`` kernel for ``kernel[grid](*args, **kwargs)`` without
+        stalling: every configuration compiled in the pool, each timed in a benchmark
+        process (one per GPU, never this process), and Triton primed with the choice, so
+        that the ordinary launch with such arguments neither compiles nor benchmarks.
+
+        ``args`` and ``kwargs`` are what the launch passes (real tensors: their shapes,
+        strides and values are copied to the benchmark process), ``grid`` its grid (a tuple
+        or a callable, as for the launch). The key, the pruning (``prune_configs_by``) and
+        each configuration's specialisation are Triton's own, and configurations are timed
+        as Triton's autotuner times them (its ``do_bench``, ``reset_to_zero``,
+        ``restore_value`` and hooks), so the choice is the one Triton would make on this
+        machine. ``device`` tunes for that GPU, timed on it; None tunes for the current
+        device, timed on any visible GPU of the same model (a batch of calls spreads over
+        them). ``progress=True`` shows a bar over the compiles and the timings.
+
+        The decision is kept (in memory, and in ``cache_dir`` when there is one) by the
+        kernel, the autotuner's key, the device model and Triton's version: a later call,
+        here or in a restarted process, tunes nothing. Returns an ``AutotuneResult``.
+
+        Errors: a kernel without ``@triton.autotune`` raises ``TypeError`` (use
+        ``warmup()``); arguments that do not bind raise what ``warmup()`` raises; no GPU
+        for the device raises ``RuntimeError``, at once, before anything compiles. A
+        configuration that does not compile (within ``timeout`` seconds of worker time),
+        runs out of resources, faults the GPU, crashes its benchmark process or runs past
+        ``benchmark_timeout`` counts as infinitely slow, with its reason in its
+        ``BenchmarkRecord``; a process it brought down is replaced and the others go on.
+        If every configuration fails, ``AutotuneError`` lists each one and why.
+
+        Concurrent calls with the same decision key share one tuning. Cancelling the await
+        leaves a started tuning running (its decision is kept for the next call) and
+        primes nothing.
+        """
+        tuner = self._tuning()
+        return await tuner.autotune(kernel, args, kwargs, grid=grid, device=device, timeout=timeout,
+                                    progress=progress)
+
+    def _tuning(self) -> Tuner:
+        self._check_open()
+        with self._tuner_lock:
+            if self._tuner is None:
+                self._tuner = Tuner(self)
+            return self._tuner
 
     async def compile_many(
         self,
@@ -463,62 +531,11 @@ class Scheduler:
         ``return_exceptions`` puts exceptions in place of results. Cancelling ``wait()``
         cancels the waiting, with the same rule for started compiles.
         """
-        if isinstance(awaitables, MutableMapping):
-            scope: MutableMapping[Any, Any] | None = awaitables
-            items = [(name, value) for name, value in list(awaitables.items()) if _is_waitable(value)]
-        elif isinstance(awaitables, Iterable) and not isinstance(awaitables, (str, bytes)):
-            scope = None
-            items = list(enumerate(awaitables))
-            for index, value in items:
-                if not _is_waitable(value):
-                    raise TypeError(f"item #{index} is not awaitable: {value!r}")
-        else:
-            raise TypeError(f"wait() takes an iterable of awaitables or a mapping, got {type(awaitables).__name__}")
-        # One await per distinct object: a coroutine cannot be awaited twice.
-        distinct: dict[int, Any] = {}
-        for _, value in items:
-            distinct.setdefault(id(value), value)
-        outcome: dict[int, Any] = {}
-        first_error: list[BaseException] = []
-        bar = self._progress(len(distinct), progress)
+        return await wait_many(awaitables, lambda total: self._progress(total, progress), return_exceptions)
 
-        async def one(ident: int, value: Any, scope_: anyio.CancelScope) -> None:
-            try:
-                if isinstance(value, cf.Future):
-                    result = await _bridge.wait(value)
-                elif _is_inductor_future(value):
-                    result = await _await_inductor_future(value)
-                else:
-                    result = await value
-            except Exception as exc:
-                bar.finished(type(exc).__name__, ok=False)
-                outcome[ident] = exc
-                if not return_exceptions and not first_error:
-                    first_error.append(exc)
-                    scope_.cancel()
-                return
-            bar.finished(str(getattr(result, "name", "") or ""), ok=True)
-            outcome[ident] = result
-
-        try:
-            async with anyio.create_task_group() as group:
-                for ident, value in distinct.items():
-                    group.start_soon(one, ident, value, group.cancel_scope)
-        finally:
-            bar.close()
-            for value in distinct.values():
-                if inspect.iscoroutine(value) and id(value) not in outcome:
-                    value.close()  # never started: no "was never awaited" warning
-        if first_error:
-            raise first_error[0]
-        if scope is not None:
-            for name, value in items:
-                scope[name] = outcome[id(value)]
-            return scope
-        return [outcome[id(value)] for _, value in items]
-
-    def _progress(self, total: int, enabled: bool) -> Progress:
-        return Progress(total, enabled=enabled, subscribe=self.subscribe if self.config.metrics else None)
+    def _progress(self, total: int, enabled: bool, description: str = "compiling") -> Progress:
+        return Progress(total, enabled=enabled, description=description,
+                        subscribe=self.subscribe if self.config.metrics else None)
 
     async def run(
         self, fn: Callable[..., Any], *args: Any, key: str | None = None, timeout: float | None = None
@@ -601,32 +618,6 @@ class Scheduler:
         waiting (a backend's warm-up, such as importing torch for Inductor's kernels)."""
         self._check_open()
         self._pool.warm(fn, args)
-
-def _is_inductor_future(value: Any) -> bool:
-    """An Inductor compile future (``LambdaFuture`` and kin, with a blocking
-    ``result()``), recognised without importing torch."""
-    codecache = sys.modules.get("torch._inductor.codecache")
-    base = getattr(codecache, "CodeCacheFuture", None)
-    return isinstance(base, type) and isinstance(value, base)
-
-
-async def _await_inductor_future(value: Any) -> Any:
-    # Wait for the compile itself without holding a thread, where the future shows it (an
-    # Inductor LambdaFuture carries the worker's concurrent future); then take the result,
-    # which may load the kernel, in a thread. Its error, if any, comes from result(), in
-    # Inductor's words.
-    inner = getattr(value, "future", None)
-    if isinstance(inner, cf.Future):
-        try:
-            await _bridge.wait(inner)
-        except Exception:
-            pass
-    return await anyio.to_thread.run_sync(value.result)
-
-
-def _is_waitable(value: Any) -> bool:
-    return isinstance(value, cf.Future) or inspect.isawaitable(value) or _is_inductor_future(value)
-
 
 def _identity(value: Any) -> Any:
     return value

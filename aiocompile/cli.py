@@ -18,6 +18,13 @@ before anything is compiled.
 ``--events FILE`` appends every request's record and every worker event to FILE, a
 JSON-lines event log (``Scheduler(event_log=FILE)``).
 
+``aiocompile decisions list|export|import`` carries ``autotune()``'s decisions between
+machines of the same GPU model: ``export DIR -o FILE`` writes those kept in the cache
+directory DIR to a JSON file, ``import DIR FILE...`` puts a file's decisions into DIR
+(signed with ``AIOCOMPILE_CACHE_KEY`` when it is set), ``list DIR`` shows them. ``build
+--decisions FILE`` imports them into the directory it builds, so that a server using it
+tunes nothing it was tuned for on a GPU host.
+
 ``aiocompile report EVENTS [--timeline PNG]`` reads such a log back, written by a build or
 by any scheduler given ``event_log=``, and prints a summary: requests by outcome, a line
 per kernel with its run and stage times, a line per worker, every crash and timeout.
@@ -162,6 +169,9 @@ async def _build(args: argparse.Namespace) -> int:
         "failures": [{"label": label, "target": target, "error": str(exc)} for label, target, exc in failures],
     }, indent=2).encode())
 
+    if args.decisions:
+        imported = _import_decisions(out, args.decisions, config.cache_key)
+        print(f"{imported} tuning decision(s) imported into {out}", file=sys.stderr)
     _print_summary(rows, failures, wall, stats, config.workers, out)
     if args.events:
         print(f"events appended to {args.events} (aiocompile report {args.events})")
@@ -212,6 +222,62 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_decision_files(files: Sequence[str]) -> list[Any]:
+    from aiocompile._tuning._decisions import import_text
+
+    decisions = []
+    for name in files:
+        try:
+            text = sys.stdin.read() if name == "-" else Path(name).read_text()
+            decisions.extend(import_text(text))
+        except FileNotFoundError:
+            _usage_error(f"no such file: {name}")
+        except (OSError, ValueError) as exc:
+            _usage_error(f"cannot read decisions from {name}: {exc}")
+    return decisions
+
+
+def _import_decisions(directory: Path, files: Sequence[str], secret: Any) -> int:
+    from aiocompile._tuning._decisions import write_all
+
+    decisions = _read_decision_files(files)
+    disk = write_all(directory, decisions, secret)
+    if disk.access != "read-write" or disk.writes != len(decisions):
+        _usage_error(f"could not write the decisions into {directory} (the directory is {disk.access} for this user; "
+                     f"{disk.writes} of {len(decisions)} written)")
+    return len(decisions)
+
+
+def _decisions(args: argparse.Namespace) -> int:
+    from aiocompile._tuning._decisions import export_text, read_all
+
+    secret = SchedulerConfig.from_env().cache_key
+    directory = Path(args.directory)
+    if args.action == "import":
+        count = _import_decisions(directory, args.files, secret)
+        print(f"{count} tuning decision(s) imported into {directory}")
+        return 0
+    if not directory.is_dir():
+        _usage_error(f"no such directory: {directory}")
+    decisions, disk = read_all(directory, secret)
+    if args.action == "export":
+        text = export_text(decisions)
+        if args.output in (None, "-"):
+            sys.stdout.write(text)
+        else:
+            make_private_dir(Path(args.output).resolve().parent)
+            write_private(Path(args.output), text.encode())
+            print(f"{len(decisions)} tuning decision(s) exported to {args.output}", file=sys.stderr)
+        return 0
+    for decision in decisions:
+        tuned = time.strftime("%Y-%m-%d %H:%M", time.localtime(decision.tuned_at)) if decision.tuned_at else "?"
+        print(f"{decision.kernel}  key={decision.tuning_key}  on {decision.device_name} (Triton "
+              f"{decision.triton_version}, {tuned}): {decision.label}")
+    refused = 0 if disk is None else disk.refused + disk.corrupt
+    print(f"{len(decisions)} decision(s) in {directory}" + (f"; {refused} file(s) not used" if refused else ""))
+    return 0
+
+
 def _print_summary(rows: list[Any], failures: list[Any], wall: float, stats: Any, workers: int, out: Path) -> None:
     width = max([len(row[0]) for row in rows] + [len(f[0]) for f in failures] + [len("kernel")])
     print(f"\n{'kernel':<{width}}  {'target':<11} {'compile':>9} {'binary':>10} {'warps':>5} {'stages':>6} {'smem':>7}")
@@ -254,6 +320,18 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("--no-progress", action="store_true", help="no progress bar (none unless on a terminal)")
     build.add_argument("--events", metavar="FILE", default=None,
                        help="append every request's record and worker event to FILE (JSON lines)")
+    build.add_argument("--decisions", metavar="FILE", action="append", default=None,
+                       help="import autotune() decisions exported from a GPU host into the output directory")
+    decisions = commands.add_parser("decisions", help="list, export or import autotune() decisions")
+    actions = decisions.add_subparsers(dest="action", required=True)
+    listing = actions.add_parser("list", help="show the decisions kept in a cache directory")
+    listing.add_argument("directory", metavar="DIR", help="a cache directory (cache_dir=)")
+    export = actions.add_parser("export", help="write the decisions of a cache directory to a JSON file")
+    export.add_argument("directory", metavar="DIR", help="a cache directory (cache_dir=)")
+    export.add_argument("--output", "-o", metavar="FILE", default=None, help="the file (default: standard output)")
+    into = actions.add_parser("import", help="put exported decisions into a cache directory")
+    into.add_argument("directory", metavar="DIR", help="a cache directory (cache_dir=)")
+    into.add_argument("files", metavar="FILE", nargs="+", help="files written by export ('-': standard input)")
     report = commands.add_parser("report", help="summarise an event log, and draw its timeline")
     report.add_argument("events", metavar="EVENTS", help="a JSON-lines event log (event_log=, build --events)")
     report.add_argument("--timeline", metavar="PNG", default=None,
@@ -263,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(_build(args))
     if args.command == "report":
         return _report(args)
+    if args.command == "decisions":
+        return _decisions(args)
     return 2  # pragma: no cover - argparse requires a command
 
 

@@ -82,6 +82,7 @@ KNOWN = [
     Bench("serving", "bench_serving.py", (), (), 1200, 400, quick_flag_if_offered=True),
     Bench("torch_compile", "bench_torch_compile.py", ("--repeat", "3"), ("--repeat", "1"), 2400, 900,
           needs="cuda"),
+    Bench("autotune", "bench_autotune.py", ("--repeat", "3"), ("--repeat", "1"), 2400, 900, needs="cuda"),
 ]
 
 
@@ -595,6 +596,25 @@ def render_torch_compile(runs: list[dict[str, Any]]) -> str:
     return _table(["scenario", "model", "stock Inductor s", "with aiocompile s", "ratio"], rows)
 
 
+def render_autotune(runs: list[dict[str, Any]]) -> str:
+    rows = []
+    for case in dict.fromkeys(run["case"] for run in runs):
+        of = [run for run in runs if run["case"] == case]
+
+        def med(mode: str, of: list[dict[str, Any]] = of) -> float | None:
+            values = sorted(run["seconds"] for run in of if run["mode"] == mode)
+            return values[len(values) // 2] if values else None
+
+        triton, cold, warm = med("triton"), med("aiocompile"), med("aiocompile-warm")
+        choice = max((run.get("vs_triton_choice", 0.0) for run in of if run["mode"] != "triton"), default=None)
+        launch = max((run["launch_compiles"] + run["launch_benchmarks"] for run in of if run["mode"] != "triton"),
+                     default=None)
+        rows.append([case, of[0]["configs"], triton, cold, cold / triton if cold and triton else None, warm,
+                     warm / triton if warm and triton else None, choice, launch])
+    return _table(["kernel", "configs", "Triton first launch s", "autotune()+launch s", "ratio", "warmed s", "ratio",
+                   "choice vs Triton's", "compiles+benchmarks after"], rows)
+
+
 RENDERERS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "throughput": ("Compile throughput: 64 kernels, five ways", render_throughput),
     "throughput_heavy": ("Compile throughput: the matmul-heavy set", render_throughput),
@@ -606,6 +626,7 @@ RENDERERS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "metrics": ("What measuring costs", render_metrics),
     "build": ("Pre-building the example set", render_build),
     "torch_compile": ("torch.compile with and without aiocompile", render_torch_compile),
+    "autotune": ("Autotuning's first launch: Triton against autotune()", render_autotune),
 }
 
 

@@ -154,3 +154,70 @@ def test_a_build_into_a_directory_others_can_write_stops_before_compiling(tmp_pa
     proc = _aiocompile("build", "examples/kernels.py", "-t", "cuda:80", "--out", str(out), "--no-progress")
     assert proc.returncode == 2 and "cannot build into" in proc.stderr and "refusing" in proc.stderr
     assert list(out.iterdir()) == []
+
+
+# -- decisions ---------------------------------------------------------------------------------
+
+
+def _decision(key_char, kernel="matmul_kernel"):
+    from aiocompile._tuning._decisions import Decision
+
+    return Decision(key=key_char * 64, kernel=kernel, tuning_key="(4096, 4096, 4096)", device_name="NVIDIA H100",
+                    triton_version="3.6.0", config='{"kwargs": [["BLOCK", 128]], "pre_hook": null}',
+                    label="BLOCK=128, num_warps=4", timings=(("BLOCK=128, num_warps=4", 0.2, None),
+                                                             ("BLOCK=64, num_warps=4", None, "out of resource")),
+                    tuned_at=1_700_000_000.0)
+
+
+def test_decisions_travel_by_export_and_import(tmp_path):
+    from aiocompile._tuning._decisions import read_all, write_all
+
+    source, target = tmp_path / "gpu-host", tmp_path / "fleet"
+    made = [_decision("a"), _decision("b", "l2norm_fwd_kernel")]
+    write_all(source, made)
+    listed = _aiocompile("decisions", "list", str(source))
+    assert listed.returncode == 0, listed.stderr
+    assert "matmul_kernel" in listed.stdout and "on NVIDIA H100" in listed.stdout and "BLOCK=128" in listed.stdout
+    assert "2 decision(s)" in listed.stdout
+
+    exported = tmp_path / "decisions.json"
+    proc = _aiocompile("decisions", "export", str(source), "-o", str(exported))
+    assert proc.returncode == 0, proc.stderr
+    assert stat.S_IMODE(exported.stat().st_mode) == 0o600
+    proc = _aiocompile("decisions", "import", str(target), str(exported))
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(read_all(target)[0], key=lambda d: d.key) == made
+
+    # Signed where a key is set: read with the key, refused without it.
+    signed = tmp_path / "signed"
+    assert _aiocompile("decisions", "import", str(signed), str(exported), AIOCOMPILE_CACHE_KEY="k").returncode == 0
+    assert len(read_all(signed, "k")[0]) == 2 and read_all(signed, "other")[0] == []
+
+
+def test_build_carries_decisions_into_its_directory(tmp_path):
+    from aiocompile._tuning._decisions import export_text, read_all
+
+    kernels = tmp_path / "one_kernel.py"
+    tests = str(ROOT / "tests")
+    kernels.write_text(f"import sys\nsys.path.insert(0, {tests!r})\nfrom triton_kernels import ADD_SIGNATURE, "
+                       "add_kernel\nKERNELS = [{'label': 'add', 'kernel': add_kernel, 'signature': ADD_SIGNATURE, "
+                       "'constexprs': {'BLOCK': 64}}]\n")
+    exported = tmp_path / "decisions.json"
+    exported.write_text(export_text([_decision("c")]))
+    out = tmp_path / "out"
+    proc = _aiocompile("build", str(kernels), "-t", "cuda:90", "--out", str(out), "--no-progress", "-j", "1",
+                       "--decisions", str(exported))
+    assert proc.returncode == 0, proc.stderr
+    assert "1 tuning decision(s) imported" in proc.stderr
+    assert [d.key for d in read_all(out)[0]] == ["c" * 64]
+
+
+def test_bad_decision_files_are_refused(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "something else", "decisions": []}')
+    proc = _aiocompile("decisions", "import", str(tmp_path / "d"), str(bad))
+    assert proc.returncode == 2 and "not an export of tuning decisions" in proc.stderr
+    proc = _aiocompile("decisions", "import", str(tmp_path / "d"), str(tmp_path / "missing.json"))
+    assert proc.returncode == 2 and "no such file" in proc.stderr
+    proc = _aiocompile("decisions", "list", str(tmp_path / "nowhere"))
+    assert proc.returncode == 2 and "no such directory" in proc.stderr

@@ -47,8 +47,9 @@ def test_error_tree():
     assert issubclass(aiocompile.CompileTimeout, TimeoutError)
     assert issubclass(aiocompile.WorkerCrashedError, aiocompile.CompileError)
     assert issubclass(aiocompile.SchedulerClosed, aiocompile.AiocompileError)
+    assert issubclass(aiocompile.AutotuneError, aiocompile.CompileError)
     for cls in (aiocompile.AiocompileError, aiocompile.CompileError, aiocompile.CompileTimeout,
-                aiocompile.WorkerCrashedError, aiocompile.SchedulerClosed):
+                aiocompile.WorkerCrashedError, aiocompile.AutotuneError, aiocompile.SchedulerClosed):
         assert cls.__doc__ and "fault" in cls.__doc__, f"{cls.__name__} must say whose fault it is"
 
 
@@ -65,3 +66,6 @@ def test_errors_pickle_with_their_fields():
     assert str(again) == str(crash)
     timeout = pickle.loads(pickle.dumps(aiocompile.CompileTimeout("slow", timeout=1.5, kernel_name="k")))
     assert isinstance(timeout, TimeoutError) and timeout.timeout == 1.5
+    tuning = aiocompile.AutotuneError("none left", failures=(("BLOCK=64", "fault"),), kernel_name="k")
+    again = pickle.loads(pickle.dumps(tuning))
+    assert again.failures == (("BLOCK=64", "fault"),) and again.kernel_name == "k" and str(again) == str(tuning)

@@ -136,9 +136,11 @@ def test_config_rejects_nonsense():
 def test_config_from_env():
     env = {"AIOCOMPILE_WORKERS": "3", "AIOCOMPILE_TIMEOUT": "7.5", "AIOCOMPILE_MAX_CRASHES": "4",
            "AIOCOMPILE_START_METHOD": "spawn", "AIOCOMPILE_CANCEL_RUNNING": "kill",
-           "AIOCOMPILE_MAX_WORKER_RSS": "1000000000", "AIOCOMPILE_IDLE_TIMEOUT": "30"}
+           "AIOCOMPILE_MAX_WORKER_RSS": "1000000000", "AIOCOMPILE_IDLE_TIMEOUT": "30",
+           "AIOCOMPILE_BENCHMARK_TIMEOUT": "12", "AIOCOMPILE_TUNING_DEVICES": "2, 0"}
     config = aiocompile.SchedulerConfig.from_env(env)
     assert (config.workers, config.timeout, config.max_crashes, config.start_method) == (3, 7.5, 4, "spawn")
+    assert (config.benchmark_timeout, config.tuning_devices) == (12.0, (2, 0))
     assert (config.cancel_running, config.max_worker_rss, config.idle_timeout) == ("kill", 10**9, 30.0)
     assert aiocompile.SchedulerConfig.from_env({}) == aiocompile.SchedulerConfig()
     for bad in (dict(cancel_running="maybe"), dict(max_worker_rss=0), dict(idle_timeout=-1)):
@@ -181,6 +183,10 @@ BAD_SETTINGS = [
     ("event_log", "", ValueError), ("event_log", 3, TypeError),
     ("cost_history", "", ValueError), ("cost_history", 3, TypeError),
     ("cache_key", b"", ValueError), ("cache_key", "", ValueError), ("cache_key", 1234, TypeError),
+    ("benchmark_timeout", 0, ValueError), ("benchmark_timeout", INF, ValueError),
+    ("benchmark_timeout", "60", TypeError),
+    ("tuning_devices", (), ValueError), ("tuning_devices", (0, 0), ValueError), ("tuning_devices", (-1,), ValueError),
+    ("tuning_devices", 0, TypeError), ("tuning_devices", (True,), TypeError), ("tuning_devices", "0,1", TypeError),
 ]
 
 
@@ -230,6 +236,7 @@ BAD_ENVIRONMENT = [
     ("AIOCOMPILE_WORKERS", "1.5"), ("AIOCOMPILE_WORKERS", "0"), ("AIOCOMPILE_MAX_CRASHES", "0"),
     ("AIOCOMPILE_MAX_WORKER_RSS", "0"), ("AIOCOMPILE_CACHE_DIR_BYTES", "-1"), ("AIOCOMPILE_WORKER_NICE", "20"),
     ("AIOCOMPILE_METRICS", "maybe"), ("AIOCOMPILE_START_METHOD", "thread"), ("AIOCOMPILE_CANCEL_RUNNING", "maybe"),
+    ("AIOCOMPILE_BENCHMARK_TIMEOUT", "0"), ("AIOCOMPILE_TUNING_DEVICES", "0,x"), ("AIOCOMPILE_TUNING_DEVICES", "1,1"),
 ]
 
 
