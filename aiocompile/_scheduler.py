@@ -34,6 +34,7 @@ from aiocompile._diskcache import DiskCache
 from aiocompile._errors import SchedulerClosed
 from aiocompile._events import EventHub, Listener
 from aiocompile._foreign import ExecutorSpec, ForeignPool
+from aiocompile._frozen import build
 from aiocompile._metrics import JobRecord, Metrics, Statistics
 from aiocompile._pool import WorkerPool
 from aiocompile._progress import Progress
@@ -539,11 +540,17 @@ class Scheduler:
         _checks.CALL_TIMEOUT.check("timeout", timeout)
         # Its turn first (see _admission): in a burst, most requests wait here, and what
         # they have not built yet costs the loop nothing now.
-        await self._gates.enter()
+        if not self._gates.enter_now():
+            await self._gates.enter()
         name = getattr(fn, "__qualname__", None) or type(fn).__name__
-        request = Request(backend="python", key=key, name=name, target=None, fn=fn, args=args, finish=_identity,
-                          direct=True)
-        return await self._requests.result(request, self._requests.admit(request, timeout))
+        request = build(Request, {"backend": "python", "key": key, "name": name, "target": None, "fn": fn,
+                                  "args": args, "finish": None, "encode": None, "decode": None, "size": None,
+                                  "details": None, "direct": True})
+        admitted = self._requests.admit(request, timeout)
+        result = await self._requests.result(request, admitted)
+        if admitted[0] in ("started", "joined"):
+            self._gates.waited()  # it waited for its job: the loop has gone round (see _admission)
+        return result
 
     # -- the request path ---------------------------------------------------------------------
 
@@ -551,7 +558,11 @@ class Scheduler:
         # A burst of requests is admitted a loop iteration's slice at a time (see
         # _admission); one waiting its turn has not been counted or started yet.
         await self._gates.enter()
-        return await self._requests.result(request, self._requests.admit(request, timeout))
+        admitted = self._requests.admit(request, timeout)
+        result = await self._requests.result(request, admitted)
+        if admitted[0] in ("started", "joined"):
+            self._gates.waited()  # it waited for its job: the loop has gone round (see _admission)
+        return result
 
 
     # -- PyTorch Inductor --------------------------------------------------------------------
@@ -626,7 +637,3 @@ async def _await_inductor_future(value: Any) -> Any:
 
 def _is_waitable(value: Any) -> bool:
     return isinstance(value, cf.Future) or inspect.isawaitable(value) or _is_inductor_future(value)
-
-
-def _identity(value: Any) -> Any:
-    return value

@@ -23,8 +23,8 @@ class Request:
     target: str | None
     fn: Callable[..., Any]
     args: tuple[Any, ...]
-    finish: Callable[[Any], Any]
-    """The worker's answer -> the result (in the parent)."""
+    finish: Callable[[Any], Any] | None
+    """The worker's answer -> the result (in the parent); None: the answer is the result."""
     encode: Callable[[Any], bytes] | None = None
     """The result -> bytes for the disk cache (None: results are not kept on disk)."""
     decode: Callable[[bytes], Any] | None = None
