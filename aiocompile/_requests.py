@@ -175,7 +175,8 @@ class Requests:
             if request.details is not None and self.config.metrics:
                 entry.details = request.details(raw)
                 if not entry.details.get("compiler_cache_hit") and job.run_time is not None:
-                    self._costs.note(request.key, request.name, request.backend, request.target, job.run_time)
+                    self._costs.note(request.key, request.name, request.backend, request.target, job.run_time,
+                                     request.features)
             if request.finish is None:
                 result = raw  # nothing to load: no load time
             else:

@@ -416,7 +416,7 @@ class Scheduler:
                     requests[index] = prepared
             if not first_error:
                 ready = [(index, request) for index, request in enumerate(requests) if request is not None]
-                estimates = [self._costs.estimate(r.key, r.name, r.backend, r.target) for _, r in ready]
+                estimates = [self._costs.estimate(r.key, r.name, r.backend, r.target, r.features) for _, r in ready]
                 async with anyio.create_task_group() as group:
                     # Admitted here, in this order, and not by the tasks: the pool's queue is
                     # first come first served, while the order in which new tasks take their
@@ -545,7 +545,7 @@ class Scheduler:
         name = getattr(fn, "__qualname__", None) or type(fn).__name__
         request = build(Request, {"backend": "python", "key": key, "name": name, "target": None, "fn": fn,
                                   "args": args, "finish": None, "encode": None, "decode": None, "size": None,
-                                  "details": None, "direct": True})
+                                  "details": None, "direct": True, "features": ()})
         admitted = self._requests.admit(request, timeout)
         result = await self._requests.result(request, admitted)
         if admitted[0] in ("started", "joined"):

@@ -37,6 +37,10 @@ class Request:
     direct: bool = False
     """The answer is small and awaited in the submitting thread's event loop, which may
     then read it from the worker itself (``WorkerPool.submit_job(direct=True)``)."""
+    features: tuple[tuple[str, float], ...] = ()
+    """What is known of the compile's cost before it runs, as ``(name, value)`` pairs, for
+    predicting it (``_costs``): ``source`` (log2 of the source's bytes) from any backend
+    that has a source; from Triton also ``tile``, ``warps``, ``dot`` and ``stages``."""
 
 
 class BackendContext(Protocol):
