@@ -109,6 +109,19 @@ class _JobState:
         # state in the parent, for foreign executors' workers, must not hold it open.)
         self._statm: int | None = None
         self._statm_tried = False
+        self._rss = 0
+        self._unmeasured = _RSS_EVERY  # seconds of jobs run since the last measure
+
+    def rss_after(self, run_time: float) -> int:
+        """The resident memory after a job that ran ``run_time`` seconds. Measured once
+        at least ``_RSS_EVERY`` seconds of jobs have run since the last measure (the first
+        job's included): reading it costs several microseconds, more than a trivial job
+        itself, and a millisecond of work can grow a process by a few megabytes at most."""
+        self._unmeasured += run_time
+        if self._unmeasured >= _RSS_EVERY:
+            self._unmeasured = 0.0
+            self._rss = self.rss()
+        return self._rss
 
     def rss(self) -> int:
         if not self._statm_tried:
@@ -185,7 +198,9 @@ def die_with_parent(alive_fd: int) -> None:
 
 def _output_size(fd: int = 2) -> int:
     try:
-        return os.fstat(fd).st_size
+        # The end of the capture file is its size (it is opened for appending, so moving
+        # the offset there changes nothing), without building a stat result per job.
+        return os.lseek(fd, 0, os.SEEK_END)
     except OSError:
         return 0
 
@@ -203,6 +218,8 @@ def _truncate_output() -> None:
 
 
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+# How many seconds of jobs may run between two measures of the worker's resident memory.
+_RSS_EVERY = 0.001
 
 
 def _rss() -> int:
@@ -268,6 +285,7 @@ def run_one(
 
 _LENGTH = struct.Struct("!i")
 _LONG_LENGTH = struct.Struct("!Q")
+_FIRST_READ = 4096
 
 
 class _Inbox:
@@ -297,13 +315,14 @@ class _Inbox:
         data = self._held
         if not data:
             self._poller.poll()
-            data = self._more(1 << 16)
+            # A few kilobytes hold most jobs; a larger buffer costs its allocation each time.
+            data = self._more(_FIRST_READ)
         while len(data) < 4:
-            data += self._more(1 << 16)
+            data += self._more(_FIRST_READ)
         size, start = _LENGTH.unpack_from(data)[0], 4
         if size == -1:
             while len(data) < 12:
-                data += self._more(1 << 16)
+                data += self._more(_FIRST_READ)
             size, start = _LONG_LENGTH.unpack_from(data, 4)[0], 12
         end = start + size
         if len(data) >= end:
@@ -348,7 +367,7 @@ def serve(conn: Connection) -> NoReturn:
         state.output_written = output_size != 0
         follows = len(data) if len(data) >= STREAM_MIN else 0
         reply = pickle.dumps(
-            ("done", job_id, ok, None if follows else data, run_time, output_size, state.rss(), follows),
+            ("done", job_id, ok, None if follows else data, run_time, output_size, state.rss_after(run_time), follows),
             protocol=pickle.HIGHEST_PROTOCOL,
         )
         try:

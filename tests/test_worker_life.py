@@ -241,3 +241,16 @@ def test_the_worker_reads_messages_whole_however_they_arrive_and_stops_at_the_pa
     with pytest.raises(EOFError):
         inbox.receive()
     child.close()
+
+
+def test_a_worker_measures_its_memory_after_a_millisecond_of_jobs_not_after_each_trivial_one():
+    from aiocompile._worker import _JobState
+
+    state = _JobState()
+    measured: list[int] = []
+    state.rss = lambda: (measured.append(1), 1000 * len(measured))[1]  # type: ignore[method-assign]
+    assert state.rss_after(0.00001) == 1000  # the first job's is measured
+    assert [state.rss_after(0.00001) for _ in range(50)] == [1000] * 50  # 0.5 ms more: not yet
+    assert state.rss_after(0.0006) == 2000  # past a millisecond of jobs: measured again
+    assert state.rss_after(0.5) == 3000  # a long job is always measured
+    assert len(measured) == 3
