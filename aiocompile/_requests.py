@@ -27,6 +27,7 @@ from aiocompile._diskcache import DiskCache
 from aiocompile._errors import CompileError, CompileTimeout, SchedulerClosed, WorkerCrashedError
 from aiocompile._events import EventHub
 from aiocompile._foreign import ForeignPool
+from aiocompile._frozen import build
 from aiocompile._jobs import Job
 from aiocompile._metrics import JobRecord, Metrics
 from aiocompile._pool import WorkerPool, check_timeout
@@ -69,6 +70,13 @@ class Requests:
         if timeout is None:
             timeout = self.config.timeout
         try:
+            if request.key is None and request.finish is None:
+                # Nothing to share, to remember or to make of the answer: the caller waits
+                # on the job's own future (a second future, and the callback that passes
+                # the result from one to the other, were a tenth of a trivial job's round
+                # trip).
+                job = self._submit_job(request, timeout)
+                return "started", Entry(None, future=job.future, job=job), wall, arrived
             how, found = self._cache.join_or_start(request.key, lambda entry: self._start(entry, request, timeout))
         except BaseException as exc:
             self._record(request, _failure_outcome(exc), wall, arrived, None, error=exc)
@@ -148,10 +156,13 @@ class Requests:
         except BaseException as exc:
             self._fail(entry, exc)
 
-    def _submit(self, entry: Entry, request: Request, timeout: float | None) -> None:
-        job = self._pool.submit_job(
+    def _submit_job(self, request: Request, timeout: float | None) -> Job:
+        return self._pool.submit_job(
             request.fn, request.args, timeout=timeout, name=request.name, key=request.key, direct=request.direct
         )
+
+    def _submit(self, entry: Entry, request: Request, timeout: float | None) -> None:
+        job = self._submit_job(request, timeout)
         entry.job = job
 
         job.future.add_done_callback(_bridge.Once(self._job_finished, entry, request, job))
@@ -164,10 +175,14 @@ class Requests:
             if request.details is not None and self.config.metrics:
                 entry.details = request.details(raw)
                 if not entry.details.get("compiler_cache_hit") and job.run_time is not None:
-                    self._costs.note(request.key, request.name, request.backend, request.target, job.run_time)
-            started = time.perf_counter()
-            result = request.finish(raw)
-            entry.load_time = time.perf_counter() - started
+                    self._costs.note(request.key, request.name, request.backend, request.target, job.run_time,
+                                     request.features)
+            if request.finish is None:
+                result = raw  # nothing to load: no load time
+            else:
+                started = time.perf_counter()
+                result = request.finish(raw)
+                entry.load_time = time.perf_counter() - started
         except BaseException as exc:
             # Only a deterministic compile error is worth remembering: a crash or a
             # timeout may well not happen again.
@@ -215,27 +230,27 @@ class Requests:
         own = job if job is not None and outcome != "joined" else None
         details = entry.details if entry is not None and entry.details is not None and own is not None else {}
         size = getattr(result, "size", None)
-        record = JobRecord(
-            key=request.key,
-            name=request.name,
-            backend=request.backend,
-            target=request.target,
-            outcome=outcome,
-            error=None if error is None else f"{type(error).__name__}: {error}",
-            queued_at=wall,
-            started_at=None if own is None or own.started_at is None else finished - (now - own.started_at),
-            finished_at=finished,
-            queue_wait=own.queue_wait if own is not None else None,
-            run_time=own.run_time if own is not None else None,
-            load_time=entry.load_time if entry is not None and outcome != "joined" else None,
-            total_time=now - arrived,
-            stages=details.get("stages", ()),
-            compiler_cache_hit=details.get("compiler_cache_hit"),
-            attempts=own.attempts if own is not None else 0,
-            worker_pid=job.worker_pid if job is not None else None,
-            worker_rss=(own.worker_rss or None) if own is not None else None,
-            artifact_size=size if isinstance(size, int) else None,
-        )
+        record = build(JobRecord, {
+            "key": request.key,
+            "name": request.name,
+            "backend": request.backend,
+            "target": request.target,
+            "outcome": outcome,
+            "error": None if error is None else f"{type(error).__name__}: {error}",
+            "queued_at": wall,
+            "started_at": None if own is None or own.started_at is None else finished - (now - own.started_at),
+            "finished_at": finished,
+            "queue_wait": own.queue_wait if own is not None else None,
+            "run_time": own.run_time if own is not None else None,
+            "load_time": entry.load_time if entry is not None and outcome != "joined" else None,
+            "total_time": now - arrived,
+            "stages": details.get("stages", ()),
+            "compiler_cache_hit": details.get("compiler_cache_hit"),
+            "attempts": own.attempts if own is not None else 0,
+            "worker_pid": job.worker_pid if job is not None else None,
+            "worker_rss": (own.worker_rss or None) if own is not None else None,
+            "artifact_size": size if isinstance(size, int) else None,
+        })
         self._metrics.finish(record)
         self._events.emit(record)
 

@@ -33,6 +33,7 @@ from aiocompile._diskcache import DiskCache
 from aiocompile._errors import SchedulerClosed
 from aiocompile._events import EventHub, Listener
 from aiocompile._foreign import ExecutorSpec, ForeignPool
+from aiocompile._frozen import build
 from aiocompile._metrics import JobRecord, Metrics, Statistics
 from aiocompile._pool import WorkerPool
 from aiocompile._progress import Progress
@@ -483,7 +484,7 @@ class Scheduler:
                     requests[index] = prepared
             if not first_error:
                 ready = [(index, request) for index, request in enumerate(requests) if request is not None]
-                estimates = [self._costs.estimate(r.key, r.name, r.backend, r.target) for _, r in ready]
+                estimates = [self._costs.estimate(r.key, r.name, r.backend, r.target, r.features) for _, r in ready]
                 async with anyio.create_task_group() as group:
                     # Admitted here, in this order, and not by the tasks: the pool's queue is
                     # first come first served, while the order in which new tasks take their
@@ -556,11 +557,17 @@ class Scheduler:
         _checks.CALL_TIMEOUT.check("timeout", timeout)
         # Its turn first (see _admission): in a burst, most requests wait here, and what
         # they have not built yet costs the loop nothing now.
-        await self._gates.enter()
+        if not self._gates.enter_now():
+            await self._gates.enter()
         name = getattr(fn, "__qualname__", None) or type(fn).__name__
-        request = Request(backend="python", key=key, name=name, target=None, fn=fn, args=args, finish=_identity,
-                          direct=True)
-        return await self._requests.result(request, self._requests.admit(request, timeout))
+        request = build(Request, {"backend": "python", "key": key, "name": name, "target": None, "fn": fn,
+                                  "args": args, "finish": None, "encode": None, "decode": None, "size": None,
+                                  "details": None, "direct": True, "features": ()})
+        admitted = self._requests.admit(request, timeout)
+        result = await self._requests.result(request, admitted)
+        if admitted[0] in ("started", "joined"):
+            self._gates.waited()  # it waited for its job: the loop has gone round (see _admission)
+        return result
 
     # -- the request path ---------------------------------------------------------------------
 
@@ -568,7 +575,11 @@ class Scheduler:
         # A burst of requests is admitted a loop iteration's slice at a time (see
         # _admission); one waiting its turn has not been counted or started yet.
         await self._gates.enter()
-        return await self._requests.result(request, self._requests.admit(request, timeout))
+        admitted = self._requests.admit(request, timeout)
+        result = await self._requests.result(request, admitted)
+        if admitted[0] in ("started", "joined"):
+            self._gates.waited()  # it waited for its job: the loop has gone round (see _admission)
+        return result
 
 
     # -- PyTorch Inductor --------------------------------------------------------------------
@@ -618,6 +629,3 @@ class Scheduler:
         waiting (a backend's warm-up, such as importing torch for Inductor's kernels)."""
         self._check_open()
         self._pool.warm(fn, args)
-
-def _identity(value: Any) -> Any:
-    return value

@@ -61,6 +61,9 @@ class Bench:
     quick_flag_if_offered: bool = False  # pass --quick when the script's --help offers it
 
 
+_CONTENTION_WAYS = ("aiocompile,aiocompile[workers=12],aiocompile[workers=8],aiocompile[nice=0],aiocompile[pin],"
+                    "ProcessPoolExecutor")
+
 # In the order they run; any other bench_*.py found in benchmarks/ runs after them with
 # just --json.
 KNOWN = [
@@ -71,6 +74,17 @@ KNOWN = [
     Bench("throughput_heavy", "bench_throughput.py", ("--set", "heavy", "--repeat", "3"),
           ("--set", "heavy", "--repeat", "2", "--ways", "aiocompile,serial triton.compile,ProcessPoolExecutor"),
           1800, 600),
+    # A first run on a fresh machine: no compile history, the order from predictions alone,
+    # beside the stdlib pool, each round's longest compile timed alone after it.
+    Bench("first_run", "bench_throughput.py",
+          ("--set", "adds_matmuls", "--first-run", "--alone", "1", "--repeat", "5", "--ways",
+           "aiocompile,ProcessPoolExecutor"),
+          ("--set", "adds_matmuls", "--first-run", "--alone", "1", "--repeat", "3", "--ways",
+           "aiocompile,ProcessPoolExecutor"), 1800, 600),
+    # How compiles slow each other down, and what fewer workers, niceness or pinning do to it.
+    Bench("contention", "bench_throughput.py",
+          ("--set", "adds_matmuls", "--alone", "1", "--repeat", "4", "--ways", _CONTENTION_WAYS),
+          ("--set", "adds_matmuls", "--alone", "1", "--repeat", "2", "--ways", _CONTENTION_WAYS), 1800, 900),
     Bench("dispatch", "bench_dispatch.py", (), ("--rounds", "4"), 300, 120),
     Bench("loop_lag", "bench_loop_lag.py", (), (), 600, 300),
     Bench("startup", "bench_startup.py", ("--repeat", "3"), ("--repeat", "1"), 900, 300),
@@ -426,7 +440,25 @@ def render_columns(result: Any) -> str:
 _SET_TEXT = {
     "mixed": "the mixed set: 10 matmuls, one of them long, among 54 short row-wise kernels, in a shuffled order",
     "heavy": "the matmul-heavy set: 28 matmuls interleaved with 36 row-wise kernels",
+    "adds_matmuls": "32 vector adds and 18 matmuls of several tile sizes, the longest compile 34th in the order given",
 }
+
+
+def render_rounds(r: dict[str, Any]) -> str:
+    """Every round of every way: wall, against the round's own lower bound (its longest
+    compile timed alone after it), how much the longest compiles were slowed beside the
+    others, and the rank correlation of the predicted and measured compile times."""
+    rows = []
+    for round_ in r.get("rounds", []):
+        bound = round_.get("lower_bound_s")
+        for way, entry in round_["ways"].items():
+            rows.append([round_["round"], way, entry["wall_s"], bound, entry.get("wall_over_bound"),
+                         entry.get("slowdown"), entry.get("spearman"),
+                         "yes" if entry.get("costs_known") else "no"])
+    if not rows:
+        return ""
+    return ("Every round:\n\n" + _table(["round", "way", "wall s", "lower bound s", "wall / bound",
+                                        "longest slowed", "rank correlation", "costs known before"], rows))
 
 
 def render_throughput(r: dict[str, Any]) -> str:
@@ -468,9 +500,16 @@ def render_throughput(r: dict[str, Any]) -> str:
                 return "not run"
             bound = r.get("lower_bound_s")
             return f"{value:.2f} s" + (f" ({value / bound:.2f}x the lower bound)" if bound else "")
-        parts.append(f"aiocompile's first round knows no compile times and starts kernels in the order given: "
-                     f"{fmt(cold)}. Later rounds read the first round's times (`cost_history`) and start the "
-                     f"longest compiles first: {fmt(warm)}.")
+        if r.get("first_run"):
+            parts.append(f"Every aiocompile round started with no compile history: the order came from the "
+                         f"predicted costs alone: {fmt(cold)}.")
+        else:
+            parts.append(f"aiocompile's first round knows no compile times and orders the kernels by their "
+                         f"predicted cost: {fmt(cold)}. Later rounds read the earlier rounds' times "
+                         f"(`cost_history`): {fmt(warm)}.")
+    rounds = render_rounds(r)
+    if rounds:
+        parts.append(rounds)
     return "\n\n".join(parts)
 
 
@@ -618,6 +657,8 @@ def render_autotune(runs: list[dict[str, Any]]) -> str:
 RENDERERS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "throughput": ("Compile throughput: 64 kernels, five ways", render_throughput),
     "throughput_heavy": ("Compile throughput: the matmul-heavy set", render_throughput),
+    "first_run": ("A first run: 50 kernels, no compile history", render_throughput),
+    "contention": ("Contention: compiles side by side, fewer workers, niceness, pinning", render_throughput),
     "dispatch": ("Dispatch round trip", render_dispatch),
     "startup": ("Start-up", render_startup),
     "memory": ("Cold start and worker memory", render_memory),
@@ -824,7 +865,7 @@ def render_markdown(report: dict[str, Any], images: dict[str, str] | None) -> st
             return (f"(this benchmark's JSON has a shape the report does not know: {type(exc).__name__}: {exc}; "
                     "all of it:)\n\n" + render_generic(results[name]))
 
-    order = ["throughput", "loop_lag", "throughput_heavy", "dispatch", "startup", "memory"]
+    order = ["throughput", "loop_lag", "throughput_heavy", "first_run", "contention", "dispatch", "startup", "memory"]
     order += [name for name in benches if name not in order]
     for name in order:
         if name == "loop_lag":

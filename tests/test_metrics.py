@@ -528,3 +528,19 @@ async def test_progress_covers_compiles_and_benchmarks(monkeypatch, stand_in_dri
         await sched.autotune(kernel, torch.ones(4096), torch.empty(4096), 4096, 2.0, grid=tk.grid, progress=True)
     shown = terminal.getvalue()
     assert "tuning scale_base" in shown and "4/4" in shown  # two compiles, two benchmarks
+
+
+def test_a_record_made_in_a_hurry_is_the_record_its_constructor_makes():
+    from aiocompile._frozen import build
+    from aiocompile._metrics import JobRecord
+
+    fields = dict(key="k", name="add", backend="triton", target="cuda:90", outcome="compiled", error=None,
+                  queued_at=1.0, started_at=1.5, finished_at=2.0, queue_wait=0.5, run_time=0.4, load_time=0.01,
+                  total_time=1.0, stages=(("ttir", 0.1),), compiler_cache_hit=False, attempts=1, worker_pid=7,
+                  worker_rss=1 << 20, artifact_size=4096)
+    record = build(JobRecord, dict(fields))
+    assert record == JobRecord(**fields) and record.to_dict() == JobRecord(**fields).to_dict()
+    with pytest.raises(AttributeError):
+        record.outcome = "error"  # type: ignore[misc]  # still frozen
+    with pytest.raises(TypeError, match="every field"):
+        build(JobRecord, {k: v for k, v in fields.items() if k != "error"})
