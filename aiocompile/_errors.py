@@ -5,7 +5,9 @@
     AiocompileError                 anything aiocompile raises on its own account
      ├── CompileError               the kernel did not compile (your kernel's fault)
      │    ├── CompileTimeout        ... within its timeout; also a TimeoutError
-     │    └── WorkerCrashedError    ... because it killed its worker max_crashes times
+     │    ├── WorkerCrashedError    ... because it killed its worker max_crashes times
+     │    └── CompilerNotFound      ... because its compiler is not installed (the machine's
+     │                              fault); also a FileNotFoundError
      └── SchedulerClosed            the scheduler was used after aclose() (your program's fault)
 
 Bad input (a malformed signature, an unknown target, a wrong option type) is not in
@@ -24,6 +26,7 @@ __all__ = [
     "AiocompileError",
     "CompileError",
     "CompileTimeout",
+    "CompilerNotFound",
     "SchedulerClosed",
     "WorkerCrashedError",
 ]
@@ -53,7 +56,8 @@ class CompileError(AiocompileError):
 
     ``message`` is the compiler's own message, ``kernel_name`` and ``key`` say which
     kernel, ``target`` which architecture, and ``output`` holds the tail of what the
-    compile printed, if anything.
+    compile printed, if anything. ``command`` is the command line that failed, where the
+    compile ran a compiler program (C++, CUDA); None otherwise.
     """
 
     def __init__(
@@ -64,6 +68,7 @@ class CompileError(AiocompileError):
         key: str | None = None,
         target: str | None = None,
         output: str = "",
+        command: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -71,6 +76,7 @@ class CompileError(AiocompileError):
         self.key = key
         self.target = target
         self.output = output
+        self.command = command
 
     def __str__(self) -> str:
         where = []
@@ -125,6 +131,14 @@ class WorkerCrashedError(CompileError):
             return signal.Signals(-self.exitcode).name
         except ValueError:
             return None
+
+
+class CompilerNotFound(CompileError, FileNotFoundError):
+    """The compiler a request needs (g++, nvcc, hipcc) is not where it was looked for, or
+    does not run. Whose fault: the machine's set-up (install it, put it on PATH, set
+    ``CUDA_HOME``) or the ``compiler=`` argument's. Raised in the caller before any worker
+    is involved; the message says where it looked.
+    """
 
 
 class SchedulerClosed(AiocompileError, RuntimeError):
