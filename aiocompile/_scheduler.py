@@ -20,7 +20,7 @@ import concurrent.futures as cf
 import inspect
 import os
 import sys
-from collections.abc import Iterable, Mapping, MutableMapping
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from typing import Any, Callable
 
 import anyio
@@ -39,7 +39,9 @@ from aiocompile._pool import WorkerPool
 from aiocompile._progress import Progress
 from aiocompile._requests import Requests
 from aiocompile._target import parse_target
-from aiocompile.backends import Request
+from aiocompile.backends import Request, SpecBackend
+from aiocompile.backends.cpp import CppBackend, NativeLibrary
+from aiocompile.backends.cuda import CudaBackend, CudaBinary
 from aiocompile.backends.triton import TritonBackend
 from aiocompile.backends.triton._kernel import TritonKernel
 
@@ -142,6 +144,10 @@ class Scheduler:
                                   metrics=self._metrics, events=self._events, costs=self._costs,
                                   check_open=self._check_open)
         self._triton = TritonBackend()
+        self._cpp = CppBackend()
+        self._cuda = CudaBackend()
+        # compile_many's specs name their backend by their "kind".
+        self._backends: dict[str, SpecBackend] = {"triton": self._triton, "cpp": self._cpp, "cuda": self._cuda}
         self._pid = os.getpid()
         self._closed = False
         # Made inside a running loop (the default scheduler always is): warm anyio now.
@@ -310,6 +316,70 @@ class Scheduler:
         result: TritonKernel = await self._execute(request, timeout)
         return result
 
+    async def compile_cpp(
+        self,
+        source: str,
+        *,
+        flags: Sequence[str] = (),
+        include_dirs: Sequence[str | os.PathLike[str]] = (),
+        libraries: Sequence[str] = (),
+        compiler: str | os.PathLike[str] | None = None,
+        name: str | None = None,
+        timeout: float | None = None,
+    ) -> NativeLibrary:
+        """Build a shared library from C++ ``source`` in a worker process; returns a
+        ``NativeLibrary`` (``lib.symbol("f")`` calls ``f`` through ctypes).
+
+        ``flags`` go to the compiler as they are, ``include_dirs`` as ``-I``, ``libraries``
+        are names (``"m"``: ``-lm``) or files; ``compiler`` is a path or a name on PATH
+        (default: ``c++``, ``g++`` or ``clang++``). The key covers them, the compiler's
+        identity and version, and the headers the source reads from its include
+        directories (an edited header compiles anew).
+
+        ``TypeError``/``ValueError`` for bad arguments and ``CompilerNotFound`` at once,
+        before any worker; ``CompileError`` with the diagnostics and command line;
+        ``CompileTimeout`` past ``timeout`` seconds of worker time, ``WorkerCrashedError``
+        after ``max_crashes`` worker deaths: either way the worker is killed with every
+        compiler process it started, no other. Single flight, caches and cancellation are
+        ``compile_triton``'s; with ``cancel_running="kill"`` a cancelled compile nobody
+        waits for dies with its compiler.
+        """
+        _checks.CALL_TIMEOUT.check("timeout", timeout)
+        request = await self._cpp.prepare(self._context, source=source, flags=flags, include_dirs=include_dirs,
+                                          libraries=libraries, compiler=compiler, name=name)
+        result: NativeLibrary = await self._execute(request, timeout)
+        return result
+
+    async def compile_cuda(
+        self,
+        source: str,
+        *,
+        arch: str | Sequence[str] = "sm_90",
+        output: str = "cubin",
+        flags: Sequence[str] = (),
+        include_dirs: Sequence[str | os.PathLike[str]] = (),
+        compiler: str | os.PathLike[str] | None = None,
+        name: str | None = None,
+        timeout: float | None = None,
+    ) -> CudaBinary:
+        """Compile CUDA ``source`` with nvcc in a worker process (no GPU needed); returns a
+        ``CudaBinary``. On a GPU, ``await binary.load()``, then
+        ``binary.kernel("name")[grid, block](*args)``.
+
+        ``arch``: one architecture or several (``("sm_80", "sm_90")``, ``"compute_90"``
+        for PTX); ``output``: ``"cubin"`` or ``"ptx"`` (one per architecture),
+        ``"fatbin"``, or ``"shared"`` (a host library). AMD architectures (``"gfx942"``)
+        compile with hipcc into a code object (``"hsaco"``) or a shared library.
+        ``compiler``: default nvcc from ``CUDA_HOME``, ``CUDA_PATH``, PATH or
+        ``/usr/local/cuda``. The record's stages are nvcc's own phase times. Errors,
+        timeouts, crashes, caching and cancellation are ``compile_cpp``'s.
+        """
+        _checks.CALL_TIMEOUT.check("timeout", timeout)
+        request = await self._cuda.prepare(self._context, source=source, arch=arch, output=output, flags=flags,
+                                           include_dirs=include_dirs, compiler=compiler, name=name)
+        result: CudaBinary = await self._execute(request, timeout)
+        return result
+
     async def warmup(
         self,
         kernel: Any,
@@ -362,15 +432,19 @@ class Scheduler:
         """Compile many kernels concurrently; results in the order of ``specs``.
 
         Each spec is a mapping of ``compile_triton``'s keyword arguments with the kernel
-        under ``"kernel"``. With ``return_exceptions`` a failed compile's exception takes
-        its place in the list; otherwise the first failure is raised once the compiles
-        that already started have been let go (they finish in the background and are
-        cached). ``progress=True`` shows a progress bar, naming the kernels being
-        compiled, on a terminal or in a notebook (nowhere else).
+        under ``"kernel"``; or, with ``"kind": "cpp"`` or ``"kind": "cuda"``, of
+        ``compile_cpp``'s or ``compile_cuda``'s, the source under ``"source"``. With
+        ``return_exceptions`` a failed compile's exception takes its place in the list;
+        otherwise the first failure is raised once the compiles that already started have
+        been let go (they finish in the background and are cached). ``progress=True``
+        shows a progress bar, naming the kernels being compiled, on a terminal or in a
+        notebook (nowhere else).
         """
         spec_list = [dict(spec) for spec in specs]
-        for index, spec in enumerate(spec_list):
-            for needed in ("kernel", "signature"):
+        kinds = [_checks.SPEC_KIND.check(f"kind of spec #{index}", spec.pop("kind", "triton"))
+                 for index, spec in enumerate(spec_list)]
+        for index, (kind, spec) in enumerate(zip(kinds, spec_list)):
+            for needed in self._backends[kind].needs:
                 if needed not in spec:
                     raise TypeError(f"spec #{index} has no {needed!r}")
         results: list[Any] = [None] * len(spec_list)
@@ -378,8 +452,8 @@ class Scheduler:
         timeouts: list[float | None] = [spec.pop("timeout", None) for spec in spec_list]
         for index, timeout in enumerate(timeouts):
             _checks.CALL_TIMEOUT.check(f"timeout of spec #{index}", timeout)
-        labels = [str(spec.pop("label", None) or getattr(spec["kernel"], "__name__", None)
-                      or getattr(spec["kernel"], "name", "?")) for spec in spec_list]
+        labels = [str(spec.pop("label", None) or self._backends[kind].label(spec))
+                  for kind, spec in zip(kinds, spec_list)]
         first_error: list[BaseException] = []
         bar = self._progress(len(spec_list), progress)
 
@@ -404,11 +478,8 @@ class Scheduler:
             # First every key (checked arguments, Triton's hash: in one thread, in order), so
             # that the compiles can start longest first: a batch ends when its last compile
             # does, and a long one started last runs alone at the end.
-            items = [{"kernel": spec.pop("kernel"), "signature": spec.pop("signature"),
-                      "constexprs": spec.pop("constexprs", None), "target": spec.pop("target", None),
-                      "attrs": spec.pop("attrs", None), "options": spec} for spec in spec_list]
             unstarted = anyio.CancelScope()  # nothing has started yet for a failure to cancel
-            for index, prepared in enumerate(await self._triton.prepare_many(self._context, items)):
+            for index, prepared in enumerate(await self._prepare_specs(kinds, spec_list)):
                 if isinstance(prepared, Exception):
                     failed(index, prepared, unstarted)
                 else:
@@ -516,6 +587,16 @@ class Scheduler:
                 scope[name] = outcome[id(value)]
             return scope
         return [outcome[id(value)] for _, value in items]
+
+    async def _prepare_specs(self, kinds: list[str], specs: list[dict[str, Any]]) -> list[Request | Exception]:
+        """Each spec's request (or its exception), in order: one batch per kind."""
+        prepared: list[Request | Exception] = [TypeError("not prepared")] * len(specs)
+        for kind in dict.fromkeys(kinds):
+            indices = [index for index, k in enumerate(kinds) if k == kind]
+            batch = await self._backends[kind].prepare_specs(self._context, [specs[i] for i in indices])
+            for index, request in zip(indices, batch):
+                prepared[index] = request
+        return prepared
 
     def _progress(self, total: int, enabled: bool) -> Progress:
         return Progress(total, enabled=enabled, subscribe=self.subscribe if self.config.metrics else None)
