@@ -9,7 +9,8 @@
   and its failure as a ``CompileError`` with the diagnostics and the command line;
 - ``_artifact``: the versioned, checksummed byte form of the artifacts;
 - ``_load``: loading a shared library from its bytes, through ctypes;
-- ``_key``: a key from plain values.
+- ``_backend``: what the backends do in the parent: arguments checked at the boundary,
+  then the compiler found, the headers scanned and the key made in the key thread.
 
 None of it imports anything beyond the standard library.
 """
