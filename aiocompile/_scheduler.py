@@ -27,9 +27,10 @@ import anyio
 
 from aiocompile import _bridge, _checks, _threads
 from aiocompile._admission import Gates
+from aiocompile._batch import compile_batch
 from aiocompile._cache import KernelCache
 from aiocompile._config import SchedulerConfig
-from aiocompile._costs import CostHistory, longest_first
+from aiocompile._costs import CostHistory
 from aiocompile._diskcache import DiskCache
 from aiocompile._errors import SchedulerClosed
 from aiocompile._events import EventHub, Listener
@@ -440,77 +441,7 @@ class Scheduler:
         shows a progress bar, naming the kernels being compiled, on a terminal or in a
         notebook (nowhere else).
         """
-        spec_list = [dict(spec) for spec in specs]
-        kinds = [_checks.SPEC_KIND.check(f"kind of spec #{index}", spec.pop("kind", "triton"))
-                 for index, spec in enumerate(spec_list)]
-        for index, (kind, spec) in enumerate(zip(kinds, spec_list)):
-            for needed in self._backends[kind].needs:
-                if needed not in spec:
-                    raise TypeError(f"spec #{index} has no {needed!r}")
-        results: list[Any] = [None] * len(spec_list)
-        requests: list[Request | None] = [None] * len(spec_list)
-        timeouts: list[float | None] = [spec.pop("timeout", None) for spec in spec_list]
-        for index, timeout in enumerate(timeouts):
-            _checks.CALL_TIMEOUT.check(f"timeout of spec #{index}", timeout)
-        labels = [str(spec.pop("label", None) or self._backends[kind].label(spec))
-                  for kind, spec in zip(kinds, spec_list)]
-        first_error: list[BaseException] = []
-        bar = self._progress(len(spec_list), progress)
-
-        def failed(index: int, exc: Exception, scope: anyio.CancelScope) -> None:
-            bar.finished(labels[index], ok=False)
-            if return_exceptions:
-                results[index] = exc
-            elif not first_error:
-                first_error.append(exc)
-                scope.cancel()
-
-        async def execute(index: int, request: Request, admitted: Any, scope: anyio.CancelScope) -> None:
-            try:
-                results[index] = await self._requests.result(request, admitted)
-            except Exception as exc:
-                failed(index, exc, scope)
-                return
-            bar.finished(labels[index], ok=True)
-
-        try:
-            await _threads.LOADS.run(self._costs.load)
-            # First every key (checked arguments, Triton's hash: in one thread, in order), so
-            # that the compiles can start longest first: a batch ends when its last compile
-            # does, and a long one started last runs alone at the end.
-            unstarted = anyio.CancelScope()  # nothing has started yet for a failure to cancel
-            for index, prepared in enumerate(await self._prepare_specs(kinds, spec_list)):
-                if isinstance(prepared, Exception):
-                    failed(index, prepared, unstarted)
-                else:
-                    requests[index] = prepared
-            if not first_error:
-                ready = [(index, request) for index, request in enumerate(requests) if request is not None]
-                estimates = [self._costs.estimate(r.key, r.name, r.backend, r.target) for _, r in ready]
-                async with anyio.create_task_group() as group:
-                    # Admitted here, in this order, and not by the tasks: the pool's queue is
-                    # first come first served, while the order in which new tasks take their
-                    # first step is up to the event loop (trio shuffles it on purpose).
-                    for count, position in enumerate(longest_first(estimates), 1):
-                        if count % 8 == 0:
-                            # A thousand admissions in one go would hold the loop for tens
-                            # of milliseconds; those admitted so far have their tasks.
-                            await anyio.lowlevel.checkpoint()
-                        index, request = ready[position]
-                        try:
-                            admitted = self._requests.admit(request, timeouts[index])
-                        except Exception as exc:
-                            failed(index, exc, group.cancel_scope)
-                            if first_error:
-                                break
-                            continue
-                        group.start_soon(execute, index, request, admitted, group.cancel_scope)
-        finally:
-            bar.close()
-            _threads.LOADS.submit(self._costs.save)
-        if first_error:
-            raise first_error[0]
-        return results
+        return await compile_batch(self, specs, progress=progress, return_exceptions=return_exceptions)
 
     async def wait(
         self,
@@ -587,16 +518,6 @@ class Scheduler:
                 scope[name] = outcome[id(value)]
             return scope
         return [outcome[id(value)] for _, value in items]
-
-    async def _prepare_specs(self, kinds: list[str], specs: list[dict[str, Any]]) -> list[Request | Exception]:
-        """Each spec's request (or its exception), in order: one batch per kind."""
-        prepared: list[Request | Exception] = [TypeError("not prepared")] * len(specs)
-        for kind in dict.fromkeys(kinds):
-            indices = [index for index, k in enumerate(kinds) if k == kind]
-            batch = await self._backends[kind].prepare_specs(self._context, [specs[i] for i in indices])
-            for index, request in zip(indices, batch):
-                prepared[index] = request
-        return prepared
 
     def _progress(self, total: int, enabled: bool) -> Progress:
         return Progress(total, enabled=enabled, subscribe=self.subscribe if self.config.metrics else None)
