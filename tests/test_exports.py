@@ -46,9 +46,11 @@ def test_error_tree():
     assert issubclass(aiocompile.CompileTimeout, aiocompile.CompileError)
     assert issubclass(aiocompile.CompileTimeout, TimeoutError)
     assert issubclass(aiocompile.WorkerCrashedError, aiocompile.CompileError)
+    assert issubclass(aiocompile.CompilerNotFound, aiocompile.CompileError)
+    assert issubclass(aiocompile.CompilerNotFound, FileNotFoundError)
     assert issubclass(aiocompile.SchedulerClosed, aiocompile.AiocompileError)
     for cls in (aiocompile.AiocompileError, aiocompile.CompileError, aiocompile.CompileTimeout,
-                aiocompile.WorkerCrashedError, aiocompile.SchedulerClosed):
+                aiocompile.WorkerCrashedError, aiocompile.CompilerNotFound, aiocompile.SchedulerClosed):
         assert cls.__doc__ and "fault" in cls.__doc__, f"{cls.__name__} must say whose fault it is"
 
 
@@ -65,3 +67,7 @@ def test_errors_pickle_with_their_fields():
     assert str(again) == str(crash)
     timeout = pickle.loads(pickle.dumps(aiocompile.CompileTimeout("slow", timeout=1.5, kernel_name="k")))
     assert isinstance(timeout, TimeoutError) and timeout.timeout == 1.5
+    failed = aiocompile.CompileError("g++ exited with status 1", kernel_name="lib", command="g++ -shared x.cpp")
+    assert pickle.loads(pickle.dumps(failed)).command == "g++ -shared x.cpp"
+    missing = pickle.loads(pickle.dumps(aiocompile.CompilerNotFound("no nvcc found")))
+    assert type(missing) is aiocompile.CompilerNotFound and str(missing) == "no nvcc found"

@@ -1,6 +1,6 @@
 """CudaBinary: GPU code built by nvcc (or hipcc), its byte form, and launching its kernels.
 
-Loading and launching go through NVIDIA's ``cuda.core`` (``pip install cuda-core``),
+Loading and launching go through NVIDIA's ``cuda.core`` (``pip install 'aiocompile[cuda]'``),
 imported only then: a module from the binary (``ObjectCode``), its kernels, a
 ``launch`` on a stream. Nothing here needs a GPU until ``load()`` or a launch.
 """
@@ -328,7 +328,8 @@ def _cuda_core() -> Any:
     try:
         import cuda.core as core
     except ImportError as exc:
-        raise RuntimeError(f"loading and launching CUDA code needs cuda-core (pip install cuda-core): {exc}") from exc
+        raise RuntimeError("loading and launching CUDA code needs cuda-core (pip install 'aiocompile[cuda]'): "
+                           f"{exc}") from exc
     return core
 
 
