@@ -590,13 +590,13 @@ def render_native(r: dict[str, Any]) -> str:
     results = r["results"]
     serial = results["serial"]["wall"]
     pool = next(row["wall"] for name, row in results.items() if name.startswith("ProcessPoolExecutor"))
-    rows = [[name, row["wall"], serial / row["wall"], row["wall"] / pool, row.get("lag_max_ms"), row.get("lag_p99_ms")]
-            for name, row in results.items()]
+    rows = [[name, row["wall"], serial / row["wall"], row["wall"] / pool, row.get("parent_cpu"), row.get("lag_max_ms"),
+             row.get("lag_p99_ms")] for name, row in results.items()]
     return (f"{r['units']} generated C++ translation units ({r['lines_min']} to {r['lines_max']} lines) built into "
             f"shared libraries by `{r['command']}`, {r['workers']} workers, median of {r['repeat']} round(s), pools "
             "started inside the timed region:\n\n"
-            + _table(["way", "wall s", "speed-up over serial", "wall / stdlib pool", "loop lag max ms",
-                      "loop lag p99 ms"], rows))
+            + _table(["way", "wall s", "speed-up over serial", "wall / stdlib pool", "this process's CPU s",
+                      "loop lag max ms", "loop lag p99 ms"], rows))
 
 
 def render_torch_compile(runs: list[dict[str, Any]]) -> str:
