@@ -222,7 +222,8 @@ async def _build(args: argparse.Namespace) -> int:
             if len(files) > 1:
                 entry["images"] = files
             entry.update({"compiler": result.compiler, "compiler_version": result.compiler_version,
-                          "command": result.command, "stages": [list(stage) for stage in result.stages]})
+                          "command": result.command,
+                          "stages": [[stage, round(seconds, 6)] for stage, seconds in result.stages]})
         manifest.append(entry)
         rows.append((label, target, result, result.key in from_cache))
 
