@@ -68,9 +68,9 @@ async def compile_batch(
 
     try:
         await _threads.LOADS.run(sched._costs.load)
-        # First every key (checked arguments, Triton's hash: in one thread, in order), so
-        # that the compiles can start longest first: a batch ends when its last compile
-        # does, and a long one started last runs alone at the end.
+        # First every key (checked arguments, then each backend's key: one trip to the key
+        # thread per kind, in order), so that the compiles can start longest first: a batch
+        # ends when its last compile does, and a long one started last runs alone at the end.
         unstarted = anyio.CancelScope()  # nothing has started yet for a failure to cancel
         for index, prepared in enumerate(await _prepare(sched, kinds, spec_list)):
             if isinstance(prepared, Exception):
