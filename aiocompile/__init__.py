@@ -1,7 +1,8 @@
 """aiocompile: an asyncio-native compile scheduler for GPU kernels.
 
 ``kernel = await aiocompile.compile_triton(add_kernel, signature=..., target="cuda:90")``
-compiles in a supervised pool of worker processes while the event loop keeps serving.
+compiles in a supervised pool of worker processes while the event loop keeps serving;
+``compile_cpp`` and ``compile_cuda`` do the same for C++ and CUDA sources.
 
 Importing this package imports neither Triton nor torch, nor anything else until a name is
 first used: worker processes import parts of this package, and must not pay for the rest.
@@ -20,7 +21,11 @@ _EXPORTS = {
     "BenchmarkRecord": "aiocompile._metrics",
     "CompileError": "aiocompile._errors",
     "CompileTimeout": "aiocompile._errors",
+    "CompilerNotFound": "aiocompile._errors",
+    "CudaBinary": "aiocompile.backends.cuda._binary",
+    "CudaKernel": "aiocompile.backends.cuda._binary",
     "JobRecord": "aiocompile._metrics",
+    "NativeLibrary": "aiocompile.backends.cpp._library",
     "Scheduler": "aiocompile._scheduler",
     "SchedulerClosed": "aiocompile._errors",
     "SchedulerConfig": "aiocompile._config",
@@ -33,6 +38,8 @@ _EXPORTS = {
     "WorkerEvent": "aiocompile._metrics",
     "WorkerPool": "aiocompile._pool",
     "autotune": "aiocompile._default",
+    "compile_cpp": "aiocompile._default",
+    "compile_cuda": "aiocompile._default",
     "compile_many": "aiocompile._default",
     "compile_triton": "aiocompile._default",
     "default_scheduler": "aiocompile._default",
@@ -51,7 +58,11 @@ __all__ = [
     "BenchmarkRecord",
     "CompileError",
     "CompileTimeout",
+    "CompilerNotFound",
+    "CudaBinary",
+    "CudaKernel",
     "JobRecord",
+    "NativeLibrary",
     "Scheduler",
     "SchedulerClosed",
     "SchedulerConfig",
@@ -65,6 +76,8 @@ __all__ = [
     "WorkerPool",
     "__version__",
     "autotune",
+    "compile_cpp",
+    "compile_cuda",
     "compile_many",
     "compile_triton",
     "default_scheduler",
@@ -94,6 +107,8 @@ if _typing.TYPE_CHECKING:
     from aiocompile._config import SchedulerConfig
     from aiocompile._default import (
         autotune,
+        compile_cpp,
+        compile_cuda,
         compile_many,
         compile_triton,
         default_scheduler,
@@ -108,6 +123,7 @@ if _typing.TYPE_CHECKING:
         AiocompileError,
         AutotuneError,
         CompileError,
+        CompilerNotFound,
         CompileTimeout,
         SchedulerClosed,
         WorkerCrashedError,
@@ -117,5 +133,7 @@ if _typing.TYPE_CHECKING:
     from aiocompile._scheduler import Scheduler
     from aiocompile._target import Target
     from aiocompile._tuning._tuner import AutotuneResult
+    from aiocompile.backends.cpp._library import NativeLibrary
+    from aiocompile.backends.cuda._binary import CudaBinary, CudaKernel
     from aiocompile.backends.triton import TritonSource
     from aiocompile.backends.triton._kernel import TritonKernel

@@ -30,9 +30,10 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
-    "BENCHMARK_TIMEOUT", "CALL_TIMEOUT", "CLOSE_GRACE", "CRASHES", "DEVICE", "IDLE_TIMEOUT", "JOB_TIMEOUT",
-    "MAX_SECONDS", "NICE", "POOL_GRACE", "PRELOAD", "RSS", "START_METHOD", "WORKERS", "Choice", "Devices", "FilePath",
-    "Flag", "Modules", "Number", "Rule", "Secret", "check_callable",
+    "BENCHMARK_TIMEOUT", "CALL_TIMEOUT", "CLOSE_GRACE", "COMPILER", "CRASHES", "DEVICE", "GPU_ARCHS", "GPU_OUTPUT",
+    "IDLE_TIMEOUT", "INCLUDE_DIRS", "JOB_TIMEOUT", "LIBRARIES", "MAX_SECONDS", "NATIVE_FLAGS", "NATIVE_NAME",
+    "NICE", "POOL_GRACE", "PRELOAD", "RSS", "SOURCE", "SPEC_KIND", "START_METHOD", "SYMBOL", "WORKERS", "Choice",
+    "Devices", "Each", "FilePath", "Flag", "Modules", "Number", "Rule", "Secret", "Text", "check_callable",
 ]
 
 MAX_SECONDS = 1_000_000
@@ -268,6 +269,54 @@ class Devices(Rule):
             raise self.bad_value(setting, text, "leave it unset") from None
 
 
+@dataclass(frozen=True)
+class Text(Rule):
+    """A ``str`` without NUL characters (a compiler would stop reading it there): not empty
+    unless ``empty``, and matching ``pattern`` where there is one."""
+
+    noun: str = "a non-empty string"
+    pattern: str | None = None
+    empty: bool = False
+    none: str | None = None
+
+    def what(self) -> str:
+        return self.noun
+
+    def _check(self, setting: str, value: Any, unset: str) -> Any:
+        if not isinstance(value, str):
+            raise self.wrong_type(setting, value, unset)
+        if "\x00" in value or (not value and not self.empty):
+            raise self.bad_value(setting, value, unset)
+        if self.pattern is not None and not re.fullmatch(self.pattern, value):
+            raise self.bad_value(setting, value, unset)
+        return value
+
+
+@dataclass(frozen=True)
+class Each(Rule):
+    """A tuple (a list is taken too) whose items ``item`` checks; kept as a tuple. A lone
+    item stands for a tuple of one only where ``one`` says so: elsewhere a lone string
+    would be taken apart letter by letter, and is refused."""
+
+    item: Rule
+    noun: str
+    one: bool = False
+    at_least_one: bool = False
+
+    def what(self) -> str:
+        text = f"a tuple of {self.noun}" + (" (or a single one)" if self.one else "")
+        return text + (", not empty" if self.at_least_one else "")
+
+    def _check(self, setting: str, value: Any, unset: str) -> Any:
+        if self.one and isinstance(value, (str, os.PathLike)):
+            value = (value,)
+        if not isinstance(value, (tuple, list)):
+            raise self.wrong_type(setting, value, unset)
+        if self.at_least_one and not value:
+            raise self.bad_value(setting, value, unset)
+        return tuple(self.item.check(f"{setting}[{index}]", entry) for index, entry in enumerate(value))
+
+
 def check_callable(setting: str, value: Any) -> Any:
     if not callable(value):
         raise TypeError(f"{setting} must be callable, got {value!r} ({type(value).__name__})")
@@ -290,3 +339,19 @@ DEVICE = Number(integer=True, at_least=0, none="the current device")
 BENCHMARK_TIMEOUT = Number(above=0, at_most=MAX_SECONDS, unit="seconds", none="no limit")
 CLOSE_GRACE = Number(at_least=0, at_most=MAX_SECONDS, unit="seconds", none="the configuration's close_grace")
 POOL_GRACE = Number(at_least=0, at_most=MAX_SECONDS, unit="seconds", none="no limit")
+
+# compile_cpp / compile_cuda (and their compile_many specs)
+SOURCE = Text("source text (a str)", empty=True)
+NATIVE_FLAGS = Each(Text("a compiler flag"), "compiler flags (str), such as ('-O2',)")
+INCLUDE_DIRS = Each(FilePath(), "directories (str or path)")
+LIBRARIES = Each(Text("a library: a name such as 'm' (linked as -lm) or the path of a library file"), "libraries")
+COMPILER = FilePath(none="the one found on PATH (nvcc: also in CUDA_HOME or CUDA_PATH)")
+NATIVE_NAME = Text("a name for records and errors", pattern=r"[^\n]+", none="one taken from the source")
+GPU_ARCHS = Each(
+    Text("a GPU architecture such as 'sm_90', 'compute_90' or 'gfx942'",
+         pattern=r"(?:sm|compute)_\d{2,3}[af]?|gfx[0-9a-f]{3,4}(?::[a-z0-9]+[+-])*"),
+    "GPU architectures such as 'sm_90', 'compute_90' or 'gfx942'", one=True, at_least_one=True)
+GPU_OUTPUT = Choice(("cubin", "fatbin", "ptx", "shared", "hsaco"))
+SPEC_KIND = Choice(("triton", "cpp", "cuda"))
+"""What a ``compile_many`` spec compiles: its ``"kind"`` (absent: Triton)."""
+SYMBOL = Text("a symbol name", pattern=r"[A-Za-z_$][\w$@.]*")

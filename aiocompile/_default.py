@@ -12,6 +12,8 @@ from aiocompile._config import SchedulerConfig
 from aiocompile._metrics import Statistics
 from aiocompile._scheduler import Scheduler
 from aiocompile._tuning._tuner import AutotuneResult
+from aiocompile.backends.cpp._library import NativeLibrary
+from aiocompile.backends.cuda._binary import CudaBinary
 from aiocompile.backends.triton._kernel import TritonKernel
 
 
@@ -44,6 +46,16 @@ def default_scheduler() -> Scheduler:
 async def compile_triton(kernel: Any, **kwargs: Any) -> TritonKernel:
     """``Scheduler.compile_triton`` on the default scheduler."""
     return await _default.get().compile_triton(kernel, **kwargs)
+
+
+async def compile_cpp(source: str, **kwargs: Any) -> NativeLibrary:
+    """``Scheduler.compile_cpp`` on the default scheduler."""
+    return await _default.get().compile_cpp(source, **kwargs)
+
+
+async def compile_cuda(source: str, **kwargs: Any) -> CudaBinary:
+    """``Scheduler.compile_cuda`` on the default scheduler."""
+    return await _default.get().compile_cuda(source, **kwargs)
 
 
 async def compile_many(specs: Iterable[Mapping[str, Any]], **kwargs: Any) -> list[Any]:

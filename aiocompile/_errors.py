@@ -6,7 +6,9 @@
      ├── CompileError               the kernel did not compile (your kernel's fault)
      │    ├── CompileTimeout        ... within its timeout; also a TimeoutError
      │    ├── WorkerCrashedError    ... because it killed its worker max_crashes times
-     │    └── AutotuneError         no configuration of an autotuned kernel could be used
+     │    ├── AutotuneError         no configuration of an autotuned kernel could be used
+     │    └── CompilerNotFound      ... because its compiler is not installed (the machine's
+     │                              fault); also a FileNotFoundError
      └── SchedulerClosed            the scheduler was used after aclose() (your program's fault)
 
 Bad input (a malformed signature, an unknown target, a wrong option type) is not in
@@ -26,6 +28,7 @@ __all__ = [
     "AutotuneError",
     "CompileError",
     "CompileTimeout",
+    "CompilerNotFound",
     "SchedulerClosed",
     "WorkerCrashedError",
 ]
@@ -55,7 +58,8 @@ class CompileError(AiocompileError):
 
     ``message`` is the compiler's own message, ``kernel_name`` and ``key`` say which
     kernel, ``target`` which architecture, and ``output`` holds the tail of what the
-    compile printed, if anything.
+    compile printed, if anything. ``command`` is the command line that failed, where the
+    compile ran a compiler program (C++, CUDA); None otherwise.
     """
 
     def __init__(
@@ -66,6 +70,7 @@ class CompileError(AiocompileError):
         key: str | None = None,
         target: str | None = None,
         output: str = "",
+        command: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -73,6 +78,7 @@ class CompileError(AiocompileError):
         self.key = key
         self.target = target
         self.output = output
+        self.command = command
 
     def __str__(self) -> str:
         where = []
@@ -141,6 +147,13 @@ class AutotuneError(CompileError):
     def __init__(self, message: str, *, failures: tuple[tuple[str, str], ...] = (), **kwargs: Any) -> None:
         super().__init__(message, **kwargs)
         self.failures = tuple(failures)
+
+class CompilerNotFound(CompileError, FileNotFoundError):
+    """The compiler a request needs (g++, nvcc, hipcc) is not where it was looked for, or
+    does not run. Whose fault: the machine's set-up (install it, put it on PATH, set
+    ``CUDA_HOME``) or the ``compiler=`` argument's. Raised in the caller before any worker
+    is involved; the message says where it looked.
+    """
 
 
 class SchedulerClosed(AiocompileError, RuntimeError):

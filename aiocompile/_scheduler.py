@@ -19,16 +19,17 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Callable
 
 import anyio
 
 from aiocompile import _bridge, _checks, _threads
 from aiocompile._admission import Gates
+from aiocompile._batch import compile_batch
 from aiocompile._cache import KernelCache
 from aiocompile._config import SchedulerConfig
-from aiocompile._costs import CostHistory, longest_first
+from aiocompile._costs import CostHistory
 from aiocompile._diskcache import DiskCache
 from aiocompile._errors import SchedulerClosed
 from aiocompile._events import EventHub, Listener
@@ -41,7 +42,9 @@ from aiocompile._requests import Requests
 from aiocompile._target import parse_target
 from aiocompile._tuning._tuner import AutotuneResult, Tuner
 from aiocompile._waiting import wait_many
-from aiocompile.backends import Request
+from aiocompile.backends import Request, SpecBackend
+from aiocompile.backends.cpp import CppBackend, NativeLibrary
+from aiocompile.backends.cuda import CudaBackend, CudaBinary
 from aiocompile.backends.triton import TritonBackend
 from aiocompile.backends.triton._kernel import TritonKernel
 
@@ -146,6 +149,10 @@ class Scheduler:
         self._triton = TritonBackend()
         self._tuner: Tuner | None = None
         self._tuner_lock = threading.Lock()
+        self._cpp = CppBackend()
+        self._cuda = CudaBackend()
+        # compile_many's specs name their backend by their "kind".
+        self._backends: dict[str, SpecBackend] = {"triton": self._triton, "cpp": self._cpp, "cuda": self._cuda}
         self._pid = os.getpid()
         self._closed = False
         # Made inside a running loop (the default scheduler always is): warm anyio now.
@@ -326,6 +333,70 @@ class Scheduler:
         result: TritonKernel = await self._execute(request, timeout)
         return result
 
+    async def compile_cpp(
+        self,
+        source: str,
+        *,
+        flags: Sequence[str] = (),
+        include_dirs: Sequence[str | os.PathLike[str]] = (),
+        libraries: Sequence[str] = (),
+        compiler: str | os.PathLike[str] | None = None,
+        name: str | None = None,
+        timeout: float | None = None,
+    ) -> NativeLibrary:
+        """Build a shared library from C++ ``source`` in a worker process; returns a
+        ``NativeLibrary`` (``lib.symbol("f")`` calls ``f`` through ctypes).
+
+        ``flags`` go to the compiler as they are, ``include_dirs`` as ``-I``, ``libraries``
+        are names (``"m"``: ``-lm``) or files; ``compiler`` is a path or a name on PATH
+        (default: ``c++``, ``g++`` or ``clang++``). The key covers them, the compiler's
+        identity and version, and the headers the source reads from its include
+        directories (an edited header compiles anew).
+
+        ``TypeError``/``ValueError`` for bad arguments and ``CompilerNotFound`` at once,
+        before any worker; ``CompileError`` with the diagnostics and command line;
+        ``CompileTimeout`` past ``timeout`` seconds of worker time, ``WorkerCrashedError``
+        after ``max_crashes`` worker deaths: either way the worker is killed with every
+        compiler process it started, no other. Single flight, caches and cancellation are
+        ``compile_triton``'s; with ``cancel_running="kill"`` a cancelled compile nobody
+        waits for dies with its compiler.
+        """
+        _checks.CALL_TIMEOUT.check("timeout", timeout)
+        request = await self._cpp.prepare(self._context, source=source, flags=flags, include_dirs=include_dirs,
+                                          libraries=libraries, compiler=compiler, name=name)
+        result: NativeLibrary = await self._execute(request, timeout)
+        return result
+
+    async def compile_cuda(
+        self,
+        source: str,
+        *,
+        arch: str | Sequence[str] = "sm_90",
+        output: str = "cubin",
+        flags: Sequence[str] = (),
+        include_dirs: Sequence[str | os.PathLike[str]] = (),
+        compiler: str | os.PathLike[str] | None = None,
+        name: str | None = None,
+        timeout: float | None = None,
+    ) -> CudaBinary:
+        """Compile CUDA ``source`` with nvcc in a worker process (no GPU needed); returns a
+        ``CudaBinary``. On a GPU, ``await binary.load()``, then
+        ``binary.kernel("name")[grid, block](*args)``.
+
+        ``arch``: one architecture or several (``("sm_80", "sm_90")``, ``"compute_90"``
+        for PTX); ``output``: ``"cubin"`` or ``"ptx"`` (one per architecture),
+        ``"fatbin"``, or ``"shared"`` (a host library). AMD architectures (``"gfx942"``)
+        compile with hipcc into a code object (``"hsaco"``) or a shared library.
+        ``compiler``: default nvcc from ``CUDA_HOME``, ``CUDA_PATH``, PATH or
+        ``/usr/local/cuda``. The record's stages are nvcc's own phase times. Errors,
+        timeouts, crashes, caching and cancellation are ``compile_cpp``'s.
+        """
+        _checks.CALL_TIMEOUT.check("timeout", timeout)
+        request = await self._cuda.prepare(self._context, source=source, arch=arch, output=output, flags=flags,
+                                           include_dirs=include_dirs, compiler=compiler, name=name)
+        result: CudaBinary = await self._execute(request, timeout)
+        return result
+
     async def warmup(
         self,
         kernel: Any,
@@ -431,84 +502,15 @@ class Scheduler:
         """Compile many kernels concurrently; results in the order of ``specs``.
 
         Each spec is a mapping of ``compile_triton``'s keyword arguments with the kernel
-        under ``"kernel"``. With ``return_exceptions`` a failed compile's exception takes
-        its place in the list; otherwise the first failure is raised once the compiles
-        that already started have been let go (they finish in the background and are
-        cached). ``progress=True`` shows a progress bar, naming the kernels being
-        compiled, on a terminal or in a notebook (nowhere else).
+        under ``"kernel"``; or, with ``"kind": "cpp"`` or ``"kind": "cuda"``, of
+        ``compile_cpp``'s or ``compile_cuda``'s, the source under ``"source"``. With
+        ``return_exceptions`` a failed compile's exception takes its place in the list;
+        otherwise the first failure is raised once the compiles that already started have
+        been let go (they finish in the background and are cached). ``progress=True``
+        shows a progress bar, naming the kernels being compiled, on a terminal or in a
+        notebook (nowhere else).
         """
-        spec_list = [dict(spec) for spec in specs]
-        for index, spec in enumerate(spec_list):
-            for needed in ("kernel", "signature"):
-                if needed not in spec:
-                    raise TypeError(f"spec #{index} has no {needed!r}")
-        results: list[Any] = [None] * len(spec_list)
-        requests: list[Request | None] = [None] * len(spec_list)
-        timeouts: list[float | None] = [spec.pop("timeout", None) for spec in spec_list]
-        for index, timeout in enumerate(timeouts):
-            _checks.CALL_TIMEOUT.check(f"timeout of spec #{index}", timeout)
-        labels = [str(spec.pop("label", None) or getattr(spec["kernel"], "__name__", None)
-                      or getattr(spec["kernel"], "name", "?")) for spec in spec_list]
-        first_error: list[BaseException] = []
-        bar = self._progress(len(spec_list), progress)
-
-        def failed(index: int, exc: Exception, scope: anyio.CancelScope) -> None:
-            bar.finished(labels[index], ok=False)
-            if return_exceptions:
-                results[index] = exc
-            elif not first_error:
-                first_error.append(exc)
-                scope.cancel()
-
-        async def execute(index: int, request: Request, admitted: Any, scope: anyio.CancelScope) -> None:
-            try:
-                results[index] = await self._requests.result(request, admitted)
-            except Exception as exc:
-                failed(index, exc, scope)
-                return
-            bar.finished(labels[index], ok=True)
-
-        try:
-            await _threads.LOADS.run(self._costs.load)
-            # First every key (checked arguments, Triton's hash: in one thread, in order), so
-            # that the compiles can start longest first: a batch ends when its last compile
-            # does, and a long one started last runs alone at the end.
-            items = [{"kernel": spec.pop("kernel"), "signature": spec.pop("signature"),
-                      "constexprs": spec.pop("constexprs", None), "target": spec.pop("target", None),
-                      "attrs": spec.pop("attrs", None), "options": spec} for spec in spec_list]
-            unstarted = anyio.CancelScope()  # nothing has started yet for a failure to cancel
-            for index, prepared in enumerate(await self._triton.prepare_many(self._context, items)):
-                if isinstance(prepared, Exception):
-                    failed(index, prepared, unstarted)
-                else:
-                    requests[index] = prepared
-            if not first_error:
-                ready = [(index, request) for index, request in enumerate(requests) if request is not None]
-                estimates = [self._costs.estimate(r.key, r.name, r.backend, r.target, r.features) for _, r in ready]
-                async with anyio.create_task_group() as group:
-                    # Admitted here, in this order, and not by the tasks: the pool's queue is
-                    # first come first served, while the order in which new tasks take their
-                    # first step is up to the event loop (trio shuffles it on purpose).
-                    for count, position in enumerate(longest_first(estimates), 1):
-                        if count % 8 == 0:
-                            # A thousand admissions in one go would hold the loop for tens
-                            # of milliseconds; those admitted so far have their tasks.
-                            await anyio.lowlevel.checkpoint()
-                        index, request = ready[position]
-                        try:
-                            admitted = self._requests.admit(request, timeouts[index])
-                        except Exception as exc:
-                            failed(index, exc, group.cancel_scope)
-                            if first_error:
-                                break
-                            continue
-                        group.start_soon(execute, index, request, admitted, group.cancel_scope)
-        finally:
-            bar.close()
-            _threads.LOADS.submit(self._costs.save)
-        if first_error:
-            raise first_error[0]
-        return results
+        return await compile_batch(self, specs, progress=progress, return_exceptions=return_exceptions)
 
     async def wait(
         self,

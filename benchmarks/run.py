@@ -12,7 +12,7 @@ of time is recorded as such and the others still run. Written to ``--out``
 - ``<slug>-throughput.png``, ``<slug>-throughput-heavy.png``, ``<slug>-loop-lag.png``,
   ``<slug>-dispatch.png``, ``<slug>-startup-memory.png``.
 
-``--quick`` runs fewer repeats (the full run takes about 15 minutes on 2 CPUs). ``--only a,b`` runs some
+``--quick`` runs fewer repeats (the full run takes about 25 minutes on 2 CPUs). ``--only a,b`` runs some
 benchmarks again and keeps the others' results from the existing JSON file. ``--render``
 rewrites the markdown and charts from the JSON file without running anything (with
 ``--slug``, another machine's: a report made where matplotlib is missing gets its charts).
@@ -57,7 +57,7 @@ class Bench:
     quick_args: tuple[str, ...] = ()
     timeout: float = 600.0
     quick_timeout: float = 300.0
-    needs: str | None = None  # "cuda": torch with a CUDA GPU
+    needs: str | None = None  # "cuda": torch with a CUDA GPU; "c++": a C++ compiler on PATH
     quick_flag_if_offered: bool = False  # pass --quick when the script's --help offers it
 
 
@@ -94,6 +94,8 @@ KNOWN = [
     Bench("metrics", "bench_metrics.py", (), ("--rounds", "3"), 300, 120),
     Bench("build", "bench_build.py", (), (), 900, 300),
     Bench("serving", "bench_serving.py", (), (), 1200, 400, quick_flag_if_offered=True),
+    # 32 units at -O2 take about 80 s one after another on 2 CPUs: four ways, two rounds.
+    Bench("native", "bench_native.py", ("--repeat", "2"), ("--repeat", "1"), 1800, 900, needs="c++"),
     Bench("torch_compile", "bench_torch_compile.py", ("--repeat", "3"), ("--repeat", "1"), 2400, 900,
           needs="cuda"),
     Bench("autotune", "bench_autotune.py", ("--repeat", "3"), ("--repeat", "1"), 2400, 900, needs="cuda"),
@@ -297,6 +299,9 @@ def run_one(bench: Bench, quick: bool, machine: dict[str, Any]) -> dict[str, Any
     entry: dict[str, Any] = {"script": f"benchmarks/{bench.script}"}
     if bench.needs == "cuda" and not machine["cuda"]:
         entry.update(status="skipped", reason="needs torch with a CUDA GPU")
+        return entry
+    if bench.needs == "c++" and not any(shutil.which(name) for name in ("c++", "g++", "clang++")):
+        entry.update(status="skipped", reason="needs a C++ compiler (c++, g++ or clang++ on PATH)")
         return entry
     args = list(bench.quick_args if quick else bench.args)
     if quick and bench.quick_flag_if_offered and _offers_quick(bench.script):
@@ -621,6 +626,19 @@ def render_build(r: dict[str, Any]) -> str:
             f"{r['workers']} workers:\n\n" + _table(["way", "wall s", "speed-up over serial", "kernels"], rows))
 
 
+def render_native(r: dict[str, Any]) -> str:
+    results = r["results"]
+    serial = results["serial"]["wall"]
+    pool = next(row["wall"] for name, row in results.items() if name.startswith("ProcessPoolExecutor"))
+    rows = [[name, row["wall"], serial / row["wall"], row["wall"] / pool, row.get("parent_cpu"), row.get("lag_max_ms"),
+             row.get("lag_p99_ms")] for name, row in results.items()]
+    return (f"{r['units']} generated C++ translation units ({r['lines_min']} to {r['lines_max']} lines) built into "
+            f"shared libraries by `{r['command']}`, {r['workers']} workers, median of {r['repeat']} round(s), pools "
+            "started inside the timed region:\n\n"
+            + _table(["way", "wall s", "speed-up over serial", "wall / stdlib pool", "this process's CPU s",
+                      "loop lag max ms", "loop lag p99 ms"], rows))
+
+
 def render_torch_compile(runs: list[dict[str, Any]]) -> str:
     groups: dict[tuple[str, str], dict[str, list[float]]] = {}
     for run in runs:
@@ -666,6 +684,7 @@ RENDERERS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "crash": ("Crash recovery", render_crash),
     "metrics": ("What measuring costs", render_metrics),
     "build": ("Pre-building the example set", render_build),
+    "native": ("C++ translation units into shared libraries", render_native),
     "torch_compile": ("torch.compile with and without aiocompile", render_torch_compile),
     "autotune": ("Autotuning's first launch: Triton against autotune()", render_autotune),
 }

@@ -6,7 +6,9 @@ import stat
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT, subprocess_env
+from native_sources import have
 
 import aiocompile
 
@@ -221,3 +223,71 @@ def test_bad_decision_files_are_refused(tmp_path):
     assert proc.returncode == 2 and "no such file" in proc.stderr
     proc = _aiocompile("decisions", "list", str(tmp_path / "nowhere"))
     assert proc.returncode == 2 and "no such directory" in proc.stderr
+
+
+MIXED = (
+    "import sys\n"
+    "sys.path.insert(0, {tests!r})\n"
+    "from native_sources import ADD, VECTOR_ADD\n"
+    "from triton_kernels import ADD_SIGNATURE, add_kernel\n\n"
+    "KERNELS = [\n"
+    "    {{'label': 'add_64', 'kernel': add_kernel, 'signature': ADD_SIGNATURE, 'constexprs': {{'BLOCK': 64}}}},\n"
+    "    {{'label': 'add_cpp', 'kind': 'cpp', 'source': ADD, 'flags': ['-O2']}},\n"
+    "    {{'label': 'vector_add', 'kind': 'cuda', 'source': VECTOR_ADD, 'arch': ['sm_80', 'sm_90']}},\n"
+    "    {{'label': 'vector_add_ptx', 'kind': 'cuda', 'source': VECTOR_ADD, 'output': 'ptx'}},\n"
+    "    {{'label': 'broken_cpp', 'kind': 'cpp', 'source': 'int broken() {{ return undefined_name; }}'}},\n"
+    "]\n"
+)
+
+
+@pytest.mark.skipif(not (have("cpp") and have("cuda")), reason="needs a C++ compiler and nvcc")
+def test_a_build_of_triton_cpp_and_cuda_kernels_side_by_side(tmp_path):
+    kernel_set = tmp_path / "mixed_set.py"
+    kernel_set.write_text(MIXED.format(tests=str(ROOT / "tests")))
+    out = tmp_path / "out"
+    proc = _aiocompile("build", str(kernel_set), "-t", "cuda:80,cuda:90", "--out", str(out), "--no-progress", "-j", "2")
+    assert proc.returncode == 1, proc.stderr  # one entry does not compile
+    manifest = json.loads((out / "manifest.json").read_text())
+    entries = {(e["label"], e["target"]): e for e in manifest["kernels"]}
+    machine = next(e["target"] for e in manifest["kernels"] if e["kind"] == "cpp")
+    # Triton and the CUDA source without an arch once per target; the rest once.
+    assert set(entries) == {("add_64", "cuda:80"), ("add_64", "cuda:90"), ("add_cpp", machine),
+                            ("vector_add", "cuda:sm_80+sm_90"), ("vector_add_ptx", "cuda:sm_80"),
+                            ("vector_add_ptx", "cuda:sm_90")}
+    library = aiocompile.NativeLibrary.from_bytes((out / entries["add_cpp", machine]["file"]).read_bytes())
+    assert (out / entries["add_cpp", machine]["binary"]).read_bytes() == library.binary
+    assert library.symbol("add")(2, 3) == 5 and "-O2" in entries["add_cpp", machine]["command"]
+    cubins = entries["vector_add", "cuda:sm_80+sm_90"]
+    binary = aiocompile.CudaBinary.from_bytes((out / cubins["file"]).read_bytes())
+    assert set(cubins["images"]) == {"sm_80", "sm_90"}
+    for arch, path in cubins["images"].items():
+        assert path.endswith(f"vector_add.{arch}.cubin") and (out / path).read_bytes() == binary.images[arch]
+    assert {"cicc", "ptxas"} <= {stage for stage, _ in cubins["stages"]}
+    ptx = (out / entries["vector_add_ptx", "cuda:sm_90"]["binary"]).read_text()
+    assert ".target sm_90" in ptx
+    # The failure: its compiler's first error, file:line, in the summary and the manifest.
+    assert manifest["failures"][0]["label"] == "broken_cpp" and "command:" in manifest["failures"][0]["error"]
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("broken_cpp"))
+    assert "FAILED" in line and "source.cpp:1:" in line and "undefined_name" in line
+    assert "6 built, 1 failed" in proc.stdout
+
+    again = _aiocompile("build", str(kernel_set), "-t", "cuda:80,cuda:90", "--out", str(out), "--no-progress")
+    assert "6 built (6 of them from the cache), 1 failed" in again.stdout, again.stderr
+
+
+@pytest.mark.skipif(not have("cpp"), reason="needs a C++ compiler")
+def test_a_build_of_cpp_sources_alone_needs_no_target(tmp_path):
+    kernel_set = tmp_path / "cpp_set.py"
+    kernel_set.write_text("KERNELS = [{'label': 'one', 'kind': 'cpp',\n"
+                          "            'source': 'extern \"C\" int one() { return 1; }'}]\n")
+    out = tmp_path / "out"
+    proc = _aiocompile("build", str(kernel_set), "--out", str(out), "--no-progress", "-j", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert "building 1 kernels for this machine" in proc.stderr and "1 built, 0 failed" in proc.stdout
+    # A Triton kernel, or a CUDA source without an arch, is built per target: then one is needed.
+    kernel_set.write_text("KERNELS = [{'label': 'k', 'kind': 'cuda', 'source': '__global__ void k() {}'}]\n")
+    proc = _aiocompile("build", str(kernel_set), "--out", str(out), "--no-progress")
+    assert proc.returncode == 2 and "--target is needed" in proc.stderr
+    kernel_set.write_text("KERNELS = [{'kind': 'rust', 'source': 'fn main() {}'}]\n")
+    proc = _aiocompile("build", str(kernel_set), "--out", str(out), "--no-progress")
+    assert proc.returncode == 2 and "must define KERNELS" in proc.stderr

@@ -43,6 +43,22 @@ class Request:
     that has a source; from Triton also ``tile``, ``warps``, ``dot`` and ``stages``."""
 
 
+class SpecBackend(Protocol):
+    """A backend as ``compile_many`` sees it: a spec names its backend by its ``"kind"``
+    (``"triton"`` when it names none), and the rest of the spec is the backend's."""
+
+    needs: tuple[str, ...]
+    """The keys every spec of this kind must have."""
+
+    def label(self, spec: Mapping[str, Any]) -> str:
+        """A name for the spec in progress lines, where it has no ``"label"``."""
+        ...
+
+    async def prepare_specs(self, ctx: BackendContext, specs: list[dict[str, Any]]) -> list[Request | Exception]:
+        """A request for each spec (or the exception its checks raised), in order."""
+        ...
+
+
 class BackendContext(Protocol):
     """What a backend may ask of the scheduler while it prepares a request."""
 

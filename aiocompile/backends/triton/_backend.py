@@ -321,6 +321,7 @@ class TritonBackend:
     seen. Thread-safe: requests come from any event loop, keys are computed in threads."""
 
     name = "triton"
+    needs: tuple[str, ...] = ("kernel", "signature")
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
@@ -352,6 +353,18 @@ class TritonBackend:
             found.resolve(await self._current_target(ctx))
         built: Request = await ctx.to_thread(lambda: self._build(found))
         return built
+
+    def label(self, spec: Mapping[str, Any]) -> str:
+        kernel = spec["kernel"]
+        return str(getattr(kernel, "__name__", None) or getattr(kernel, "name", "?"))
+
+    async def prepare_specs(self, ctx: BackendContext, specs: list[dict[str, Any]]) -> list[Request | Exception]:
+        """``prepare_many`` for ``compile_many``'s specs: ``compile_triton``'s keyword
+        arguments, the kernel under ``"kernel"``; what is not an argument is an option."""
+        items = [{"kernel": spec.pop("kernel"), "signature": spec.pop("signature"),
+                  "constexprs": spec.pop("constexprs", None), "target": spec.pop("target", None),
+                  "attrs": spec.pop("attrs", None), "options": spec} for spec in specs]
+        return await self.prepare_many(ctx, items)
 
     async def prepare_many(self, ctx: BackendContext, items: list[dict[str, Any]]) -> list[Request | Exception]:
         """``prepare`` for many requests at once (``compile_many``): each item holds
