@@ -26,13 +26,14 @@ from __future__ import annotations
 import numbers
 import os
 import re
+import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
     "CALL_TIMEOUT", "CLOSE_GRACE", "CRASHES", "IDLE_TIMEOUT", "JOB_TIMEOUT", "MAX_SECONDS", "NICE", "POOL_GRACE",
     "PRELOAD", "RSS", "START_METHOD", "WORKERS", "Choice", "FilePath", "Flag", "Modules", "Number", "Rule", "Secret",
-    "check_callable",
+    "Url", "check_callable",
 ]
 
 MAX_SECONDS = 1_000_000
@@ -239,6 +240,33 @@ class Secret(Rule):
         if not value:
             raise ValueError(f"{setting} must be {self.describe(unset)}, got an empty {type(value).__name__}")
         return value
+
+
+@dataclass(frozen=True)
+class Url(Rule):
+    """A URL of one of ``schemes`` naming a server (a host, or for ``unix`` a socket path).
+    Messages never show a password it carries."""
+
+    schemes: tuple[str, ...]
+    none: str | None = None
+
+    def what(self) -> str:
+        return "a URL such as " + " or ".join(f"{scheme}://..." for scheme in self.schemes)
+
+    def _check(self, setting: str, value: Any, unset: str) -> Any:
+        if not isinstance(value, str):
+            raise TypeError(f"{setting} must be {self.describe(unset)}, got a {type(value).__name__}")
+        text = value.strip()
+        parts = urllib.parse.urlsplit(text)
+        shown = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl() if "@" in parts.netloc else text
+        try:
+            port_ok = parts.port is None or parts.port > 0
+        except ValueError:
+            port_ok = False
+        if parts.scheme not in self.schemes or not port_ok or not (parts.hostname if parts.scheme != "unix"
+                                                                   else parts.path):
+            raise ValueError(f"{setting} must be {self.describe(unset)}, got {shown!r}")
+        return text
 
 
 def check_callable(setting: str, value: Any) -> Any:
