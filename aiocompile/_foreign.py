@@ -314,9 +314,13 @@ class ForeignPool:
                 _, not_done = cf.wait(running, timeout=grace)
                 if self._killer is not None:
                     # A cluster's executor stops its own jobs, and its shutdown waits for
-                    # those stops: no compile of ours goes on holding the cluster.
-                    for future in not_done:
-                        self._kill_quietly(future)
+                    # those stops: no compile of ours goes on holding the cluster. Their
+                    # callers learn why first: the close, not the stop.
+                    with self._lock:
+                        stopped = [sent for sent in self._sent.values() if sent.future in not_done]
+                    for sent in stopped:
+                        sent.job.fail(closed)
+                        self._kill_quietly(sent.future)
                     executor.shutdown(wait=True)
                 else:
                     if not_done:

@@ -29,9 +29,11 @@ with any executor):
 - **Timeouts** count from when a job is handed to the cluster, and no more jobs are handed
   to it than it has worker threads: the rest wait here, in order (``compile_many``'s
   longest first), where cancelling them costs nothing. A job past its timeout fails with
-  ``CompileTimeout``, its Dask task is cancelled and the worker running it is restarted by
-  its nanny (a thread cannot be stopped), so the compile does not go on holding the
-  cluster; the other jobs that worker held run again, blamed for nothing. So does a job
+  ``CompileTimeout``, its Dask task is cancelled and the process of the worker running it
+  is killed by its nanny, which starts a new one (a thread cannot be stopped, and a
+  compile may hold the interpreter lock where a polite close would wait for it), so the
+  compile does not go on holding the cluster; the other jobs that worker held run again,
+  blamed for nothing. So does a job
   cancelled with ``cancel_running="kill"``, and every job still running when ``aclose()``'s
   grace period ends. A worker without a nanny cannot be restarted: its job runs on.
 - **Answers travel as bytes**: pickled and checksummed on the worker (``_remote``), checked
@@ -56,6 +58,8 @@ import concurrent.futures as cf
 import functools
 import logging
 import math
+import os
+import signal
 import threading
 import time
 import uuid
@@ -74,10 +78,6 @@ __all__ = ["DaskExecutor", "executor"]
 _log = logging.getLogger("aiocompile")
 # How often the cluster's number of worker threads is asked again, at most.
 _CAPACITY_EVERY = 1.0
-# How long a worker restarted here stays known as such once its restart is done, so that
-# the deaths of its jobs reported late are not taken for crashes.
-_RESTART_MEMORY = 30.0
-RESTART_TIMEOUT = _checks.Number(above=0, at_most=_checks.MAX_SECONDS, unit="seconds")
 
 
 def executor(
@@ -85,7 +85,6 @@ def executor(
     *,
     resources: Mapping[str, float] | None = None,
     configure_cluster: bool = True,
-    restart_timeout: float = 60.0,
 ) -> DaskExecutor:
     """An executor for ``Scheduler(executor=...)`` that runs jobs on a Dask cluster.
 
@@ -95,15 +94,13 @@ def executor(
     ``resources`` are Dask resources every job asks for (to keep compiles on the workers
     meant for them). ``configure_cluster`` lets the executor set the cluster's
     ``allowed_failures`` to 0 (see the module docstring); with False, a cluster whose
-    setting is not 0 raises ``ValueError``. ``restart_timeout`` bounds the wait for a
-    restarted worker to come back.
+    setting is not 0 raises ``ValueError``.
 
     Raises ``TypeError`` for arguments of the wrong type, ``ValueError`` for an
     asynchronous client or bad values, and Dask's own ``OSError`` for an address where no
     scheduler answers.
     """
     _checks.Flag().check("configure_cluster", configure_cluster)
-    restart_timeout = RESTART_TIMEOUT.check("restart_timeout", restart_timeout)
     if resources is not None:
         if not isinstance(resources, Mapping) or not all(isinstance(k, str) for k in resources):
             raise TypeError(f"resources must be a mapping of resource names to amounts, got {resources!r}")
@@ -126,7 +123,7 @@ def executor(
         if own:
             client.close()
         raise
-    return DaskExecutor(client, own_client=own, resources=resources, restart_timeout=restart_timeout)
+    return DaskExecutor(client, own_client=own, resources=resources)
 
 
 def _take_over_retries(client: Any, configure: bool) -> None:
@@ -153,6 +150,17 @@ def _take_over_retries(client: Any, configure: bool) -> None:
                   "counted, and its jobs re-run, by aiocompile", previous)
 
 
+def _kill_worker_process(dask_worker: Any = None) -> tuple[str, int] | None:
+    """Run in a worker's nanny: kill its worker process (the nanny then starts another).
+    Returns the worker's address and pid, or None if it had none running."""
+    pid = getattr(dask_worker, "pid", None)
+    address = getattr(dask_worker, "worker_address", None)
+    if not pid:
+        return None
+    os.kill(pid, signal.SIGKILL)
+    return str(address), int(pid)
+
+
 class DaskExecutor(cf.Executor):
     """A ``concurrent.futures.Executor`` over a Dask client, made for the scheduler's
     foreign pool (``aiocompile._foreign``): it runs as many jobs at once as the cluster has
@@ -167,19 +175,17 @@ class DaskExecutor(cf.Executor):
         *,
         own_client: bool = False,
         resources: Mapping[str, float] | None = None,
-        restart_timeout: float = 60.0,
     ) -> None:
         self.client = client
         self._own_client = own_client
         self._resources = dict(resources) if resources else None
-        self._restart_timeout = restart_timeout
         self._lock = threading.Lock()
         # Our future -> Dask's, for each job handed to the cluster and not finished.
         self._running: dict[cf.Future[Any], Any] = {}
         self._stopping: set[cf.Future[Any]] = set()
-        # Workers restarted here: address -> until when a death reported there is ours
-        # (infinity while the restart is under way); then (address, pid) of each such death.
-        self._restarting: dict[str, float] = {}
+        # Workers being killed here (their addresses), then each worker process killed here
+        # (address, pid): a death reported there is ours, not a job's.
+        self._killing: set[str] = set()
         self._deliberate: collections.deque[tuple[Any, Any]] = collections.deque(maxlen=256)
         self._warned_no_nanny = False
         # Stopping jobs and asking the cluster's size take round trips: never in a caller's
@@ -288,11 +294,8 @@ class DaskExecutor(cf.Executor):
         address, pid = getattr(worker, "address", None), getattr(worker, "pid", None)
         ident = (address, pid)
         with self._lock:
-            deliberate = ident in self._deliberate
-            if not deliberate and self._restarting.get(str(address), -math.inf) > time.monotonic():
-                self._deliberate.append(ident)
-                deliberate = True
-        why = "was restarted to stop another job" if deliberate else "died"
+            deliberate = ident in self._deliberate or address in self._killing
+        why = "was killed to stop another job" if deliberate else "died"
         return WorkerLost(f"the Dask worker {address} {why} while it held the job", worker=ident,
                           deliberate=deliberate)
 
@@ -321,22 +324,26 @@ class DaskExecutor(cf.Executor):
         if not where:
             return
         with self._lock:
-            for address in where:
-                self._restarting[address] = math.inf
+            self._killing.update(where)
+        killed: dict[str, Any] = {}
         try:
-            self.client.restart_workers(where, timeout=self._restart_timeout, raise_for_error=False)
-        except ValueError:
-            if not self._warned_no_nanny:
-                self._warned_no_nanny = True
-                _log.warning("aiocompile: the Dask worker %s has no nanny and cannot be restarted: a job stopped "
-                             "there (past its timeout, or cancelled) runs on and holds it", ", ".join(where))
+            # Not Client.restart_workers: it asks the worker to close first, which waits for
+            # the very thread that will not end, and the cluster's scheduler may meanwhile
+            # tell the closing worker to close its nanny too (no worker comes back). A
+            # process killed outright is what the nanny restarts for certain.
+            killed = self.client.run(_kill_worker_process, workers=where, nanny=True, on_error="return")
         except Exception:  # noqa: BLE001
-            _log.warning("aiocompile: restarting the Dask worker %s failed", ", ".join(where), exc_info=True)
+            _log.warning("aiocompile: could not stop the Dask worker %s", ", ".join(where), exc_info=True)
         finally:
-            until = time.monotonic() + _RESTART_MEMORY
             with self._lock:
-                for address in where:
-                    self._restarting[address] = until
+                for answer in killed.values():
+                    if isinstance(answer, tuple):
+                        self._deliberate.append(answer)
+                self._killing.difference_update(where)
+        if not any(isinstance(answer, tuple) for answer in killed.values()) and not self._warned_no_nanny:
+            self._warned_no_nanny = True
+            _log.warning("aiocompile: the Dask worker %s has no nanny and cannot be restarted: a job stopped there "
+                         "(past its timeout, or cancelled) runs on and holds it", ", ".join(where))
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Take no more jobs. With ``wait``, finish stopping the jobs being stopped, and
