@@ -29,6 +29,14 @@ aiocompile_workers_started_total       counter
 aiocompile_cache_entries               gauge      compiled results in memory
 aiocompile_cache_bytes                 gauge      bytes they hold
 aiocompile_cache_evictions_total       counter
+aiocompile_shared_cache_errors_total   counter    reads and writes of the shared cache
+                                                  (``cache_url``) that failed
+aiocompile_shared_cache_skipped_total  counter    not attempted: the server left alone, an
+                                                  entry too large, too many writes queued
+aiocompile_shared_cache_refused_total  counter    entries not trusted or not decoding,
+                                                  never loaded
+aiocompile_shared_cache_open           gauge      1 while the shared cache is left alone
+                                                  after failing (its breaker not closed)
 =====================================  =========  ==========================================
 """
 
@@ -132,3 +140,11 @@ class SchedulerCollector(_Collector):
         yield gauge("aiocompile_cache_entries", "Compiled results in the memory cache.", stats.cache_entries)
         yield gauge("aiocompile_cache_bytes", "Bytes of compiled results in the memory cache.", stats.cache_bytes)
         yield counter("aiocompile_cache_evictions", "Results dropped from the memory cache.", stats.cache_evictions)
+        yield counter("aiocompile_shared_cache_errors", "Reads and writes of the shared cache that failed.",
+                      stats.shared_errors)
+        yield counter("aiocompile_shared_cache_skipped", "Reads and writes of the shared cache not attempted.",
+                      stats.shared_skipped)
+        yield counter("aiocompile_shared_cache_refused", "Entries of the shared cache not trusted or not decoding.",
+                      stats.shared_refused + stats.shared_corrupt)
+        yield gauge("aiocompile_shared_cache_open", "1 while the shared cache is left alone after failing.",
+                    1 if stats.shared_state in ("open", "half-open") else 0)
