@@ -181,6 +181,12 @@ BAD_SETTINGS = [
     ("event_log", "", ValueError), ("event_log", 3, TypeError),
     ("cost_history", "", ValueError), ("cost_history", 3, TypeError),
     ("cache_key", b"", ValueError), ("cache_key", "", ValueError), ("cache_key", 1234, TypeError),
+    ("cache_url", "http://:s3cret@cache/", ValueError), ("cache_url", "redis://:s3cret@", ValueError),
+    ("cache_url", b"redis://:s3cret@cache", TypeError),
+    ("cache_url_ttl", 0, ValueError), ("cache_url_ttl", "60", TypeError),
+    ("cache_url_entry_bytes", 0, ValueError), ("cache_url_entry_bytes", 1.5, TypeError),
+    ("cache_url_timeout", 0, ValueError), ("cache_url_timeout", 61, ValueError), ("cache_url_timeout", None, TypeError),
+    ("cache_url_retry", INF, ValueError), ("cache_url_retry", True, TypeError),
 ]
 
 
@@ -199,6 +205,8 @@ def test_a_bad_setting_is_refused_naming_itself_and_its_value(field, value, exc)
     assert field in str(info.value)
     if field == "cache_key":
         assert "1234" not in str(info.value)  # a secret: its value stays out of messages
+    elif field == "cache_url":
+        assert "s3cret" not in str(info.value)  # nor does a URL's password
     else:
         assert repr(value) in str(info.value)
     if value is not None:
@@ -230,6 +238,8 @@ BAD_ENVIRONMENT = [
     ("AIOCOMPILE_WORKERS", "1.5"), ("AIOCOMPILE_WORKERS", "0"), ("AIOCOMPILE_MAX_CRASHES", "0"),
     ("AIOCOMPILE_MAX_WORKER_RSS", "0"), ("AIOCOMPILE_CACHE_DIR_BYTES", "-1"), ("AIOCOMPILE_WORKER_NICE", "20"),
     ("AIOCOMPILE_METRICS", "maybe"), ("AIOCOMPILE_START_METHOD", "thread"), ("AIOCOMPILE_CANCEL_RUNNING", "maybe"),
+    ("AIOCOMPILE_CACHE_URL", "http://cache/"), ("AIOCOMPILE_CACHE_URL_TIMEOUT", "0"),
+    ("AIOCOMPILE_CACHE_URL_TTL", "never"),
 ]
 
 
