@@ -309,3 +309,28 @@ def test_prometheus_shows_the_shared_cache(server):
     assert f"aiocompile_shared_cache_errors_total {float(stats.shared_errors)}" in text
     assert "aiocompile_shared_cache_open 1.0" in text
     assert 'aiocompile_requests_total{outcome="shared_hit"} 0.0' in text
+
+
+def test_the_breaker_moves_only_as_its_table_says():
+    from aiocompile._breaker import Breaker
+
+    now = [0.0]
+    breaker = Breaker(failures=3, cooldown=5.0, clock=lambda: now[0])
+    for _ in range(2):
+        assert breaker.allow()
+        breaker.failed()
+    breaker.succeeded()  # a success in between: the count starts again
+    for _ in range(3):
+        assert breaker.allow()
+        breaker.failed()
+    assert (breaker.state, breaker.opened) == ("open", 1)
+    assert not breaker.allow()  # refused until the cooldown has passed
+    now[0] = 5.0
+    assert breaker.allow() and breaker.state == "half-open"  # the probe
+    assert not breaker.allow()  # one probe at a time
+    breaker.failed()
+    assert (breaker.state, breaker.opened) == ("open", 2)
+    now[0] = 10.0
+    assert breaker.allow()
+    breaker.succeeded()
+    assert breaker.state == "closed" and breaker.allow()
