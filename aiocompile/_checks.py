@@ -26,6 +26,7 @@ from __future__ import annotations
 import numbers
 import os
 import re
+import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +34,7 @@ __all__ = [
     "BENCHMARK_TIMEOUT", "CALL_TIMEOUT", "CLOSE_GRACE", "COMPILER", "CRASHES", "DEVICE", "GPU_ARCHS", "GPU_OUTPUT",
     "IDLE_TIMEOUT", "INCLUDE_DIRS", "JOB_TIMEOUT", "LIBRARIES", "MAX_SECONDS", "NATIVE_FLAGS", "NATIVE_NAME",
     "NICE", "POOL_GRACE", "PRELOAD", "RSS", "SOURCE", "SPEC_KIND", "START_METHOD", "SYMBOL", "WORKERS", "Choice",
-    "Devices", "Each", "FilePath", "Flag", "Modules", "Number", "Rule", "Secret", "Text", "check_callable",
+    "Devices", "Each", "FilePath", "Flag", "Modules", "Number", "Rule", "Secret", "Text", "Url", "check_callable",
 ]
 
 MAX_SECONDS = 1_000_000
@@ -315,6 +316,33 @@ class Each(Rule):
         if self.at_least_one and not value:
             raise self.bad_value(setting, value, unset)
         return tuple(self.item.check(f"{setting}[{index}]", entry) for index, entry in enumerate(value))
+
+
+@dataclass(frozen=True)
+class Url(Rule):
+    """A URL of one of ``schemes`` naming a server (a host, or for ``unix`` a socket path).
+    Messages never show a password it carries."""
+
+    schemes: tuple[str, ...]
+    none: str | None = None
+
+    def what(self) -> str:
+        return "a URL such as " + " or ".join(f"{scheme}://..." for scheme in self.schemes)
+
+    def _check(self, setting: str, value: Any, unset: str) -> Any:
+        if not isinstance(value, str):
+            raise TypeError(f"{setting} must be {self.describe(unset)}, got a {type(value).__name__}")
+        text = value.strip()
+        parts = urllib.parse.urlsplit(text)
+        shown = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl() if "@" in parts.netloc else text
+        try:
+            port_ok = parts.port is None or parts.port > 0
+        except ValueError:
+            port_ok = False
+        if parts.scheme not in self.schemes or not port_ok or not (parts.hostname if parts.scheme != "unix"
+                                                                   else parts.path):
+            raise ValueError(f"{setting} must be {self.describe(unset)}, got {shown!r}")
+        return text
 
 
 def check_callable(setting: str, value: Any) -> Any:

@@ -23,6 +23,7 @@ __all__ = ["BenchmarkRecord", "JobRecord", "Statistics", "Summary", "WorkerEvent
 #   compiled     its own job ran in a worker and succeeded
 #   cache_hit    answered from the memory cache
 #   disk_hit     answered from the disk cache (``cache_dir``)
+#   shared_hit   answered from the shared cache (``cache_url``)
 #   joined       shared a job, or a disk read, that another request started (whatever
 #                that job's fate: ``error`` on the record says if it failed)
 #   error_hit    answered with a compile error remembered from a moment ago
@@ -33,7 +34,7 @@ __all__ = ["BenchmarkRecord", "JobRecord", "Statistics", "Summary", "WorkerEvent
 #   closed       the scheduler was closed before its job finished (``SchedulerClosed``)
 #   cancelled    the caller stopped waiting
 OUTCOMES = (
-    "compiled", "cache_hit", "disk_hit", "joined", "error_hit",
+    "compiled", "cache_hit", "disk_hit", "shared_hit", "joined", "error_hit",
     "error", "crashed", "timeout", "closed", "cancelled",
 )
 FAILURES = ("error", "crashed", "timeout", "closed")
@@ -230,6 +231,8 @@ class Statistics:
     """Requests whose own job ran in a worker and succeeded."""
     cache_hits: int = 0
     disk_hits: int = 0
+    shared_hits: int = 0
+    """Requests answered from the shared cache (``cache_url``)."""
     joined: int = 0
     """Requests that shared a job another request started."""
     error_hits: int = 0
@@ -261,6 +264,25 @@ class Statistics:
     disk_errors: int = 0
     """Reads and writes of the disk cache that failed (permission, I/O, a full disk): a
     read that failed is a miss, a write that failed leaves the kernel out of the directory."""
+    shared_state: str = "none"
+    """The shared cache (``cache_url``): "closed" (in use), "open" (failing, left alone
+    for now: every read a miss, every write dropped), "half-open" (one call trying it
+    again), or "none" (no ``cache_url``)."""
+    shared_misses: int = 0
+    shared_writes: int = 0
+    shared_errors: int = 0
+    """Reads and writes of the shared cache that failed (server down, slow, refusing): a
+    read that failed is a miss, a write that failed leaves the kernel unshared."""
+    shared_skipped: int = 0
+    """Reads and writes not attempted: the server was left alone after failing, the entry
+    was larger than ``cache_url_entry_bytes``, or too many writes were queued."""
+    shared_corrupt: int = 0
+    """Entries of the shared cache that did not decode: never loaded, recompiled."""
+    shared_refused: int = 0
+    """Entries of the shared cache not trusted, never loaded, recompiled: with
+    ``cache_key``, not signed with it."""
+    shared_opened: int = 0
+    """How many times the shared cache was found failing and left alone."""
     worker_crashes: int = 0
     """Worker processes that died unasked."""
     retries: int = 0
@@ -454,6 +476,7 @@ class Metrics:
                 compiled=outcomes["compiled"],
                 cache_hits=outcomes["cache_hit"],
                 disk_hits=outcomes["disk_hit"],
+                shared_hits=outcomes["shared_hit"],
                 joined=outcomes["joined"],
                 error_hits=outcomes["error_hit"],
                 failed=sum(outcomes[name] for name in FAILURES),

@@ -2,18 +2,22 @@
 
 A request is admitted (counted, then answered from the memory cache, joined to the job
 already under way for its key, or started), its work runs (a read of the disk cache, then
-a job in the pool if that missed), and it ends in exactly one outcome, recorded once:
-``compiled``, ``cache_hit``, ``disk_hit``, ``joined``, ``error_hit``, ``error``,
-``timeout``, ``crashed``, ``cancelled`` or ``closed``.
+of the shared cache, then a job in the pool if both missed), and it ends in exactly one
+outcome, recorded once: ``compiled``, ``cache_hit``, ``disk_hit``, ``shared_hit``,
+``joined``, ``error_hit``, ``error``, ``timeout``, ``crashed``, ``cancelled`` or
+``closed``. A compiled result is written to both caches afterwards, and one found in the
+shared cache to the disk cache.
 
 Everything here is thread-safe and tied to no event loop: requests arrive from any loop in
 any thread (or from none, for Inductor's synchronous compiles), jobs finish in the pool's
-supervisor thread, disk reads in the disk cache's threads.
+supervisor thread (or a foreign executor's callback thread), cache reads in the caches'
+threads.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import time
 from typing import Any, Callable
 
@@ -31,6 +35,7 @@ from aiocompile._frozen import build
 from aiocompile._jobs import Job
 from aiocompile._metrics import JobRecord, Metrics
 from aiocompile._pool import WorkerPool, check_timeout
+from aiocompile._shared_cache import SharedCache
 from aiocompile.backends import Request
 
 
@@ -44,6 +49,7 @@ class Requests:
         pool: WorkerPool | ForeignPool,
         cache: KernelCache,
         disk: DiskCache | None,
+        shared: SharedCache | None = None,
         metrics: Metrics,
         events: EventHub,
         costs: CostHistory,
@@ -53,6 +59,7 @@ class Requests:
         self._pool = pool
         self._cache = cache
         self._disk = disk
+        self._shared = shared
         self._metrics = metrics
         self._events = events
         self._costs = costs
@@ -128,33 +135,55 @@ class Requests:
 
     def _start(self, entry: Entry, request: Request, timeout: float | None) -> None:
         """Start the work for a new entry: a read of the disk cache if there is one for this
-        kind of result, a job otherwise (or after a miss)."""
+        kind of result, then of the shared cache, then a job (each after a miss)."""
         disk = self._disk
         if disk is not None and disk.access != "refused" and request.key is not None and request.decode is not None:
             lookup = disk.submit(disk.load, request.key, request.decode)
-            lookup.add_done_callback(lambda done: self._after_disk(entry, request, timeout, done))
+            lookup.add_done_callback(lambda done: self._after_read("disk", entry, request, timeout, done))
             return
-        self._submit(entry, request, timeout)
+        self._read_shared(entry, request, timeout)
 
-    def _after_disk(self, entry: Entry, request: Request, timeout: float | None, done: cf.Future[Any]) -> None:
-        # In a disk cache thread, as a done-callback: an exception escaping it would only be
+    def _read_shared(self, entry: Entry, request: Request, timeout: float | None) -> None:
+        shared = self._shared
+        lookup = None
+        if shared is not None and request.key is not None and request.decode is not None:
+            lookup = shared.lookup(request.key, request.decode)  # None: left alone for now
+        if lookup is None:
+            self._submit(entry, request, timeout)
+            return
+        lookup.add_done_callback(lambda done: self._after_read("shared", entry, request, timeout, done))
+
+    def _after_read(self, tier: str, entry: Entry, request: Request, timeout: float | None,
+                    done: cf.Future[Any]) -> None:
+        # In a cache's thread, as a done-callback: an exception escaping it would only be
         # logged, and every request waiting on the entry would wait forever. So whatever
-        # goes wrong here fails those requests instead. (A file that cannot be used is not
-        # such a thing: load() answers a miss for it.)
+        # goes wrong here fails those requests instead. (An entry that cannot be used is
+        # not such a thing: the read answers a miss for it.)
         try:
             found = done.result()
             if found is not None:
                 result, entry.load_time = found
-                entry.source = "disk"
+                entry.source = tier
                 self._complete(entry, request, result)
+                if tier == "shared":
+                    self._keep_on_disk(request, result)
                 return
             if self._cache.abandoned(entry):
-                # Everyone stopped waiting while the disk was read: no compile for nobody.
+                # Everyone stopped waiting while the cache was read: no compile for nobody.
                 entry.future.cancel()
                 return
-            self._submit(entry, request, timeout)
+            if tier == "disk":
+                self._read_shared(entry, request, timeout)
+            else:
+                self._submit(entry, request, timeout)
         except BaseException as exc:
             self._fail(entry, exc)
+
+    def _keep_on_disk(self, request: Request, result: Any) -> None:
+        disk = self._disk
+        if disk is not None and request.key is not None and request.encode is not None:
+            encode = request.encode
+            disk.store(request.key, lambda: encode(result))
 
     def _submit_job(self, request: Request, timeout: float | None) -> Job:
         return self._pool.submit_job(
@@ -195,10 +224,14 @@ class Requests:
         except BaseException as exc:  # a done-callback must not leave its waiters waiting
             self._fail(entry, exc)
             return
-        disk = self._disk
-        if disk is not None and request.key is not None and request.encode is not None:
-            encode = request.encode
-            disk.store(request.key, lambda: encode(result))
+        if request.key is None or request.encode is None:
+            return
+        # Both tiers keep the same bytes: encoded once, by whichever writes first.
+        encode = functools.lru_cache(maxsize=1)(functools.partial(request.encode, result))
+        if self._disk is not None:
+            self._disk.store(request.key, encode)
+        if self._shared is not None:
+            self._shared.store(request.key, encode)
 
     def _fail(self, entry: Entry, exc: BaseException) -> None:
         """Fail an entry whose work went wrong outside the job itself (not remembered)."""
@@ -321,7 +354,7 @@ def _failure_outcome(exc: BaseException) -> str:
 
 
 def _success_outcome(how: str, entry: Entry) -> str:
-    """The outcome of a request whose job (or disk read) succeeded."""
+    """The outcome of a request whose job (or cache read) succeeded."""
     if how == "joined":
         return "joined"
-    return "disk_hit" if entry.source == "disk" else "compiled"
+    return {"disk": "disk_hit", "shared": "shared_hit"}.get(entry.source, "compiled")

@@ -39,6 +39,7 @@ from aiocompile._metrics import JobRecord, Metrics, Statistics
 from aiocompile._pool import WorkerPool
 from aiocompile._progress import Progress
 from aiocompile._requests import Requests
+from aiocompile._shared_cache import SharedCache
 from aiocompile._target import parse_target
 from aiocompile._tuning._tuner import AutotuneResult, Tuner
 from aiocompile._waiting import wait_many
@@ -85,7 +86,13 @@ class Scheduler:
     for a stdlib ``ProcessPoolExecutor``, whose settings are copied). A broken process pool
     is rebuilt and its lost jobs re-run so that no innocent job fails (see ``_foreign``);
     such an executor cannot stop a running job, so timeouts and ``cancel_running="kill"``
-    only stop the waiting there.
+    only stop the waiting there. A Dask ``distributed.Client`` (or
+    ``aiocompile.dask.executor(client)``) runs jobs on a cluster with this pool's crash,
+    timeout and kill semantics (see ``aiocompile.dask``).
+
+    ``cache_url="redis://host:6379/0"`` adds a cache shared by a fleet behind the memory
+    cache and ``cache_dir`` (see ``_shared_cache``): a kernel any machine compiled is
+    read from there rather than compiled again.
     """
 
     def __init__(
@@ -97,6 +104,7 @@ class Scheduler:
         start_method: str | None = None,
         cancel_running: str | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
+        cache_url: str | None = None,
         event_log: str | os.PathLike[str] | None = None,
         on_event: Listener | None = None,
         config: SchedulerConfig | None = None,
@@ -108,7 +116,7 @@ class Scheduler:
         # The configuration checks each of these (and turns paths into str).
         self.config = base.with_changes(
             workers=workers, timeout=timeout, max_crashes=max_crashes, start_method=start_method,
-            cancel_running=cancel_running, cache_dir=cache_dir, event_log=event_log,
+            cancel_running=cancel_running, cache_dir=cache_dir, cache_url=cache_url, event_log=event_log,
         )
         if on_event is not None:
             _checks.check_callable("on_event", on_event)
@@ -128,6 +136,10 @@ class Scheduler:
         self._cache = KernelCache(self.config.cache_entries, self.config.cache_bytes, self.config.error_ttl)
         self._disk = None if self.config.cache_dir is None else DiskCache(
             self.config.cache_dir, self.config.cache_dir_bytes, self.config.cache_key)
+        self._shared = None if self.config.cache_url is None else SharedCache(
+            self.config.cache_url, ttl=self.config.cache_url_ttl, max_entry=self.config.cache_url_entry_bytes,
+            timeout=self.config.cache_url_timeout, retry_after=self.config.cache_url_retry,
+            secret=self.config.cache_key)
         self._metrics = Metrics()
         self._events = EventHub(event_log=self.config.event_log if self.config.metrics else None,
                                 on_event=on_event)
@@ -144,7 +156,7 @@ class Scheduler:
         self._context = _Context(self)
         self._gates = Gates()
         self._requests = Requests(self.config, pool=self._pool, cache=self._cache, disk=self._disk,
-                                  metrics=self._metrics, events=self._events, costs=self._costs,
+                                  shared=self._shared, metrics=self._metrics, events=self._events, costs=self._costs,
                                   check_open=self._check_open)
         self._triton = TritonBackend()
         self._tuner: Tuner | None = None
@@ -201,6 +213,8 @@ class Scheduler:
         self._pool.shutdown(wait=True, cancel_futures=True, grace=grace)
         if self._disk is not None:
             self._disk.close(wait=True)  # results compiled before the close reach the disk
+        if self._shared is not None:
+            self._shared.close(wait=True)  # and the shared cache (each write bounded by its timeout)
         if self._pid == os.getpid():
             self._costs.save()
         self._events.close()  # after the pool: its last worker events reach the file
@@ -248,6 +262,7 @@ class Scheduler:
         counters = self._pool.counters
         pool = self._pool.snapshot()
         disk = self._disk
+        shared = self._shared
         return self._metrics.snapshot({
             "cache_entries": len(self._cache),
             "cache_bytes": self._cache.bytes,
@@ -258,6 +273,14 @@ class Scheduler:
             "disk_corrupt": disk.corrupt if disk else 0,
             "disk_refused": disk.refused if disk else 0,
             "disk_errors": disk.errors if disk else 0,
+            "shared_state": shared.state if shared else "none",
+            "shared_misses": shared.misses if shared else 0,
+            "shared_writes": shared.writes if shared else 0,
+            "shared_errors": shared.errors if shared else 0,
+            "shared_skipped": shared.skipped if shared else 0,
+            "shared_corrupt": shared.corrupt if shared else 0,
+            "shared_refused": shared.refused if shared else 0,
+            "shared_opened": shared.opened if shared else 0,
             "worker_crashes": counters.worker_crashes,
             "retries": counters.retries,
             "timeouts": counters.timeouts,

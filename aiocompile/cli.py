@@ -20,6 +20,12 @@ and, with ``AIOCOMPILE_CACHE_KEY`` set, every cache file is signed with that key
 docs/deployment.md). A DIR the build could not write to, or would not trust, stops it
 before anything is compiled.
 
+``--dask tcp://host:8786`` builds on a Dask cluster instead of local worker processes
+(``aiocompile.dask``; needs ``pip install 'aiocompile[dask]'`` here and aiocompile with
+the same Triton on the workers): the same table and summary, the files written here.
+``--cache-url redis://host:6379/0`` also reads and fills a shared cache
+(``Scheduler(cache_url=...)``, ``AIOCOMPILE_CACHE_URL``).
+
 ``--events FILE`` appends every request's record and every worker event to FILE, a
 JSON-lines event log (``Scheduler(event_log=FILE)``).
 
@@ -179,13 +185,16 @@ async def _build(args: argparse.Namespace) -> int:
                      "without an 'arch')")
     out = Path(args.out)
     config = SchedulerConfig.from_env().with_changes(workers=args.workers, timeout=args.timeout,
-                                                     start_method=args.start_method)
+                                                     start_method=args.start_method, cache_url=args.cache_url)
+    executor = _dask_executor(args.dask) if args.dask else None
     specs = _expand(kernels, targets)
 
-    where = f"{len(targets)} target(s) ({', '.join(targets)})" if targets else "this machine"
-    print(f"aiocompile: building {len(kernels)} kernels for {where} with {config.workers} workers", file=sys.stderr)
+    for_what = f"{len(targets)} target(s) ({', '.join(targets)})" if targets else "this machine"
+    running = (f"on the Dask cluster at {args.dask} ({executor.capacity()} worker threads)" if executor is not None
+               else f"with {config.workers} workers")
+    print(f"aiocompile: building {len(kernels)} kernels for {for_what} {running}", file=sys.stderr)
     started = time.perf_counter()
-    async with Scheduler(config=config, cache_dir=out, event_log=args.events) as sched:
+    async with Scheduler(config=config, cache_dir=out, event_log=args.events, executor=executor) as sched:
         access = sched.statistics().disk_access
         if access != "read-write":
             # Kernels compiled into a directory that keeps none of them would be a build
@@ -196,7 +205,7 @@ async def _build(args: argparse.Namespace) -> int:
                                            return_exceptions=True)
         wall = time.perf_counter() - started
         stats = sched.statistics()
-        from_cache = {r.key for r in sched.records() if r.outcome in ("disk_hit", "cache_hit")}
+        from_cache = {r.key for r in sched.records() if r.outcome in ("disk_hit", "cache_hit", "shared_hit")}
     # Leaving the block waited for every new artifact to be written.
 
     rows, failures, manifest = [], [], []
@@ -247,7 +256,7 @@ async def _build(args: argparse.Namespace) -> int:
     if args.decisions:
         imported = _import_decisions(out, args.decisions, config.cache_key)
         print(f"{imported} tuning decision(s) imported into {out}", file=sys.stderr)
-    _print_summary(rows, failures, wall, stats, config.workers, out)
+    _print_summary(rows, failures, wall, stats, running, out)
     if args.events:
         print(f"events appended to {args.events} (aiocompile report {args.events})")
     return 1 if failures else 0
@@ -353,7 +362,18 @@ def _decisions(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_summary(rows: list[Any], failures: list[Any], wall: float, stats: Any, workers: int, out: Path) -> None:
+def _dask_executor(address: str) -> Any:
+    try:
+        from aiocompile.dask import executor
+    except ImportError as exc:
+        _usage_error(f"--dask needs Dask's distributed package: pip install 'aiocompile[dask]' ({exc})")
+    try:
+        return executor(address)
+    except (OSError, ValueError, TypeError) as exc:
+        _usage_error(f"cannot use the Dask cluster at {address}: {exc}")
+
+
+def _print_summary(rows: list[Any], failures: list[Any], wall: float, stats: Any, running: str, out: Path) -> None:
     width = max([len(row[0]) for row in rows] + [len(f[0]) for f in failures] + [len("kernel")])
     where = max([len(row[1]) for row in rows] + [len(f[1]) for f in failures] + [11])
     print(f"\n{'kernel':<{width}}  {'target':<{where}} {'compile':>9} {'binary':>10} {'warps':>5} {'stages':>6} "
@@ -375,7 +395,7 @@ def _print_summary(rows: list[Any], failures: list[Any], wall: float, stats: Any
     compiled = [kernel for _, _, kernel, cached in rows if not cached]
     total = sum(kernel.compile_time for kernel in compiled)
     cached_note = f" ({len(rows) - len(compiled)} of them from the cache)" if len(compiled) < len(rows) else ""
-    print(f"\n{len(rows)} built{cached_note}, {len(failures)} failed in {wall:.2f} s wall with {workers} workers; "
+    print(f"\n{len(rows)} built{cached_note}, {len(failures)} failed in {wall:.2f} s wall {where}; "
           f"sum of compile times {total:.2f} s ({total / wall if wall else 0:.1f}x parallel)")
     q, r = stats.queue_wait, stats.run_time
     print(f"queue wait p50 {q.p50 * 1000:.0f} ms, p95 {q.p95 * 1000:.0f} ms; "
@@ -401,6 +421,10 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("--timeout", type=_setting("timeout"), default=None, help="per-kernel timeout in seconds")
     build.add_argument("--start-method", choices=["forkserver", "spawn", "fork"], default=None)
     build.add_argument("--no-progress", action="store_true", help="no progress bar (none unless on a terminal)")
+    build.add_argument("--dask", metavar="ADDRESS", default=None,
+                       help="build on the Dask cluster whose scheduler is at ADDRESS (tcp://host:8786)")
+    build.add_argument("--cache-url", type=_setting("cache_url"), default=None, metavar="URL",
+                       help="also use the shared cache at URL (redis://host:6379/0; default: AIOCOMPILE_CACHE_URL)")
     build.add_argument("--events", metavar="FILE", default=None,
                        help="append every request's record and worker event to FILE (JSON lines)")
     build.add_argument("--decisions", metavar="FILE", action="append", default=None,

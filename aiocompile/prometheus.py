@@ -41,6 +41,14 @@ aiocompile_benchmark_processes_started_total
                                        counter
 aiocompile_benchmark_processes_lost_total
                                        counter    benchmark processes that died unasked
+aiocompile_shared_cache_errors_total   counter    reads and writes of the shared cache
+                                                  (``cache_url``) that failed
+aiocompile_shared_cache_skipped_total  counter    not attempted: the server left alone, an
+                                                  entry too large, too many writes queued
+aiocompile_shared_cache_refused_total  counter    entries not trusted or not decoding,
+                                                  never loaded
+aiocompile_shared_cache_open           gauge      1 while the shared cache is left alone
+                                                  after failing (its breaker not closed)
 =====================================  =========  ==========================================
 """
 
@@ -161,3 +169,11 @@ class SchedulerCollector(_Collector):
                       stats.benchmark_processes_started)
         yield counter("aiocompile_benchmark_processes_lost", "Benchmark processes that died unasked.",
                       stats.benchmark_processes_lost)
+        yield counter("aiocompile_shared_cache_errors", "Reads and writes of the shared cache that failed.",
+                      stats.shared_errors)
+        yield counter("aiocompile_shared_cache_skipped", "Reads and writes of the shared cache not attempted.",
+                      stats.shared_skipped)
+        yield counter("aiocompile_shared_cache_refused", "Entries of the shared cache not trusted or not decoding.",
+                      stats.shared_refused + stats.shared_corrupt)
+        yield gauge("aiocompile_shared_cache_open", "1 while the shared cache is left alone after failing.",
+                    1 if stats.shared_state in ("open", "half-open") else 0)

@@ -93,6 +93,7 @@ KNOWN = [
     Bench("crash", "bench_crash.py", (), (), 300, 120),
     Bench("metrics", "bench_metrics.py", (), ("--rounds", "3"), 300, 120),
     Bench("build", "bench_build.py", (), (), 900, 300),
+    Bench("fleet", "bench_fleet.py", (), (), 1200, 600),
     Bench("serving", "bench_serving.py", (), (), 1200, 400, quick_flag_if_offered=True),
     # 32 units at -O2 take about 80 s one after another on 2 CPUs: four ways, two rounds.
     Bench("native", "bench_native.py", ("--repeat", "2"), ("--repeat", "1"), 1800, 900, needs="c++"),
@@ -639,6 +640,23 @@ def render_native(r: dict[str, Any]) -> str:
                       "loop lag max ms", "loop lag p99 ms"], rows))
 
 
+def render_fleet(r: dict[str, Any]) -> str:
+    if r.get("skipped"):
+        return f"Skipped: {r['skipped']}."
+    parts = []
+    for title, group, first in (("Shared Redis cache, two processes with empty local caches", "shared cache",
+                                 "empty server (first machine)"),
+                                ("The same set through aiocompile's own pool and a Dask LocalCluster", "pool",
+                                 "aiocompile's own pool")):
+        runs = r.get(group) or {}
+        base = (runs.get(first) or {}).get("wall")
+        rows = [[name, row["wall"], row["wall"] / base if base else None, row.get("compiles"), row.get("shared_hits"),
+                 row.get("cluster_start")] for name, row in runs.items()]
+        parts.append(f"{title} ({r['targets']}, {r['workers']} workers):\n\n"
+                     + _table(["way", "wall s", f"/ {first}", "compiles", "shared hits", "cluster start s"], rows))
+    return "\n\n".join(parts)
+
+
 def render_torch_compile(runs: list[dict[str, Any]]) -> str:
     groups: dict[tuple[str, str], dict[str, list[float]]] = {}
     for run in runs:
@@ -685,6 +703,7 @@ RENDERERS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "metrics": ("What measuring costs", render_metrics),
     "build": ("Pre-building the example set", render_build),
     "native": ("C++ translation units into shared libraries", render_native),
+    "fleet": ("A fleet: shared Redis cache, Dask cluster", render_fleet),
     "torch_compile": ("torch.compile with and without aiocompile", render_torch_compile),
     "autotune": ("Autotuning's first launch: Triton against autotune()", render_autotune),
 }

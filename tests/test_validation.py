@@ -187,6 +187,12 @@ BAD_SETTINGS = [
     ("benchmark_timeout", "60", TypeError),
     ("tuning_devices", (), ValueError), ("tuning_devices", (0, 0), ValueError), ("tuning_devices", (-1,), ValueError),
     ("tuning_devices", 0, TypeError), ("tuning_devices", (True,), TypeError), ("tuning_devices", "0,1", TypeError),
+    ("cache_url", "http://:s3cret@cache/", ValueError), ("cache_url", "redis://:s3cret@", ValueError),
+    ("cache_url", b"redis://:s3cret@cache", TypeError),
+    ("cache_url_ttl", 0, ValueError), ("cache_url_ttl", "60", TypeError),
+    ("cache_url_entry_bytes", 0, ValueError), ("cache_url_entry_bytes", 1.5, TypeError),
+    ("cache_url_timeout", 0, ValueError), ("cache_url_timeout", 61, ValueError), ("cache_url_timeout", None, TypeError),
+    ("cache_url_retry", INF, ValueError), ("cache_url_retry", True, TypeError),
 ]
 
 
@@ -205,6 +211,8 @@ def test_a_bad_setting_is_refused_naming_itself_and_its_value(field, value, exc)
     assert field in str(info.value)
     if field == "cache_key":
         assert "1234" not in str(info.value)  # a secret: its value stays out of messages
+    elif field == "cache_url":
+        assert "s3cret" not in str(info.value)  # nor does a URL's password
     else:
         assert repr(value) in str(info.value)
     if value is not None:
@@ -237,6 +245,8 @@ BAD_ENVIRONMENT = [
     ("AIOCOMPILE_MAX_WORKER_RSS", "0"), ("AIOCOMPILE_CACHE_DIR_BYTES", "-1"), ("AIOCOMPILE_WORKER_NICE", "20"),
     ("AIOCOMPILE_METRICS", "maybe"), ("AIOCOMPILE_START_METHOD", "thread"), ("AIOCOMPILE_CANCEL_RUNNING", "maybe"),
     ("AIOCOMPILE_BENCHMARK_TIMEOUT", "0"), ("AIOCOMPILE_TUNING_DEVICES", "0,x"), ("AIOCOMPILE_TUNING_DEVICES", "1,1"),
+    ("AIOCOMPILE_CACHE_URL", "http://cache/"), ("AIOCOMPILE_CACHE_URL_TIMEOUT", "0"),
+    ("AIOCOMPILE_CACHE_URL_TTL", "never"),
 ]
 
 
