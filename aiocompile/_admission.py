@@ -12,12 +12,20 @@ the next batch through, sized from the rate it measured so that a batch again ta
 ``budget``, and so on until nobody waits. A request alone, or a trickle of them, never
 waits: the gate only ever holds back what would have run in the same iteration.
 
+The gate learns that an iteration is over from a callback the loop runs in the next one,
+scheduled at the second admission of a slice: a request admitted alone needs no watching.
+Such a request that then waits for its job closes its slice itself (``Gates.waited``): the
+loop has gone round meanwhile. A caller awaiting one request after another thus never
+makes the loop turn once more only to tell the gate so (a tenth of a trivial job's round
+trip went to that turn).
+
 Cancelling a waiting request drops it before anything about it was counted or started.
 """
 
 from __future__ import annotations
 
 import collections
+import sys
 import time
 from typing import Any, Callable
 
@@ -40,6 +48,7 @@ class Gate:
         self.budget = BUDGET if budget is None else budget
         self._slice_started: float | None = None
         self._admitted = 0  # in the current slice
+        self._marked = False  # _next_slice is scheduled
         self._waiting: collections.deque[Any] = collections.deque()
         self._batch = 0  # how many the next batch lets through (0: not measured yet)
         self._batch_started = 0.0
@@ -51,16 +60,29 @@ class Gate:
             return False  # first come, first served
         now = time.perf_counter()
         if self._slice_started is None:
-            self._slice_started = now
-            self._admitted = 0
+            self._slice_started = now  # alone so far: nothing to watch
+            self._admitted = 1
+            return True
+        if not self._marked:
+            # A second admission, perhaps in the first one's iteration: from here on the
+            # loop says when its iteration is over. The slice's clock starts again: the
+            # first admission may be from an iteration long gone.
+            self._marked = True
             self._soon(self._next_slice)
-        elif now - self._slice_started >= self.budget:
+            self._slice_started = now
+        if now - self._slice_started >= self.budget:
             if not self._batch:
                 # The rate this slice showed: as many as fitted in it.
                 self._batch = max(1, self._admitted)
             return False
         self._admitted += 1
         return True
+
+    def close_lone(self) -> None:
+        """A request admitted alone in its slice has since waited for its job: the loop
+        has gone round since, so the slice is over without its callback."""
+        if not self._marked and not self._waiting:
+            self._slice_started = None
 
     def wait(self, waiter: Any) -> None:
         """Queue ``waiter`` (anything with ``wake()`` and ``cancelled``) for a later batch."""
@@ -71,6 +93,7 @@ class Gate:
         # A later iteration: the loop's timers and sockets have had their turn.
         now = time.perf_counter()
         self._slice_started = None
+        self._marked = False
         if not self._waiting:
             self._batch = 0
             return
@@ -89,6 +112,7 @@ class Gate:
         self._batch_started = time.perf_counter() if self._waiting else 0.0
         self._slice_started = now
         self._admitted = woken
+        self._marked = True
         self._soon(self._next_slice)
 
 
@@ -117,10 +141,15 @@ class _TrioWaiter:
         self.event.set()
 
 
-def _get_running_loop() -> Any:
-    import asyncio
-
-    return asyncio.get_running_loop()
+def _running_loop() -> Any:
+    """The asyncio event loop running in this thread, or None (trio, say)."""
+    asyncio = sys.modules.get("asyncio")
+    if asyncio is None:
+        return None
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 class Gates:
@@ -134,24 +163,40 @@ class Gates:
         # reference to the loop, so that this keeps no closed loop alive.
         self._last: tuple[weakref.ref[Any], Gate] | None = None
 
-    async def enter(self) -> None:
-        """Return when this request may be admitted: at once, or after waiting its turn."""
-        try:
-            loop = _get_running_loop()
-        except RuntimeError:
-            await self._enter_trio()
-            return
+    def enter_now(self) -> bool:
+        """Whether this request may be admitted at once, without an await: the fast way in
+        for the usual case (asyncio, the gate open). False: await ``enter()``."""
+        loop = _running_loop()
+        if loop is None:
+            return False
+        return self._gate(loop).open()
+
+    def _gate(self, loop: Any) -> Gate:
         last = self._last
         if last is not None and last[0]() is loop:
-            gate = last[1]
-        else:
-            import weakref
+            return last[1]
+        import weakref
 
-            found = self._gates.get(loop)
-            if found is None:
-                found = self._gates[loop] = Gate(loop.call_soon)
-            gate = found
-            self._last = (weakref.ref(loop), gate)
+        found = self._gates.get(loop)
+        if found is None:
+            found = self._gates[loop] = Gate(loop.call_soon)
+        self._last = (weakref.ref(loop), found)
+        return found
+
+    def waited(self) -> None:
+        """The request admitted last has since waited for its job (its task was suspended,
+        so the loop went round): see ``Gate.close_lone``."""
+        loop = _running_loop()
+        if loop is not None:
+            self._gate(loop).close_lone()
+
+    async def enter(self) -> None:
+        """Return when this request may be admitted: at once, or after waiting its turn."""
+        loop = _running_loop()
+        if loop is None:
+            await self._enter_trio()
+            return
+        gate = self._gate(loop)
         if gate.open():
             return
         waiter = _AsyncioWaiter(loop)

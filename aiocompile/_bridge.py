@@ -45,12 +45,13 @@ async def wait(future: cf.Future[T]) -> T:
             await _wait_asyncio(future)
         else:
             await _wait_trio(future)
-    exc = future.exception()
-    if exc is not None:
-        # The same exception object reaches every caller that shared the job; start its
-        # traceback afresh here, or each raise would pile its frames onto the last one's.
-        raise exc.with_traceback(None)
-    return future.result()
+    try:
+        return future.result()  # one look under the future's lock, where most answers end
+    except BaseException as exc:
+        error = exc
+    # The same exception object reaches every caller that shared the job; start its
+    # traceback afresh here, or each raise would pile its frames onto the last one's.
+    raise error.with_traceback(None)
 
 
 class Once:

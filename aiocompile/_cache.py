@@ -37,7 +37,7 @@ class Entry:
     waiters: int = 1
     load_time: float | None = None
     source: str = "job"
-    """Where the result came from: "job" (a worker made it) or "disk"."""
+    """Where the result came from: "job" (a worker made it), "disk" or "shared"."""
     details: Mapping[str, Any] | None = None
     """What the backend read from the worker's answer for the record (stage times)."""
 

@@ -26,13 +26,16 @@ from __future__ import annotations
 import numbers
 import os
 import re
+import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
-    "CALL_TIMEOUT", "CLOSE_GRACE", "CRASHES", "IDLE_TIMEOUT", "JOB_TIMEOUT", "MAX_SECONDS", "NICE", "POOL_GRACE",
-    "PRELOAD", "RSS", "START_METHOD", "WORKERS", "Choice", "FilePath", "Flag", "Modules", "Number", "Rule", "Secret",
-    "SwitchablePath", "check_callable",
+    "BENCHMARK_TIMEOUT", "CALL_TIMEOUT", "CLOSE_GRACE", "COMPILER", "CRASHES", "DEVICE", "GPU_ARCHS", "GPU_OUTPUT",
+    "IDLE_TIMEOUT", "INCLUDE_DIRS", "JOB_TIMEOUT", "LIBRARIES", "MAX_SECONDS", "NATIVE_FLAGS", "NATIVE_NAME",
+    "NICE", "POOL_GRACE", "PRELOAD", "RSS", "SOURCE", "SPEC_KIND", "START_METHOD", "SYMBOL", "WORKERS", "Choice",
+    "Devices", "Each", "FilePath", "Flag", "Modules", "Number", "Rule", "Secret", "SwitchablePath", "Text", "Url",
+    "check_callable",
 ]
 
 MAX_SECONDS = 1_000_000
@@ -252,6 +255,108 @@ class Secret(Rule):
         return value
 
 
+@dataclass(frozen=True)
+class Devices(Rule):
+    """Device indices: a non-empty tuple of distinct integers >= 0; in the environment,
+    comma-separated (``0,1``)."""
+
+    none: str | None = None
+
+    def what(self) -> str:
+        return "a non-empty tuple of distinct device indices (integers >= 0)"
+
+    def _check(self, setting: str, value: Any, unset: str) -> Any:
+        if not isinstance(value, (tuple, list)) or not all(_is_number(v, True) for v in value):
+            raise self.wrong_type(setting, value, unset)
+        devices = tuple(int(v) for v in value)
+        if not devices or any(d < 0 for d in devices) or len(set(devices)) != len(devices):
+            raise self.bad_value(setting, value, unset)
+        return devices
+
+    def parse(self, setting: str, text: str) -> Any:
+        # The message shows the text as it was given, whatever was wrong with it.
+        try:
+            return self.check(setting, tuple(int(part) for part in text.split(",") if part.strip()),
+                              unset="leave it unset")
+        except ValueError:
+            raise self.bad_value(setting, text, "leave it unset") from None
+
+
+@dataclass(frozen=True)
+class Text(Rule):
+    """A ``str`` without NUL characters (a compiler would stop reading it there): not empty
+    unless ``empty``, and matching ``pattern`` where there is one."""
+
+    noun: str = "a non-empty string"
+    pattern: str | None = None
+    empty: bool = False
+    none: str | None = None
+
+    def what(self) -> str:
+        return self.noun
+
+    def _check(self, setting: str, value: Any, unset: str) -> Any:
+        if not isinstance(value, str):
+            raise self.wrong_type(setting, value, unset)
+        if "\x00" in value or (not value and not self.empty):
+            raise self.bad_value(setting, value, unset)
+        if self.pattern is not None and not re.fullmatch(self.pattern, value):
+            raise self.bad_value(setting, value, unset)
+        return value
+
+
+@dataclass(frozen=True)
+class Each(Rule):
+    """A tuple (a list is taken too) whose items ``item`` checks; kept as a tuple. A lone
+    item stands for a tuple of one only where ``one`` says so: elsewhere a lone string
+    would be taken apart letter by letter, and is refused."""
+
+    item: Rule
+    noun: str
+    one: bool = False
+    at_least_one: bool = False
+
+    def what(self) -> str:
+        text = f"a tuple of {self.noun}" + (" (or a single one)" if self.one else "")
+        return text + (", not empty" if self.at_least_one else "")
+
+    def _check(self, setting: str, value: Any, unset: str) -> Any:
+        if self.one and isinstance(value, (str, os.PathLike)):
+            value = (value,)
+        if not isinstance(value, (tuple, list)):
+            raise self.wrong_type(setting, value, unset)
+        if self.at_least_one and not value:
+            raise self.bad_value(setting, value, unset)
+        return tuple(self.item.check(f"{setting}[{index}]", entry) for index, entry in enumerate(value))
+
+
+@dataclass(frozen=True)
+class Url(Rule):
+    """A URL of one of ``schemes`` naming a server (a host, or for ``unix`` a socket path).
+    Messages never show a password it carries."""
+
+    schemes: tuple[str, ...]
+    none: str | None = None
+
+    def what(self) -> str:
+        return "a URL such as " + " or ".join(f"{scheme}://..." for scheme in self.schemes)
+
+    def _check(self, setting: str, value: Any, unset: str) -> Any:
+        if not isinstance(value, str):
+            raise TypeError(f"{setting} must be {self.describe(unset)}, got a {type(value).__name__}")
+        text = value.strip()
+        parts = urllib.parse.urlsplit(text)
+        shown = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl() if "@" in parts.netloc else text
+        try:
+            port_ok = parts.port is None or parts.port > 0
+        except ValueError:
+            port_ok = False
+        if parts.scheme not in self.schemes or not port_ok or not (parts.hostname if parts.scheme != "unix"
+                                                                   else parts.path):
+            raise ValueError(f"{setting} must be {self.describe(unset)}, got {shown!r}")
+        return text
+
+
 def check_callable(setting: str, value: Any) -> Any:
     if not callable(value):
         raise TypeError(f"{setting} must be callable, got {value!r} ({type(value).__name__})")
@@ -269,5 +374,24 @@ JOB_TIMEOUT = Number(above=0, at_most=MAX_SECONDS, unit="seconds", none="no limi
 CALL_TIMEOUT = Number(above=0, at_most=MAX_SECONDS, unit="seconds", none="the scheduler's timeout")
 """A request's ``timeout=``: ``None`` means the scheduler's."""
 IDLE_TIMEOUT = Number(above=0, at_most=MAX_SECONDS, unit="seconds", none="no limit")
+DEVICE = Number(integer=True, at_least=0, none="the current device")
+"""``autotune(device=)``."""
+BENCHMARK_TIMEOUT = Number(above=0, at_most=MAX_SECONDS, unit="seconds", none="no limit")
 CLOSE_GRACE = Number(at_least=0, at_most=MAX_SECONDS, unit="seconds", none="the configuration's close_grace")
 POOL_GRACE = Number(at_least=0, at_most=MAX_SECONDS, unit="seconds", none="no limit")
+
+# compile_cpp / compile_cuda (and their compile_many specs)
+SOURCE = Text("source text (a str)", empty=True)
+NATIVE_FLAGS = Each(Text("a compiler flag"), "compiler flags (str), such as ('-O2',)")
+INCLUDE_DIRS = Each(FilePath(), "directories (str or path)")
+LIBRARIES = Each(Text("a library: a name such as 'm' (linked as -lm) or the path of a library file"), "libraries")
+COMPILER = FilePath(none="the one found on PATH (nvcc: also in CUDA_HOME or CUDA_PATH)")
+NATIVE_NAME = Text("a name for records and errors", pattern=r"[^\n]+", none="one taken from the source")
+GPU_ARCHS = Each(
+    Text("a GPU architecture such as 'sm_90', 'compute_90' or 'gfx942'",
+         pattern=r"(?:sm|compute)_\d{2,3}[af]?|gfx[0-9a-f]{3,4}(?::[a-z0-9]+[+-])*"),
+    "GPU architectures such as 'sm_90', 'compute_90' or 'gfx942'", one=True, at_least_one=True)
+GPU_OUTPUT = Choice(("cubin", "fatbin", "ptx", "shared", "hsaco"))
+SPEC_KIND = Choice(("triton", "cpp", "cuda"))
+"""What a ``compile_many`` spec compiles: its ``"kind"`` (absent: Triton)."""
+SYMBOL = Text("a symbol name", pattern=r"[A-Za-z_$][\w$@.]*")

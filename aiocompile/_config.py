@@ -23,6 +23,14 @@ AIOCOMPILE_CACHE_DIR_BYTES bound of that directory in bytes (default: 4 GiB)
 AIOCOMPILE_CACHE_KEY       secret that signs the directory's entries: only entries
                            signed with it are loaded (default: none: entries unsigned,
                            the directory used only if no other user can write it)
+AIOCOMPILE_CACHE_URL       a shared cache for a fleet: redis://host:6379/0, rediss://...
+                           or unix:///path/redis.sock (default: none)
+AIOCOMPILE_CACHE_URL_TTL   seconds a shared entry lives after it was last written or
+                           read (default: 7 days)
+AIOCOMPILE_CACHE_URL_ENTRY_BYTES  largest entry written to it (default: 64 MiB)
+AIOCOMPILE_CACHE_URL_TIMEOUT      seconds each call to it may take, connecting
+                           included (default: 0.25)
+AIOCOMPILE_CACHE_URL_RETRY seconds it is left alone after failing (default: 5)
 AIOCOMPILE_EVENT_LOG       JSON-lines file every record and worker event is appended to
                            (default: none)
 AIOCOMPILE_COST_HISTORY    JSON file of compile times, for starting a batch's longest
@@ -31,6 +39,11 @@ AIOCOMPILE_COST_HISTORY    JSON file of compile times, for starting a batch's lo
 AIOCOMPILE_METRICS         0 keeps only the counters: no records, summaries or events
                            (default: 1)
 AIOCOMPILE_WORKER_NICE     how much nicer than this process workers run (default: 10)
+AIOCOMPILE_BENCHMARK_TIMEOUT
+                           seconds one configuration may take in a benchmark process
+                           (``autotune()``) before it counts as hung (default: 60)
+AIOCOMPILE_TUNING_DEVICES  the devices given a benchmark process, comma-separated
+                           (default: every visible device)
 AIOCOMPILE_REPRO_DIR       where a repro bundle is written for each failed compile, or
                            off (default: aiocompile/repro under $XDG_CACHE_HOME, else
                            under ~/.cache)
@@ -110,6 +123,24 @@ class SchedulerConfig:
     a directory owned by another user may be read for its signed entries. Never shown in
     ``repr``. None: entries are unsigned, and only a directory that no other user can
     write is used."""
+    cache_url: str | None = field(default=None, repr=False)
+    """A shared cache for a fleet, on a Redis server (``redis://host:6379/0``,
+    ``rediss://`` for TLS, ``unix:///path``): read after the memory cache and
+    ``cache_dir`` miss, before compiling; written after a compile. Entries are sealed
+    with ``cache_key`` when it is set (and then only sealed ones are loaded). A server
+    that is down or slow costs a short timeout and is then left alone for
+    ``cache_url_retry`` seconds; it never fails a compile. Not in ``repr`` (a URL may
+    carry a password). Needs the ``redis`` package."""
+    cache_url_ttl: float | None = 7 * 24 * 3600.0
+    """Seconds a shared entry lives after it was last written or read (None: until the
+    server's own memory bound drops it)."""
+    cache_url_entry_bytes: int | None = 64 * 1024 * 1024
+    """The largest entry written to the shared cache (None: no bound)."""
+    cache_url_timeout: float = 0.25
+    """Seconds each call to the shared cache may take, connecting included."""
+    cache_url_retry: float = 5.0
+    """Seconds the shared cache is left alone after several calls in a row failed (then
+    one call tries it again)."""
     close_grace: float = 5.0
     """Seconds running jobs get to finish in ``aclose()`` before their workers are killed."""
     cancel_running: str = "keep"
@@ -142,6 +173,13 @@ class SchedulerConfig:
     repro_dir_bytes: int | None = 1024 * 1024 * 1024
     """Bound of ``repro_dir`` in bytes; the oldest bundles go first (the newest is always
     kept). None: no bound but ``repro_keep``."""
+
+    benchmark_timeout: float | None = 60.0
+    """Seconds a benchmark process may spend on one configuration (``autotune()``) before
+    it is killed and the configuration counts as hung (None: no limit)."""
+    tuning_devices: tuple[int, ...] | None = None
+    """The devices ``autotune()`` benchmarks on, one process each; None: every visible
+    device."""
 
     def __post_init__(self) -> None:
         for name, rule in SETTINGS.items():
@@ -178,6 +216,12 @@ SETTINGS: dict[str, _checks.Rule] = {
     "cache_dir": _checks.FilePath(none="no disk cache"),
     "cache_dir_bytes": _checks.Number(integer=True, above=0, unit="bytes", none="no bound"),
     "cache_key": _checks.Secret(none="no signing"),
+    "cache_url": _checks.Url(("redis", "rediss", "unix"), none="no shared cache"),
+    "cache_url_ttl": _checks.Number(above=0, at_most=_checks.MAX_SECONDS * 100, unit="seconds",
+                                    none="no expiry"),
+    "cache_url_entry_bytes": _checks.Number(integer=True, above=0, unit="bytes", none="no bound"),
+    "cache_url_timeout": _checks.Number(above=0, at_most=60, unit="seconds"),
+    "cache_url_retry": _checks.Number(above=0, at_most=_checks.MAX_SECONDS, unit="seconds"),
     "close_grace": _checks.Number(at_least=0, at_most=_checks.MAX_SECONDS, unit="seconds"),
     "cancel_running": _checks.Choice(("keep", "kill")),
     "max_worker_rss": _checks.RSS,
@@ -186,6 +230,8 @@ SETTINGS: dict[str, _checks.Rule] = {
     "metrics": _checks.Flag(),
     "event_log": _checks.FilePath(none="no event log"),
     "cost_history": _checks.FilePath(none="costs.json in cache_dir, or memory only"),
+    "benchmark_timeout": _checks.BENCHMARK_TIMEOUT,
+    "tuning_devices": _checks.Devices(none="every visible device"),
     "repro_dir": _checks.SwitchablePath(none="no repro bundles"),
     "repro_keep": _checks.Number(integer=True, at_least=1),
     "repro_dir_bytes": _checks.Number(integer=True, above=0, unit="bytes", none="no bound but repro_keep"),
@@ -203,10 +249,17 @@ ENVIRONMENT = (
     ("AIOCOMPILE_CACHE_DIR", "cache_dir"),
     ("AIOCOMPILE_CACHE_DIR_BYTES", "cache_dir_bytes"),
     ("AIOCOMPILE_CACHE_KEY", "cache_key"),  # stripped: a secret read from a file often ends in a newline
+    ("AIOCOMPILE_CACHE_URL", "cache_url"),
+    ("AIOCOMPILE_CACHE_URL_TTL", "cache_url_ttl"),
+    ("AIOCOMPILE_CACHE_URL_ENTRY_BYTES", "cache_url_entry_bytes"),
+    ("AIOCOMPILE_CACHE_URL_TIMEOUT", "cache_url_timeout"),
+    ("AIOCOMPILE_CACHE_URL_RETRY", "cache_url_retry"),
     ("AIOCOMPILE_EVENT_LOG", "event_log"),
     ("AIOCOMPILE_COST_HISTORY", "cost_history"),
     ("AIOCOMPILE_METRICS", "metrics"),
     ("AIOCOMPILE_WORKER_NICE", "worker_nice"),
+    ("AIOCOMPILE_BENCHMARK_TIMEOUT", "benchmark_timeout"),
+    ("AIOCOMPILE_TUNING_DEVICES", "tuning_devices"),
     ("AIOCOMPILE_REPRO_DIR", "repro_dir"),
     ("AIOCOMPILE_REPRO_KEEP", "repro_keep"),
     ("AIOCOMPILE_REPRO_DIR_BYTES", "repro_dir_bytes"),

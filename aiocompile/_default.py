@@ -11,6 +11,9 @@ from typing import Any, Callable
 from aiocompile._config import SchedulerConfig
 from aiocompile._metrics import Statistics
 from aiocompile._scheduler import Scheduler
+from aiocompile._tuning._tuner import AutotuneResult
+from aiocompile.backends.cpp._library import NativeLibrary
+from aiocompile.backends.cuda._binary import CudaBinary
 from aiocompile.backends.triton._kernel import TritonKernel
 
 
@@ -45,6 +48,16 @@ async def compile_triton(kernel: Any, **kwargs: Any) -> TritonKernel:
     return await _default.get().compile_triton(kernel, **kwargs)
 
 
+async def compile_cpp(source: str, **kwargs: Any) -> NativeLibrary:
+    """``Scheduler.compile_cpp`` on the default scheduler."""
+    return await _default.get().compile_cpp(source, **kwargs)
+
+
+async def compile_cuda(source: str, **kwargs: Any) -> CudaBinary:
+    """``Scheduler.compile_cuda`` on the default scheduler."""
+    return await _default.get().compile_cuda(source, **kwargs)
+
+
 async def compile_many(specs: Iterable[Mapping[str, Any]], **kwargs: Any) -> list[Any]:
     """``Scheduler.compile_many`` on the default scheduler."""
     return await _default.get().compile_many(specs, **kwargs)
@@ -65,9 +78,14 @@ async def warmup(kernel: Any, *args: Any, **kwargs: Any) -> TritonKernel:
     return await _default.get().warmup(kernel, *args, **kwargs)
 
 
-async def warm(target: Any = "cuda:90") -> None:
+async def warm(target: Any = "cuda:90", *, benchmark: bool = False) -> None:
     """``Scheduler.warm`` on the default scheduler."""
-    await _default.get().warm(target)
+    await _default.get().warm(target, benchmark=benchmark)
+
+
+async def autotune(kernel: Any, *args: Any, **kwargs: Any) -> AutotuneResult:
+    """``Scheduler.autotune`` on the default scheduler."""
+    return await _default.get().autotune(kernel, *args, **kwargs)
 
 
 def statistics() -> Statistics:

@@ -51,12 +51,11 @@ import logging
 import os
 import stat
 import threading
-import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-from aiocompile._sealed import BadSeal, NotSealed, payload, seal, unseal
+from aiocompile._sealed import BadSeal, NotSealed, Undecodable, open_entry, wrap
 
 SUFFIX = ".aiok"
 READ_WRITE, READ_ONLY, SIGNED_ONLY, REFUSED = "read-write", "read-only", "signed-only", "refused"
@@ -218,7 +217,7 @@ class DiskCache:
                 self._failed("read", path, exc)
             return None
         try:
-            data = payload(blob) if self._secret is None else unseal(blob, self._secret, key)
+            result, decoded = open_entry(blob, self._secret, key, decode)
         except NotSealed:
             self._refuse(path, _Untrusted("unsigned", "not signed, and a cache key is set"))
             return None
@@ -228,15 +227,9 @@ class DiskCache:
             else:
                 self._refuse(path, _Untrusted("signature", str(exc)))
             return None
-        started = time.perf_counter()
-        try:
-            result = decode(data)
-            if getattr(result, "key", key) != key:
-                raise ValueError("the file holds another key's result")
-        except Exception as exc:
-            self._reject(path, exc)
+        except Undecodable as exc:
+            self._reject(path, exc.__cause__ or exc)
             return None
-        decoded = time.perf_counter() - started
         if self.access == READ_WRITE:
             try:
                 os.utime(path)  # most recently used
@@ -291,9 +284,7 @@ class DiskCache:
             return  # a write refused since this one was queued
         path = self.path(key)
         try:
-            data = encode()
-            if self._secret is not None:
-                data = seal(data, self._secret, key)
+            data = wrap(encode(), self._secret, key)
             if not make_private_dir(path.parent) and self._secret is None:
                 self._check_dir(path.parent)  # no use writing a file nobody would read
             write_private(path, data)

@@ -5,7 +5,10 @@
     AiocompileError                 anything aiocompile raises on its own account
      ├── CompileError               the kernel did not compile (your kernel's fault)
      │    ├── CompileTimeout        ... within its timeout; also a TimeoutError
-     │    └── WorkerCrashedError    ... because it killed its worker max_crashes times
+     │    ├── WorkerCrashedError    ... because it killed its worker max_crashes times
+     │    ├── AutotuneError         no configuration of an autotuned kernel could be used
+     │    └── CompilerNotFound      ... because its compiler is not installed (the machine's
+     │                              fault); also a FileNotFoundError
      └── SchedulerClosed            the scheduler was used after aclose() (your program's fault)
 
 Bad input (a malformed signature, an unknown target, a wrong option type) is not in
@@ -22,8 +25,10 @@ from typing import Any
 
 __all__ = [
     "AiocompileError",
+    "AutotuneError",
     "CompileError",
     "CompileTimeout",
+    "CompilerNotFound",
     "SchedulerClosed",
     "WorkerCrashedError",
 ]
@@ -53,8 +58,10 @@ class CompileError(AiocompileError):
 
     ``message`` is the compiler's own message, ``kernel_name`` and ``key`` say which
     kernel, ``target`` which architecture, and ``output`` holds the tail of what the
-    compile printed, if anything. ``repro`` is the directory of the repro bundle written
-    for this failure (see ``SchedulerConfig.repro_dir``), or None.
+    compile printed, if anything. ``command`` is the command line that failed, where the
+    compile ran a compiler program (C++, CUDA); None otherwise. ``repro`` is the directory
+    of the repro bundle written for this failure (see ``SchedulerConfig.repro_dir``), or
+    None.
     """
 
     repro: str | None = None
@@ -67,6 +74,7 @@ class CompileError(AiocompileError):
         key: str | None = None,
         target: str | None = None,
         output: str = "",
+        command: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -74,6 +82,7 @@ class CompileError(AiocompileError):
         self.key = key
         self.target = target
         self.output = output
+        self.command = command
 
     def __str__(self) -> str:
         where = []
@@ -129,6 +138,27 @@ class WorkerCrashedError(CompileError):
             return signal.Signals(-self.exitcode).name
         except ValueError:
             return None
+
+
+class AutotuneError(CompileError):
+    """No configuration of an autotuned kernel could be used: each one failed to compile,
+    or failed, faulted, crashed or hung when it was timed. Whose fault: the kernel's (or
+    its configurations'); the benchmark processes that timed them were replaced as need
+    be, and nothing else was touched.
+
+    ``failures`` holds ``(configuration, reason)`` for each, and the message lists them.
+    """
+
+    def __init__(self, message: str, *, failures: tuple[tuple[str, str], ...] = (), **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.failures = tuple(failures)
+
+class CompilerNotFound(CompileError, FileNotFoundError):
+    """The compiler a request needs (g++, nvcc, hipcc) is not where it was looked for, or
+    does not run. Whose fault: the machine's set-up (install it, put it on PATH, set
+    ``CUDA_HOME``) or the ``compiler=`` argument's. Raised in the caller before any worker
+    is involved; the message says where it looked.
+    """
 
 
 class SchedulerClosed(AiocompileError, RuntimeError):

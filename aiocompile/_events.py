@@ -28,14 +28,14 @@ import threading
 import weakref
 from typing import Any, Callable, Union
 
-from aiocompile._metrics import FAILURES, JobRecord, WorkerEvent
+from aiocompile._metrics import FAILURES, BenchmarkRecord, JobRecord, WorkerEvent
 
 logger = logging.getLogger("aiocompile")
 
 # How long the event file's writer lets events gather before it writes them.
 _BATCH_SECONDS = 0.05
 
-Event = Union[JobRecord, WorkerEvent]
+Event = Union[JobRecord, WorkerEvent, BenchmarkRecord]
 Listener = Callable[[Event], None]
 
 _RECORD_LEVELS = {"compiled": logging.INFO, "closed": logging.INFO, "cancelled": logging.INFO}
@@ -81,8 +81,24 @@ def _worker_message(event: WorkerEvent) -> str:
     return f"attempt {event.attempt} at {event.name} in worker {event.pid} ended: {event.status}"
 
 
+_BENCHMARK_LEVELS = {"ok": logging.DEBUG, "compile_error": logging.INFO, "error": logging.INFO,
+                     "closed": logging.INFO}
+
+
+def _benchmark_message(record: BenchmarkRecord) -> str:
+    where = f" on device {record.device}" if record.device is not None else ""
+    if record.outcome == "ok":
+        return f"benchmarked {record.name} [{record.config}]{where}: {record.time_ms:.4f} ms"
+    return f"benchmark of {record.name} [{record.config}]{where}: {record.outcome}: {record.reason}"
+
+
 def log_event(event: Event) -> None:
-    if isinstance(event, JobRecord):
+    if isinstance(event, BenchmarkRecord):
+        level = _BENCHMARK_LEVELS.get(event.outcome, logging.WARNING)
+        if not logger.isEnabledFor(level):
+            return
+        message = _benchmark_message(event)
+    elif isinstance(event, JobRecord):
         level = _record_level(event)
         if not logger.isEnabledFor(level):
             return

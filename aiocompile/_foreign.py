@@ -38,6 +38,23 @@ it) and is rebuilt here by ``_answers``: an executor would unpickle the exceptio
 its own thread, and a stdlib pool that cannot (its class lives in a module only the worker
 imports) breaks, failing or re-running every job it holds.
 
+An executor of a cluster (``aiocompile.dask``) loses jobs one worker at a time rather than
+all at once, and can do what a stdlib pool cannot. It says so with a few optional members,
+which this pool uses where they exist:
+
+- a job's future failing with :class:`WorkerLost`: the worker holding that job died, the
+  executor itself is fine. The job is a suspect (it may have been running when its worker
+  died, or only waiting there) and is sorted as a break's suspects are: re-run alone, and
+  blamed only for deaths it causes alone. A death the executor caused on purpose (to stop
+  a job past its timeout) sends the jobs it took back to the queue, blaming nobody;
+- ``capacity()``: how many jobs it runs at once. Never more are handed to it; the rest
+  wait here, where they can be cancelled and where their order is kept, and each job's
+  clock starts as it is handed over;
+- ``kill(future)``: stop a running job and free its worker (a job past its timeout, or
+  cancelled with ``cancel_running="kill"``, or still running at the end of the grace
+  period of ``shutdown()``);
+- ``job_runner``: the function its workers run instead of ``run_in_foreign_worker``.
+
 The PENDING/RUNNING sort relies on the executor's bookkeeping: when the first future of a
 broken stdlib executor is failed, ours is the first callback to run, and the other futures
 still show the state they had at the break (the stdlib fails them one after another, in one
@@ -50,7 +67,6 @@ import collections
 import concurrent.futures as cf
 import itertools
 import os
-import pickle
 import signal
 import sys
 import threading
@@ -63,9 +79,9 @@ from typing import Any, Callable, Union
 
 from aiocompile import _answers, _checks
 from aiocompile._errors import CompileTimeout, SchedulerClosed, WorkerCrashedError
-from aiocompile._jobs import Job, PoolCounters, emit_event
+from aiocompile._jobs import Job, PoolCounters, emit_event, logger
 from aiocompile._metrics import WorkerEvent
-from aiocompile._worker import _JobState, describe_job_failure
+from aiocompile._remote import run_in_foreign_worker
 
 ExecutorFactory = Callable[[], cf.Executor]
 
@@ -73,30 +89,27 @@ ExecutorFactory = Callable[[], cf.Executor]
 _JOIN_TIMEOUT = 10.0
 ExecutorSpec = Union[cf.Executor, ExecutorFactory]
 
-_state = _JobState()
+class WorkerLost(Exception):
+    """What an executor of a cluster fails one job's future with when the worker holding
+    that job died while the executor itself carries on (see the module docstring).
 
+    ``worker`` names the dead worker process, so that one death is counted once however
+    many jobs it took; ``deliberate`` says the executor killed it on purpose."""
 
-def run_in_foreign_worker(
-    payload: bytes, env: dict[str, str], sys_path: list[str]
-) -> tuple[bool, Any, float, int, float]:
-    """What a foreign executor runs: apply the job's environment, run it, time it.
+    def __init__(self, message: str, worker: Any = None, deliberate: bool = False) -> None:
+        super().__init__(message)
+        self.worker = worker
+        self.deliberate = deliberate
 
-    Returns ``(ok, value, run_time, pid, started_wall)``: ``value`` is the result, or the
-    job's exception described by ``describe_job_failure``; this never raises."""
-    started_wall = time.time()
-    started = time.perf_counter()
-    try:
-        _state.apply(env, sys_path)
-        fn, args, kwargs = pickle.loads(payload)
-        result = fn(*args, **kwargs)
-    except BaseException as exc:  # noqa: BLE001 - a job's failure, whatever it is, goes to its caller
-        run_time = time.perf_counter() - started
-        return False, describe_job_failure(exc), run_time, os.getpid(), started_wall
-    return True, result, time.perf_counter() - started, os.getpid(), started_wall
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (WorkerLost, (str(self), self.worker, self.deliberate))
 
 
 def _factory_for(executor: cf.Executor) -> ExecutorFactory | None:
     """A factory making more executors like ``executor``, where that can be known."""
+    rebuild = getattr(executor, "rebuild", None)
+    if callable(rebuild):
+        return rebuild
     if isinstance(executor, ProcessPoolExecutor):
         options: dict[str, Any] = {
             "max_workers": getattr(executor, "_max_workers", None),
@@ -108,6 +121,22 @@ def _factory_for(executor: cf.Executor) -> ExecutorFactory | None:
             options["max_tasks_per_child"] = executor._max_tasks_per_child
         return lambda: ProcessPoolExecutor(**options)
     return None
+
+
+def _adapt(executor: Any) -> Any:
+    """A Dask client (or its ``get_executor()``) as ``aiocompile.dask``'s executor over it,
+    which keeps the scheduler's crash and timeout semantics; anything else as it is."""
+    distributed = sys.modules.get("distributed")  # a client in hand means it is imported
+    if distributed is None:
+        return executor
+    client_executor = getattr(sys.modules.get("distributed.cfexecutor"), "ClientExecutor", None)
+    if isinstance(client_executor, type) and isinstance(executor, client_executor):
+        executor = getattr(executor, "_client", executor)
+    if isinstance(executor, distributed.Client):
+        from aiocompile.dask import executor as dask_executor
+
+        return dask_executor(executor)
+    return executor
 
 
 def _workers_in_order(executor: cf.Executor | None) -> int:
@@ -127,6 +156,8 @@ class _Sent:
     started: float | None = None
     timer: threading.Timer | None = None
     timed_out: bool = False
+    # Failed already (timed out, or killed on request) and being stopped in the executor.
+    stopping: bool = False
     # Being withdrawn by cancel(): cancelling a future runs its done-callbacks at once, in
     # the cancelling thread, and _on_done must leave this one to cancel().
     withdrawn: bool = False
@@ -136,6 +167,7 @@ class ForeignPool:
     """The scheduler's pool interface over a foreign executor (see the module docstring)."""
 
     def __init__(self, executor: ExecutorSpec, *, max_crashes: int = 2) -> None:
+        executor = _adapt(executor)
         if isinstance(executor, cf.Executor):
             self._executor: cf.Executor | None = executor
             self._factory = _factory_for(executor)
@@ -160,6 +192,16 @@ class ForeignPool:
         self._suspects: collections.deque[Job] = collections.deque()
         self._held: collections.deque[Job] = collections.deque()
         self._alone: Job | None = None
+        # Recently dead workers of a cluster's executor, so that one death taking several
+        # jobs counts once.
+        self._dead: collections.deque[Any] = collections.deque(maxlen=256)
+        self._adopt(self._executor)
+
+    def _adopt(self, executor: cf.Executor | None) -> None:
+        """Note what ``executor`` offers beyond ``concurrent.futures`` (module docstring)."""
+        self._runner: Callable[..., Any] = getattr(executor, "job_runner", None) or run_in_foreign_worker
+        self._capacity: Callable[[], int] | None = getattr(executor, "capacity", None)
+        self._killer: Callable[[cf.Future[Any]], None] | None = getattr(executor, "kill", None)
 
     # -- the pool interface -----------------------------------------------------------------
 
@@ -196,7 +238,7 @@ class ForeignPool:
         job = Job.create(next(self._ids), fn, args, kwargs, timeout=timeout,
                          max_crashes=max_crashes or self.max_crashes, name=name, key=key)
         with self._lock:
-            if self._quarantine():
+            if self._quarantine() or self._full():
                 self._held.append(job)
                 self.counters.queue_depth_max = max(self.counters.queue_depth_max, len(self._held))
             else:
@@ -223,15 +265,26 @@ class ForeignPool:
         return False
 
     def kill(self, job: Job, reason: str = "cancelled") -> None:
-        # A running job cannot be stopped in a foreign executor; a queued one is dropped.
-        self.cancel(job)
+        """Drop a queued job; stop a running one where the executor can (``kill``), and
+        otherwise let it run on."""
+        if self.cancel(job):
+            return
+        with self._lock:
+            sent = self._sent.get(job.id)
+            if sent is None or self._killer is None or sent.stopping or job.future.done():
+                return
+            sent.stopping = True
+            self.counters.killed += 1
+        job.fail(job.stopped_error(reason))
+        self._stop_running(sent)
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             running = sum(1 for s in self._sent.values() if s.future.running())
             waiting = len(self._sent) - running + len(self._held) + len(self._suspects)
-        return {"workers": self.max_workers, "busy_workers": running,
-                "idle_workers": max(0, self.max_workers - running), "queue_depth": waiting}
+            workers = self._capacity() if self._capacity is not None else self.max_workers
+        return {"workers": workers, "busy_workers": running,
+                "idle_workers": max(0, workers - running), "queue_depth": waiting}
 
     def worker_pids(self) -> list[int]:
         processes = getattr(self._executor, "_processes", None) or {}
@@ -259,11 +312,22 @@ class ForeignPool:
             if wait:
                 running = [s.future for s in list(self._sent.values())]
                 _, not_done = cf.wait(running, timeout=grace)
-                if not_done:
-                    _kill(processes)
-                # shutdown(wait=False) only asked them to go: make sure they are gone
-                # before returning, as a closed scheduler leaves no process behind.
-                _join(processes, _JOIN_TIMEOUT)
+                if self._killer is not None:
+                    # A cluster's executor stops its own jobs, and its shutdown waits for
+                    # those stops: no compile of ours goes on holding the cluster. Their
+                    # callers learn why first: the close, not the stop.
+                    with self._lock:
+                        stopped = [sent for sent in self._sent.values() if sent.future in not_done]
+                    for sent in stopped:
+                        sent.job.fail(closed)
+                        self._kill_quietly(sent.future)
+                    executor.shutdown(wait=True)
+                else:
+                    if not_done:
+                        _kill(processes)
+                    # shutdown(wait=False) only asked them to go: make sure they are gone
+                    # before returning, as a closed scheduler leaves no process behind.
+                    _join(processes, _JOIN_TIMEOUT)
         with self._lock:
             # Killing the busy processes above breaks the executor, and its callbacks
             # may have sorted the lost jobs into suspects and held jobs meanwhile.
@@ -284,6 +348,26 @@ class ForeignPool:
     def _quarantine(self) -> bool:
         return bool(self._suspects) or self._alone is not None
 
+    def _full(self) -> bool:
+        """The executor runs as many jobs as it can at once (where it says how many)."""
+        if self._capacity is None or self._executor is None:
+            return False
+        return len(self._sent) >= max(1, self._capacity())
+
+    def _stop_running(self, sent: _Sent) -> None:
+        """Have the executor stop a job that failed already (past its timeout, or killed),
+        so that it does not go on holding a worker. Not under the lock: the executor may
+        take its time, in a thread of its own."""
+        self._kill_quietly(sent.future)
+
+    def _kill_quietly(self, future: cf.Future[Any]) -> None:
+        if self._killer is None:
+            return
+        try:
+            self._killer(future)
+        except Exception:  # noqa: BLE001 - the job has its outcome; a worker left running is logged
+            logger.warning("aiocompile: the executor could not stop a job", exc_info=True)
+
     def _current(self) -> cf.Executor:
         if self._executor is None:
             if self._factory is None:
@@ -291,6 +375,7 @@ class ForeignPool:
             self._executor = self._factory()
             self.max_workers = int(getattr(self._executor, "_max_workers", self.max_workers) or self.max_workers)
             self._slots = _workers_in_order(self._executor)
+            self._adopt(self._executor)
         return self._executor
 
     def _send(self, job: Job) -> None:
@@ -298,7 +383,8 @@ class ForeignPool:
             return
         generation = self._generation
         try:
-            future = self._current().submit(run_in_foreign_worker, job.payload, job.env, job.sys_path)
+            executor = self._current()
+            future = executor.submit(self._runner, job.payload, job.env, job.sys_path)
         except cf.BrokenExecutor:
             # Broken before its futures told us: sort that out, and this job never ran.
             self._break(generation, None)
@@ -356,6 +442,11 @@ class ForeignPool:
                 self._break(generation, job)
                 self._pump()
                 return
+            if isinstance(exc, WorkerLost):
+                self._lost(sent, exc)
+                self._pump()
+                self._start_clocks()
+                return
             del self._sent[job.id]
             _stop_clock(sent)
             if job is self._alone:
@@ -391,12 +482,44 @@ class ForeignPool:
                 return
             self.counters.timeouts += 1
             sent.timed_out = True
+            stop = self._killer is not None and not sent.stopping
+            sent.stopping = sent.stopping or stop
             self._start_clocks()
         # The job's own future fails now; its executor future stays tracked until the
         # worker is free again, so that a later break is still blamed correctly.
-        job.fail(CompileTimeout(
-            f"did not finish within {job.timeout:g} s (the executor cannot stop it: it runs on)",
-            timeout=job.timeout, kernel_name=job.name, key=job.key))
+        then = "it was stopped and its worker restarted" if stop else "the executor cannot stop it: it runs on"
+        job.fail(CompileTimeout(f"did not finish within {job.timeout:g} s ({then})",
+                                timeout=job.timeout, kernel_name=job.name, key=job.key))
+        if stop:
+            emit_event(self.on_event, "worker_exited", None, job, status="timeout")
+            self._stop_running(sent)
+
+    def _lost(self, sent: _Sent, exc: WorkerLost) -> None:
+        """The worker holding ``sent``'s job died; the executor carries on (a cluster).
+        The job runs again: at once if the executor killed that worker on purpose, and
+        otherwise as a suspect (alone, so that a death then is its own doing)."""
+        job = sent.job
+        del self._sent[job.id]
+        _stop_clock(sent)
+        if not exc.deliberate and (exc.worker is None or exc.worker not in self._dead):
+            self._dead.append(exc.worker)
+            self.counters.worker_crashes += 1
+            emit_event(self.on_event, "worker_exited", None, status="crashed")
+        alone = job is self._alone
+        if alone:
+            self._alone = None
+        if job.future.done():
+            return  # timed out or cancelled already: nobody waits for a re-run
+        if self._closed:
+            job.fail(SchedulerClosed("the scheduler was closed while the job ran"))
+        elif exc.deliberate:
+            self.counters.retries += 1
+            self._held.appendleft(job)
+        elif alone:
+            self._crashed(job)  # it ran alone: the culprit, for certain
+        else:
+            self.counters.retries += 1
+            self._suspects.append(job)
 
     def _break(self, generation: int, first: Job | None) -> None:
         """The executor of ``generation`` broke. Sort the jobs it lost."""
@@ -439,7 +562,7 @@ class ForeignPool:
         job.crashes += 1
         if job.crashes >= job.max_crashes:
             job.fail(WorkerCrashedError(
-                f"broke the executor {job.crashes} time(s), running alone each time",
+                f"killed its worker (or broke the executor) {job.crashes} time(s), running alone each time",
                 exitcode=None, attempts=job.attempts, kernel_name=job.name, key=job.key))
         else:
             self.counters.retries += 1
@@ -458,7 +581,7 @@ class ForeignPool:
             self._alone = job
             self._send(job)
             return
-        while self._held and not self._quarantine():
+        while self._held and not self._quarantine() and not self._full():
             self._send(self._held.popleft())
 
 

@@ -79,12 +79,12 @@ class Job:
         if self.finished_at is None:
             self.finished_at = time.monotonic()
         # A queued job never started is RUNNING once it has an outcome.
-        if self.future.done():
-            return False
+        if self.future.running():
+            return True  # the usual case: a worker answered
         try:
-            return self.future.running() or self.future.set_running_or_notify_cancel()
-        except RuntimeError:  # finished meanwhile, in another thread
-            return False
+            return self.future.set_running_or_notify_cancel()
+        except RuntimeError:  # finished already, or started meanwhile in another thread
+            return self.future.running()
 
     def stopped_error(self, reason: str) -> BaseException:
         """What it fails with when stopped on purpose: cancelled by its caller, or the

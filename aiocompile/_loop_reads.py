@@ -154,6 +154,10 @@ def readable_now(conn: Any) -> bool:
 
 _HEADER = struct.Struct("!i")
 _NOTHING_YET = b""
+# Or-ing the flags anew costs a Python-level call of IntFlag.__or__ per answer.
+_PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)
+_FIRST_LOOK = 4096
+_WAITALL = int(socket.MSG_WAITALL)
 
 
 def whole_message(peek: socket.socket) -> bytes | memoryview | None:
@@ -161,9 +165,16 @@ def whole_message(peek: socket.socket) -> bytes | memoryview | None:
     has arrived and it is at most ``LOOP_READ_MAX`` bytes long, read without blocking;
     else None, and nothing is read; ``_NOTHING_YET`` if nothing at all is there.
     (``multiprocessing.connection`` frames a message with
-    its length: 4 bytes, or -1 and 8 more.) Two system calls: a peek, then the read."""
+    its length: 4 bytes, or -1 and 8 more.) Two system calls, a peek then the read; three
+    for an answer of more than a few kilobytes."""
     try:
-        head = peek.recv(4 + LOOP_READ_MAX, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        # A first look of a few kilobytes: most answers fit, and a buffer of the largest
+        # size allowed costs its allocation on every answer.
+        head = peek.recv(_FIRST_LOOK, _PEEK)
+        if len(head) >= 4:
+            size = _HEADER.unpack_from(head)[0]
+            if len(head) == _FIRST_LOOK and _FIRST_LOOK < 4 + size <= 4 + LOOP_READ_MAX:
+                head = peek.recv(4 + size, _PEEK)
     except BlockingIOError:
         return _NOTHING_YET
     except OSError:
@@ -171,10 +182,10 @@ def whole_message(peek: socket.socket) -> bytes | memoryview | None:
     if len(head) < 4:
         return None  # the worker's end, or not yet a whole header
     size = _HEADER.unpack_from(head)[0]
-    if size < 0 or 4 + size > len(head):
+    if size < 0 or size > LOOP_READ_MAX or 4 + size > len(head):
         return None  # large, or not all there yet
     try:
-        data = peek.recv(4 + size, socket.MSG_WAITALL)
+        data = peek.recv(4 + size, _WAITALL)
     except OSError:  # pragma: no cover - all of it was there
         return None
     return memoryview(data)[4:]

@@ -16,12 +16,14 @@ import threading
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
-__all__ = ["JobRecord", "Statistics", "Summary", "WorkerEvent", "OUTCOMES", "FAILURES"]
+__all__ = ["BenchmarkRecord", "JobRecord", "Statistics", "Summary", "WorkerEvent", "OUTCOMES", "FAILURES",
+           "BENCHMARK_OUTCOMES"]
 
 # What a request can end as, exactly one each:
 #   compiled     its own job ran in a worker and succeeded
 #   cache_hit    answered from the memory cache
 #   disk_hit     answered from the disk cache (``cache_dir``)
+#   shared_hit   answered from the shared cache (``cache_url``)
 #   joined       shared a job, or a disk read, that another request started (whatever
 #                that job's fate: ``error`` on the record says if it failed)
 #   error_hit    answered with a compile error remembered from a moment ago
@@ -32,11 +34,22 @@ __all__ = ["JobRecord", "Statistics", "Summary", "WorkerEvent", "OUTCOMES", "FAI
 #   closed       the scheduler was closed before its job finished (``SchedulerClosed``)
 #   cancelled    the caller stopped waiting
 OUTCOMES = (
-    "compiled", "cache_hit", "disk_hit", "joined", "error_hit",
+    "compiled", "cache_hit", "disk_hit", "shared_hit", "joined", "error_hit",
     "error", "crashed", "timeout", "closed", "cancelled",
 )
 FAILURES = ("error", "crashed", "timeout", "closed")
 """The outcomes that ``Statistics.failed`` adds up: a job of the request's own failed."""
+
+# What one configuration's benchmark can end as (``BenchmarkRecord.outcome``):
+#   ok             timed: its median and quantiles
+#   compile_error  it did not compile (or its compile timed out, or crashed its worker)
+#   error          it raised in the benchmark process (out of resources, a bad launch)
+#   fault          it left the device unusable (an illegal address); the process was replaced
+#   crashed        it killed the benchmark process; replaced
+#   timeout        it ran past ``benchmark_timeout``; the process was killed and replaced
+#   start_failed   no benchmark process could be started for it
+#   closed         the scheduler was closed first
+BENCHMARK_OUTCOMES = ("ok", "compile_error", "error", "fault", "crashed", "timeout", "start_failed", "closed")
 
 # Histogram bounds in seconds, for the Prometheus collector: from a warm cache hit in a
 # worker (well under 5 ms) to a pathological compile (minutes).
@@ -144,6 +157,48 @@ class WorkerEvent:
         return {name: getattr(self, name) for name in _EVENT_FIELDS}
 
 
+@dataclass(frozen=True)
+class BenchmarkRecord:
+    """One configuration of an ``autotune()`` call: timed in a benchmark process, or why
+    it could not be (its time is then infinite, as Triton's autotuner counts it).
+
+    ``time_ms``, ``p20_ms`` and ``p80_ms`` are what Triton's benchmarker measured (the
+    median and the 20th and 80th percentiles, in milliseconds); ``reason`` says why a
+    configuration failed. ``attempt`` counts the processes it was sent to (2 when the
+    first was lost before it could time it). Times are wall-clock (``time.time()``).
+    """
+
+    event: ClassVar[str] = "benchmark"
+
+    name: str
+    """The kernel's."""
+    config: str
+    """The configuration, as a person reads it: ``BLOCK=128, num_warps=4, ...``."""
+    outcome: str
+    """One of ``BENCHMARK_OUTCOMES``."""
+    time_ms: float | None
+    p20_ms: float | None
+    p80_ms: float | None
+    reason: str | None
+    device: int | None
+    device_name: str | None
+    attempt: int
+    pid: int | None
+    """The benchmark process's."""
+    started_at: float
+    finished_at: float
+    key: str | None = None
+    """The compiled configuration's key (Triton's hash), when it compiled."""
+
+    @property
+    def duration(self) -> float:
+        return self.finished_at - self.started_at
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in _BENCHMARK_FIELDS}
+
+
+_BENCHMARK_FIELDS = tuple(f.name for f in fields(BenchmarkRecord))
 _RECORD_FIELDS = tuple(f.name for f in fields(JobRecord))
 _EVENT_FIELDS = tuple(f.name for f in fields(WorkerEvent))
 
@@ -176,6 +231,8 @@ class Statistics:
     """Requests whose own job ran in a worker and succeeded."""
     cache_hits: int = 0
     disk_hits: int = 0
+    shared_hits: int = 0
+    """Requests answered from the shared cache (``cache_url``)."""
     joined: int = 0
     """Requests that shared a job another request started."""
     error_hits: int = 0
@@ -207,6 +264,25 @@ class Statistics:
     disk_errors: int = 0
     """Reads and writes of the disk cache that failed (permission, I/O, a full disk): a
     read that failed is a miss, a write that failed leaves the kernel out of the directory."""
+    shared_state: str = "none"
+    """The shared cache (``cache_url``): "closed" (in use), "open" (failing, left alone
+    for now: every read a miss, every write dropped), "half-open" (one call trying it
+    again), or "none" (no ``cache_url``)."""
+    shared_misses: int = 0
+    shared_writes: int = 0
+    shared_errors: int = 0
+    """Reads and writes of the shared cache that failed (server down, slow, refusing): a
+    read that failed is a miss, a write that failed leaves the kernel unshared."""
+    shared_skipped: int = 0
+    """Reads and writes not attempted: the server was left alone after failing, the entry
+    was larger than ``cache_url_entry_bytes``, or too many writes were queued."""
+    shared_corrupt: int = 0
+    """Entries of the shared cache that did not decode: never loaded, recompiled."""
+    shared_refused: int = 0
+    """Entries of the shared cache not trusted, never loaded, recompiled: with
+    ``cache_key``, not signed with it."""
+    shared_opened: int = 0
+    """How many times the shared cache was found failing and left alone."""
     worker_crashes: int = 0
     """Worker processes that died unasked."""
     retries: int = 0
@@ -235,6 +311,25 @@ class Statistics:
     """The compiler's stage times, by stage."""
     slowest: tuple[tuple[str, str | None, float], ...] = ()
     """The slowest compiles: (kernel name, target, run time), slowest first."""
+    tunings: int = 0
+    """``autotune()`` calls answered with a configuration (tuned, or from a decision)."""
+    tuned: int = 0
+    """Of those, the ones that benchmarked configurations (the others found a decision,
+    or had one configuration left)."""
+    tuning_hits: int = 0
+    """``autotune()`` calls answered by a decision kept in memory or in ``cache_dir``."""
+    tuning_failures: int = 0
+    """``autotune()`` calls that failed: every configuration failed, or the scheduler
+    closed under them."""
+    benchmarks: int = 0
+    """Configurations benchmarked (or given up on: see ``benchmark_outcomes``)."""
+    benchmark_outcomes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(BENCHMARK_OUTCOMES, 0))
+    """Configurations by outcome (see ``BENCHMARK_OUTCOMES``)."""
+    benchmark_processes_started: int = 0
+    benchmark_processes_lost: int = 0
+    """Benchmark processes that died unasked: a crash, a fault, a hang, a failed start."""
+    benchmark_time: Summary = field(default_factory=Summary)
+    """Of configurations sent to a benchmark process: from sending to the answer."""
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -288,6 +383,7 @@ class Histograms:
     """By backend."""
     queue_wait_seconds: tuple[list[int], float]
     stage_seconds: dict[str, tuple[list[int], float]]
+    benchmark_seconds: tuple[list[int], float] = ([0] * (len(BUCKETS) + 1), 0.0)
 
 
 class Metrics:
@@ -305,6 +401,24 @@ class Metrics:
         self.by_backend: dict[str, _Durations] = {}
         self.slowest: list[tuple[float, str, str | None]] = []
         self.records: collections.deque[JobRecord] = collections.deque(maxlen=keep_records)
+        self.tunings = dict.fromkeys(("answered", "tuned", "hits", "failures"), 0)
+        self.benchmark_outcomes = dict.fromkeys(BENCHMARK_OUTCOMES, 0)
+        self.benchmark_time = _Durations()
+        self.benchmark_records: collections.deque[BenchmarkRecord] = collections.deque(maxlen=keep_records)
+
+    def tuning(self, what: str) -> None:
+        """Count an ``autotune()`` call: ``answered``, ``tuned``, ``hits`` or ``failures``."""
+        with self._lock:
+            self.tunings[what] += 1
+
+    def benchmark(self, record: BenchmarkRecord, keep: bool = True) -> None:
+        with self._lock:
+            self.benchmark_outcomes[record.outcome] += 1
+            if not keep:
+                return
+            self.benchmark_records.append(record)
+            if record.pid is not None:
+                self.benchmark_time.add(record.duration)
 
     def submit(self) -> None:
         with self._lock:
@@ -351,6 +465,7 @@ class Metrics:
                 compile_seconds={name: d.histogram() for name, d in self.by_backend.items()},
                 queue_wait_seconds=self.queue_wait.histogram(),
                 stage_seconds={name: d.histogram() for name, d in self.stages.items()},
+                benchmark_seconds=self.benchmark_time.histogram(),
             )
 
     def snapshot(self, pool: dict[str, Any]) -> Statistics:
@@ -361,6 +476,7 @@ class Metrics:
                 compiled=outcomes["compiled"],
                 cache_hits=outcomes["cache_hit"],
                 disk_hits=outcomes["disk_hit"],
+                shared_hits=outcomes["shared_hit"],
                 joined=outcomes["joined"],
                 error_hits=outcomes["error_hit"],
                 failed=sum(outcomes[name] for name in FAILURES),
@@ -373,5 +489,12 @@ class Metrics:
                 total_time=self.total_time.summary(),
                 stages={name: d.summary() for name, d in self.stages.items()},
                 slowest=tuple((name, target, t) for t, name, target in self.slowest),
+                tunings=self.tunings["answered"],
+                tuned=self.tunings["tuned"],
+                tuning_hits=self.tunings["hits"],
+                tuning_failures=self.tunings["failures"],
+                benchmarks=sum(self.benchmark_outcomes.values()),
+                benchmark_outcomes=dict(self.benchmark_outcomes),
+                benchmark_time=self.benchmark_time.summary(),
                 **pool,
             )

@@ -326,7 +326,8 @@ def _kernel_table(requests: Sequence[JobRecord]) -> list[str]:
             stage_means.append(_ms(statistics.fmean(seconds)) if seconds else "-")
         rows.append([
             name, target or "-", str(len(group)), str(outcomes.count("compiled")),
-            str(outcomes.count("cache_hit") + outcomes.count("disk_hit")), str(outcomes.count("joined")),
+            str(sum(outcomes.count(hit) for hit in ("cache_hit", "disk_hit", "shared_hit"))),
+            str(outcomes.count("joined")),
             str(sum(outcomes.count(failure) for failure in FAILURES)),
             _ms(statistics.median_low(run_times)) if run_times else "-",
             _ms(run_times[-1]) if run_times else "-",

@@ -2,18 +2,22 @@
 
 A request is admitted (counted, then answered from the memory cache, joined to the job
 already under way for its key, or started), its work runs (a read of the disk cache, then
-a job in the pool if that missed), and it ends in exactly one outcome, recorded once:
-``compiled``, ``cache_hit``, ``disk_hit``, ``joined``, ``error_hit``, ``error``,
-``timeout``, ``crashed``, ``cancelled`` or ``closed``.
+of the shared cache, then a job in the pool if both missed), and it ends in exactly one
+outcome, recorded once: ``compiled``, ``cache_hit``, ``disk_hit``, ``shared_hit``,
+``joined``, ``error_hit``, ``error``, ``timeout``, ``crashed``, ``cancelled`` or
+``closed``. A compiled result is written to both caches afterwards, and one found in the
+shared cache to the disk cache.
 
 Everything here is thread-safe and tied to no event loop: requests arrive from any loop in
 any thread (or from none, for Inductor's synchronous compiles), jobs finish in the pool's
-supervisor thread, disk reads in the disk cache's threads.
+supervisor thread (or a foreign executor's callback thread), cache reads in the caches'
+threads.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import time
 from typing import Any, Callable
 
@@ -27,9 +31,11 @@ from aiocompile._diskcache import DiskCache
 from aiocompile._errors import CompileError, CompileTimeout, SchedulerClosed, WorkerCrashedError
 from aiocompile._events import EventHub
 from aiocompile._foreign import ForeignPool
+from aiocompile._frozen import build
 from aiocompile._jobs import Job
 from aiocompile._metrics import JobRecord, Metrics
 from aiocompile._pool import WorkerPool, check_timeout
+from aiocompile._shared_cache import SharedCache
 from aiocompile.backends import Request
 
 
@@ -43,6 +49,7 @@ class Requests:
         pool: WorkerPool | ForeignPool,
         cache: KernelCache,
         disk: DiskCache | None,
+        shared: SharedCache | None = None,
         metrics: Metrics,
         events: EventHub,
         costs: CostHistory,
@@ -52,6 +59,7 @@ class Requests:
         self._pool = pool
         self._cache = cache
         self._disk = disk
+        self._shared = shared
         self._metrics = metrics
         self._events = events
         self._costs = costs
@@ -69,6 +77,13 @@ class Requests:
         if timeout is None:
             timeout = self.config.timeout
         try:
+            if request.key is None and request.finish is None:
+                # Nothing to share, to remember or to make of the answer: the caller waits
+                # on the job's own future (a second future, and the callback that passes
+                # the result from one to the other, were a tenth of a trivial job's round
+                # trip).
+                job = self._submit_job(request, timeout)
+                return "started", Entry(None, future=job.future, job=job), wall, arrived
             how, found = self._cache.join_or_start(request.key, lambda entry: self._start(entry, request, timeout))
         except BaseException as exc:
             self._record(request, _failure_outcome(exc), wall, arrived, None, error=exc)
@@ -120,38 +135,63 @@ class Requests:
 
     def _start(self, entry: Entry, request: Request, timeout: float | None) -> None:
         """Start the work for a new entry: a read of the disk cache if there is one for this
-        kind of result, a job otherwise (or after a miss)."""
+        kind of result, then of the shared cache, then a job (each after a miss)."""
         disk = self._disk
         if disk is not None and disk.access != "refused" and request.key is not None and request.decode is not None:
             lookup = disk.submit(disk.load, request.key, request.decode)
-            lookup.add_done_callback(lambda done: self._after_disk(entry, request, timeout, done))
+            lookup.add_done_callback(lambda done: self._after_read("disk", entry, request, timeout, done))
             return
-        self._submit(entry, request, timeout)
+        self._read_shared(entry, request, timeout)
 
-    def _after_disk(self, entry: Entry, request: Request, timeout: float | None, done: cf.Future[Any]) -> None:
-        # In a disk cache thread, as a done-callback: an exception escaping it would only be
+    def _read_shared(self, entry: Entry, request: Request, timeout: float | None) -> None:
+        shared = self._shared
+        lookup = None
+        if shared is not None and request.key is not None and request.decode is not None:
+            lookup = shared.lookup(request.key, request.decode)  # None: left alone for now
+        if lookup is None:
+            self._submit(entry, request, timeout)
+            return
+        lookup.add_done_callback(lambda done: self._after_read("shared", entry, request, timeout, done))
+
+    def _after_read(self, tier: str, entry: Entry, request: Request, timeout: float | None,
+                    done: cf.Future[Any]) -> None:
+        # In a cache's thread, as a done-callback: an exception escaping it would only be
         # logged, and every request waiting on the entry would wait forever. So whatever
-        # goes wrong here fails those requests instead. (A file that cannot be used is not
-        # such a thing: load() answers a miss for it.)
+        # goes wrong here fails those requests instead. (An entry that cannot be used is
+        # not such a thing: the read answers a miss for it.)
         try:
             found = done.result()
             if found is not None:
                 result, entry.load_time = found
-                entry.source = "disk"
+                entry.source = tier
                 self._complete(entry, request, result)
+                if tier == "shared":
+                    self._keep_on_disk(request, result)
                 return
             if self._cache.abandoned(entry):
-                # Everyone stopped waiting while the disk was read: no compile for nobody.
+                # Everyone stopped waiting while the cache was read: no compile for nobody.
                 entry.future.cancel()
                 return
-            self._submit(entry, request, timeout)
+            if tier == "disk":
+                self._read_shared(entry, request, timeout)
+            else:
+                self._submit(entry, request, timeout)
         except BaseException as exc:
             self._fail(entry, exc)
 
-    def _submit(self, entry: Entry, request: Request, timeout: float | None) -> None:
-        job = self._pool.submit_job(
+    def _keep_on_disk(self, request: Request, result: Any) -> None:
+        disk = self._disk
+        if disk is not None and request.key is not None and request.encode is not None:
+            encode = request.encode
+            disk.store(request.key, lambda: encode(result))
+
+    def _submit_job(self, request: Request, timeout: float | None) -> Job:
+        return self._pool.submit_job(
             request.fn, request.args, timeout=timeout, name=request.name, key=request.key, direct=request.direct
         )
+
+    def _submit(self, entry: Entry, request: Request, timeout: float | None) -> None:
+        job = self._submit_job(request, timeout)
         entry.job = job
 
         job.future.add_done_callback(_bridge.Once(self._job_finished, entry, request, job))
@@ -164,10 +204,14 @@ class Requests:
             if request.details is not None and self.config.metrics:
                 entry.details = request.details(raw)
                 if not entry.details.get("compiler_cache_hit") and job.run_time is not None:
-                    self._costs.note(request.key, request.name, request.backend, request.target, job.run_time)
-            started = time.perf_counter()
-            result = request.finish(raw)
-            entry.load_time = time.perf_counter() - started
+                    self._costs.note(request.key, request.name, request.backend, request.target, job.run_time,
+                                     request.features)
+            if request.finish is None:
+                result = raw  # nothing to load: no load time
+            else:
+                started = time.perf_counter()
+                result = request.finish(raw)
+                entry.load_time = time.perf_counter() - started
         except BaseException as exc:
             # Only a deterministic compile error is worth remembering: a crash or a
             # timeout may well not happen again.
@@ -180,10 +224,14 @@ class Requests:
         except BaseException as exc:  # a done-callback must not leave its waiters waiting
             self._fail(entry, exc)
             return
-        disk = self._disk
-        if disk is not None and request.key is not None and request.encode is not None:
-            encode = request.encode
-            disk.store(request.key, lambda: encode(result))
+        if request.key is None or request.encode is None:
+            return
+        # Both tiers keep the same bytes: encoded once, by whichever writes first.
+        encode = functools.lru_cache(maxsize=1)(functools.partial(request.encode, result))
+        if self._disk is not None:
+            self._disk.store(request.key, encode)
+        if self._shared is not None:
+            self._shared.store(request.key, encode)
 
     def _fail(self, entry: Entry, exc: BaseException) -> None:
         """Fail an entry whose work went wrong outside the job itself (not remembered)."""
@@ -215,27 +263,27 @@ class Requests:
         own = job if job is not None and outcome != "joined" else None
         details = entry.details if entry is not None and entry.details is not None and own is not None else {}
         size = getattr(result, "size", None)
-        record = JobRecord(
-            key=request.key,
-            name=request.name,
-            backend=request.backend,
-            target=request.target,
-            outcome=outcome,
-            error=None if error is None else f"{type(error).__name__}: {error}",
-            queued_at=wall,
-            started_at=None if own is None or own.started_at is None else finished - (now - own.started_at),
-            finished_at=finished,
-            queue_wait=own.queue_wait if own is not None else None,
-            run_time=own.run_time if own is not None else None,
-            load_time=entry.load_time if entry is not None and outcome != "joined" else None,
-            total_time=now - arrived,
-            stages=details.get("stages", ()),
-            compiler_cache_hit=details.get("compiler_cache_hit"),
-            attempts=own.attempts if own is not None else 0,
-            worker_pid=job.worker_pid if job is not None else None,
-            worker_rss=(own.worker_rss or None) if own is not None else None,
-            artifact_size=size if isinstance(size, int) else None,
-        )
+        record = build(JobRecord, {
+            "key": request.key,
+            "name": request.name,
+            "backend": request.backend,
+            "target": request.target,
+            "outcome": outcome,
+            "error": None if error is None else f"{type(error).__name__}: {error}",
+            "queued_at": wall,
+            "started_at": None if own is None or own.started_at is None else finished - (now - own.started_at),
+            "finished_at": finished,
+            "queue_wait": own.queue_wait if own is not None else None,
+            "run_time": own.run_time if own is not None else None,
+            "load_time": entry.load_time if entry is not None and outcome != "joined" else None,
+            "total_time": now - arrived,
+            "stages": details.get("stages", ()),
+            "compiler_cache_hit": details.get("compiler_cache_hit"),
+            "attempts": own.attempts if own is not None else 0,
+            "worker_pid": job.worker_pid if job is not None else None,
+            "worker_rss": (own.worker_rss or None) if own is not None else None,
+            "artifact_size": size if isinstance(size, int) else None,
+        })
         self._metrics.finish(record)
         self._events.emit(record)
 
@@ -306,7 +354,7 @@ def _failure_outcome(exc: BaseException) -> str:
 
 
 def _success_outcome(how: str, entry: Entry) -> str:
-    """The outcome of a request whose job (or disk read) succeeded."""
+    """The outcome of a request whose job (or cache read) succeeded."""
     if how == "joined":
         return "joined"
-    return "disk_hit" if entry.source == "disk" else "compiled"
+    return {"disk": "disk_hit", "shared": "shared_hit"}.get(entry.source, "compiled")

@@ -17,29 +17,35 @@ trio, and loops in several threads at once.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import inspect
 import os
-import sys
-from collections.abc import Iterable, Mapping, MutableMapping
+import threading
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Callable
 
 import anyio
 
 from aiocompile import _bridge, _checks, _threads
 from aiocompile._admission import Gates
+from aiocompile._batch import compile_batch
 from aiocompile._cache import KernelCache
 from aiocompile._config import SchedulerConfig
-from aiocompile._costs import CostHistory, longest_first
+from aiocompile._costs import CostHistory
 from aiocompile._diskcache import DiskCache
 from aiocompile._errors import SchedulerClosed
 from aiocompile._events import EventHub, Listener
 from aiocompile._foreign import ExecutorSpec, ForeignPool
+from aiocompile._frozen import build
 from aiocompile._metrics import JobRecord, Metrics, Statistics
 from aiocompile._pool import WorkerPool
 from aiocompile._progress import Progress
 from aiocompile._requests import Requests
+from aiocompile._shared_cache import SharedCache
 from aiocompile._target import parse_target
-from aiocompile.backends import Request
+from aiocompile._tuning._tuner import AutotuneResult, Tuner
+from aiocompile._waiting import wait_many
+from aiocompile.backends import Request, SpecBackend
+from aiocompile.backends.cpp import CppBackend, NativeLibrary
+from aiocompile.backends.cuda import CudaBackend, CudaBinary
 from aiocompile.backends.triton import TritonBackend
 from aiocompile.backends.triton._kernel import TritonKernel
 
@@ -80,7 +86,13 @@ class Scheduler:
     for a stdlib ``ProcessPoolExecutor``, whose settings are copied). A broken process pool
     is rebuilt and its lost jobs re-run so that no innocent job fails (see ``_foreign``);
     such an executor cannot stop a running job, so timeouts and ``cancel_running="kill"``
-    only stop the waiting there.
+    only stop the waiting there. A Dask ``distributed.Client`` (or
+    ``aiocompile.dask.executor(client)``) runs jobs on a cluster with this pool's crash,
+    timeout and kill semantics (see ``aiocompile.dask``).
+
+    ``cache_url="redis://host:6379/0"`` adds a cache shared by a fleet behind the memory
+    cache and ``cache_dir`` (see ``_shared_cache``): a kernel any machine compiled is
+    read from there rather than compiled again.
     """
 
     def __init__(
@@ -92,6 +104,7 @@ class Scheduler:
         start_method: str | None = None,
         cancel_running: str | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
+        cache_url: str | None = None,
         event_log: str | os.PathLike[str] | None = None,
         on_event: Listener | None = None,
         config: SchedulerConfig | None = None,
@@ -103,7 +116,7 @@ class Scheduler:
         # The configuration checks each of these (and turns paths into str).
         self.config = base.with_changes(
             workers=workers, timeout=timeout, max_crashes=max_crashes, start_method=start_method,
-            cancel_running=cancel_running, cache_dir=cache_dir, event_log=event_log,
+            cancel_running=cancel_running, cache_dir=cache_dir, cache_url=cache_url, event_log=event_log,
         )
         if on_event is not None:
             _checks.check_callable("on_event", on_event)
@@ -123,6 +136,10 @@ class Scheduler:
         self._cache = KernelCache(self.config.cache_entries, self.config.cache_bytes, self.config.error_ttl)
         self._disk = None if self.config.cache_dir is None else DiskCache(
             self.config.cache_dir, self.config.cache_dir_bytes, self.config.cache_key)
+        self._shared = None if self.config.cache_url is None else SharedCache(
+            self.config.cache_url, ttl=self.config.cache_url_ttl, max_entry=self.config.cache_url_entry_bytes,
+            timeout=self.config.cache_url_timeout, retry_after=self.config.cache_url_retry,
+            secret=self.config.cache_key)
         self._metrics = Metrics()
         self._events = EventHub(event_log=self.config.event_log if self.config.metrics else None,
                                 on_event=on_event)
@@ -139,9 +156,15 @@ class Scheduler:
         self._context = _Context(self)
         self._gates = Gates()
         self._requests = Requests(self.config, pool=self._pool, cache=self._cache, disk=self._disk,
-                                  metrics=self._metrics, events=self._events, costs=self._costs,
+                                  shared=self._shared, metrics=self._metrics, events=self._events, costs=self._costs,
                                   check_open=self._check_open)
         self._triton = TritonBackend()
+        self._tuner: Tuner | None = None
+        self._tuner_lock = threading.Lock()
+        self._cpp = CppBackend()
+        self._cuda = CudaBackend()
+        # compile_many's specs name their backend by their "kind".
+        self._backends: dict[str, SpecBackend] = {"triton": self._triton, "cpp": self._cpp, "cuda": self._cuda}
         self._pid = os.getpid()
         self._closed = False
         # Made inside a running loop (the default scheduler always is): warm anyio now.
@@ -184,9 +207,14 @@ class Scheduler:
         _checks.CLOSE_GRACE.check("grace", grace)
         self._closed = True
         grace = self.config.close_grace if grace is None else grace
+        tuner = self._tuner
+        if tuner is not None and self._pid == os.getpid():
+            tuner.close()  # before the pool: a tuning waiting on compiles then ends with them
         self._pool.shutdown(wait=True, cancel_futures=True, grace=grace)
         if self._disk is not None:
             self._disk.close(wait=True)  # results compiled before the close reach the disk
+        if self._shared is not None:
+            self._shared.close(wait=True)  # and the shared cache (each write bounded by its timeout)
         if self._pid == os.getpid():
             self._costs.save()
         self._events.close()  # after the pool: its last worker events reach the file
@@ -197,16 +225,23 @@ class Scheduler:
         if self._closed or self._pool.closed:
             raise SchedulerClosed("the scheduler is closed")
 
-    async def warm(self, target: Any = "cuda:90") -> None:
+    async def warm(self, target: Any = "cuda:90", *, benchmark: bool = False) -> None:
         """Start every worker now and run one tiny compile in each, so that the compiler's
         per-process set-up is paid before the first real job; meanwhile, pay this process's
         own first-key cost for ``target`` (hashing Triton, asking ptxas its version) and,
         where this machine has a GPU of ``target``'s kind, its one-time cost of loading
         kernels (Triton's GPU driver, the device's context; see ``prime_loading``).
 
+        With ``benchmark=True``, also start the benchmark processes ``autotune()`` times
+        configurations in (one per device), without waiting for them to be ready.
+
         Cancelling the await leaves the workers starting; they serve later jobs.
         """
         self._check_open()
+        if not isinstance(benchmark, bool):
+            raise TypeError(f"benchmark must be True or False, got {benchmark!r}")
+        if benchmark:
+            await self._tuning().warm()
         parsed = parse_target(target) or parse_target("cuda:90")
         assert parsed is not None
         from aiocompile.backends.triton import _kernel as _triton_kernel
@@ -227,6 +262,7 @@ class Scheduler:
         counters = self._pool.counters
         pool = self._pool.snapshot()
         disk = self._disk
+        shared = self._shared
         return self._metrics.snapshot({
             "cache_entries": len(self._cache),
             "cache_bytes": self._cache.bytes,
@@ -237,6 +273,14 @@ class Scheduler:
             "disk_corrupt": disk.corrupt if disk else 0,
             "disk_refused": disk.refused if disk else 0,
             "disk_errors": disk.errors if disk else 0,
+            "shared_state": shared.state if shared else "none",
+            "shared_misses": shared.misses if shared else 0,
+            "shared_writes": shared.writes if shared else 0,
+            "shared_errors": shared.errors if shared else 0,
+            "shared_skipped": shared.skipped if shared else 0,
+            "shared_corrupt": shared.corrupt if shared else 0,
+            "shared_refused": shared.refused if shared else 0,
+            "shared_opened": shared.opened if shared else 0,
             "worker_crashes": counters.worker_crashes,
             "retries": counters.retries,
             "timeouts": counters.timeouts,
@@ -247,6 +291,7 @@ class Scheduler:
             "busy_workers": pool["busy_workers"],
             "queue_depth": pool["queue_depth"],
             "queue_depth_max": counters.queue_depth_max,
+            **(self._tuner.counters() if self._tuner is not None else {}),
         })
 
     def records(self) -> list[JobRecord]:
@@ -254,11 +299,12 @@ class Scheduler:
         return list(self._metrics.records)
 
     def subscribe(self, listener: Listener) -> Callable[[], None]:
-        """Call ``listener(event)`` with every ``JobRecord`` and ``WorkerEvent`` from now
-        on; returns a function that stops it.
+        """Call ``listener(event)`` with every ``JobRecord``, ``WorkerEvent`` and
+        ``BenchmarkRecord`` from now on; returns a function that stops it.
 
         The listener runs in the thread where the event happened (an event loop's thread
-        for records, the pool's supervisor thread for worker events), so it must be quick
+        for records, the pool's supervisor thread for worker events, a tuning's thread for
+        benchmark records), so it must be quick
         and thread-safe; to reach an event loop, use its ``call_soon_threadsafe``. An
         exception it raises is logged once and otherwise ignored. Nothing is reported when
         ``config.metrics`` is off.
@@ -310,6 +356,70 @@ class Scheduler:
         result: TritonKernel = await self._execute(request, timeout)
         return result
 
+    async def compile_cpp(
+        self,
+        source: str,
+        *,
+        flags: Sequence[str] = (),
+        include_dirs: Sequence[str | os.PathLike[str]] = (),
+        libraries: Sequence[str] = (),
+        compiler: str | os.PathLike[str] | None = None,
+        name: str | None = None,
+        timeout: float | None = None,
+    ) -> NativeLibrary:
+        """Build a shared library from C++ ``source`` in a worker process; returns a
+        ``NativeLibrary`` (``lib.symbol("f")`` calls ``f`` through ctypes).
+
+        ``flags`` go to the compiler as they are, ``include_dirs`` as ``-I``, ``libraries``
+        are names (``"m"``: ``-lm``) or files; ``compiler`` is a path or a name on PATH
+        (default: ``c++``, ``g++`` or ``clang++``). The key covers them, the compiler's
+        identity and version, and the headers the source reads from its include
+        directories (an edited header compiles anew).
+
+        ``TypeError``/``ValueError`` for bad arguments and ``CompilerNotFound`` at once,
+        before any worker; ``CompileError`` with the diagnostics and command line;
+        ``CompileTimeout`` past ``timeout`` seconds of worker time, ``WorkerCrashedError``
+        after ``max_crashes`` worker deaths: either way the worker is killed with every
+        compiler process it started, no other. Single flight, caches and cancellation are
+        ``compile_triton``'s; with ``cancel_running="kill"`` a cancelled compile nobody
+        waits for dies with its compiler.
+        """
+        _checks.CALL_TIMEOUT.check("timeout", timeout)
+        request = await self._cpp.prepare(self._context, source=source, flags=flags, include_dirs=include_dirs,
+                                          libraries=libraries, compiler=compiler, name=name)
+        result: NativeLibrary = await self._execute(request, timeout)
+        return result
+
+    async def compile_cuda(
+        self,
+        source: str,
+        *,
+        arch: str | Sequence[str] = "sm_90",
+        output: str = "cubin",
+        flags: Sequence[str] = (),
+        include_dirs: Sequence[str | os.PathLike[str]] = (),
+        compiler: str | os.PathLike[str] | None = None,
+        name: str | None = None,
+        timeout: float | None = None,
+    ) -> CudaBinary:
+        """Compile CUDA ``source`` with nvcc in a worker process (no GPU needed); returns a
+        ``CudaBinary``. On a GPU, ``await binary.load()``, then
+        ``binary.kernel("name")[grid, block](*args)``.
+
+        ``arch``: one architecture or several (``("sm_80", "sm_90")``, ``"compute_90"``
+        for PTX); ``output``: ``"cubin"`` or ``"ptx"`` (one per architecture),
+        ``"fatbin"``, or ``"shared"`` (a host library). AMD architectures (``"gfx942"``)
+        compile with hipcc into a code object (``"hsaco"``) or a shared library.
+        ``compiler``: default nvcc from ``CUDA_HOME``, ``CUDA_PATH``, PATH or
+        ``/usr/local/cuda``. The record's stages are nvcc's own phase times. Errors,
+        timeouts, crashes, caching and cancellation are ``compile_cpp``'s.
+        """
+        _checks.CALL_TIMEOUT.check("timeout", timeout)
+        request = await self._cuda.prepare(self._context, source=source, arch=arch, output=output, flags=flags,
+                                           include_dirs=include_dirs, compiler=compiler, name=name)
+        result: CudaBinary = await self._execute(request, timeout)
+        return result
+
     async def warmup(
         self,
         kernel: Any,
@@ -352,6 +462,59 @@ class Scheduler:
             await _threads.LOADS.run(lambda: _triton_warmup.prime(plan, compiled))
         return compiled
 
+    async def autotune(
+        self,
+        kernel: Any,
+        *args: Any,
+        grid: Any = None,
+        device: int | None = None,
+        timeout: float | None = None,
+        progress: bool = False,
+        **kwargs: Any,
+    ) -> AutotuneResult:
+        """Tune a ``@triton.autotune`` kernel for ``kernel[grid](*args, **kwargs)`` without
+        stalling: every configuration compiled in the pool, each timed in a benchmark
+        process (one per GPU, never this process), and Triton primed with the choice, so
+        that the ordinary launch with such arguments neither compiles nor benchmarks.
+
+        ``args`` and ``kwargs`` are what the launch passes (real tensors: their shapes,
+        strides and values are copied to the benchmark process), ``grid`` its grid (a tuple
+        or a callable, as for the launch). The key, the pruning (``prune_configs_by``) and
+        each configuration's specialisation are Triton's own, and configurations are timed
+        as Triton's autotuner times them (its ``do_bench``, ``reset_to_zero``,
+        ``restore_value`` and hooks), so the choice is the one Triton would make on this
+        machine. ``device`` tunes for that GPU, timed on it; None tunes for the current
+        device, timed on any visible GPU of the same model (a batch of calls spreads over
+        them). ``progress=True`` shows a bar over the compiles and the timings.
+
+        The decision is kept (in memory, and in ``cache_dir`` when there is one) by the
+        kernel, the autotuner's key, the device model and Triton's version: a later call,
+        here or in a restarted process, tunes nothing. Returns an ``AutotuneResult``.
+
+        Errors: a kernel without ``@triton.autotune`` raises ``TypeError`` (use
+        ``warmup()``); arguments that do not bind raise what ``warmup()`` raises; no GPU
+        for the device raises ``RuntimeError``, at once, before anything compiles. A
+        configuration that does not compile (within ``timeout`` seconds of worker time),
+        runs out of resources, faults the GPU, crashes its benchmark process or runs past
+        ``benchmark_timeout`` counts as infinitely slow, with its reason in its
+        ``BenchmarkRecord``; a process it brought down is replaced and the others go on.
+        If every configuration fails, ``AutotuneError`` lists each one and why.
+
+        Concurrent calls with the same decision key share one tuning. Cancelling the await
+        leaves a started tuning running (its decision is kept for the next call) and
+        primes nothing.
+        """
+        tuner = self._tuning()
+        return await tuner.autotune(kernel, args, kwargs, grid=grid, device=device, timeout=timeout,
+                                    progress=progress)
+
+    def _tuning(self) -> Tuner:
+        self._check_open()
+        with self._tuner_lock:
+            if self._tuner is None:
+                self._tuner = Tuner(self)
+            return self._tuner
+
     async def compile_many(
         self,
         specs: Iterable[Mapping[str, Any]],
@@ -362,84 +525,15 @@ class Scheduler:
         """Compile many kernels concurrently; results in the order of ``specs``.
 
         Each spec is a mapping of ``compile_triton``'s keyword arguments with the kernel
-        under ``"kernel"``. With ``return_exceptions`` a failed compile's exception takes
-        its place in the list; otherwise the first failure is raised once the compiles
-        that already started have been let go (they finish in the background and are
-        cached). ``progress=True`` shows a progress bar, naming the kernels being
-        compiled, on a terminal or in a notebook (nowhere else).
+        under ``"kernel"``; or, with ``"kind": "cpp"`` or ``"kind": "cuda"``, of
+        ``compile_cpp``'s or ``compile_cuda``'s, the source under ``"source"``. With
+        ``return_exceptions`` a failed compile's exception takes its place in the list;
+        otherwise the first failure is raised once the compiles that already started have
+        been let go (they finish in the background and are cached). ``progress=True``
+        shows a progress bar, naming the kernels being compiled, on a terminal or in a
+        notebook (nowhere else).
         """
-        spec_list = [dict(spec) for spec in specs]
-        for index, spec in enumerate(spec_list):
-            for needed in ("kernel", "signature"):
-                if needed not in spec:
-                    raise TypeError(f"spec #{index} has no {needed!r}")
-        results: list[Any] = [None] * len(spec_list)
-        requests: list[Request | None] = [None] * len(spec_list)
-        timeouts: list[float | None] = [spec.pop("timeout", None) for spec in spec_list]
-        for index, timeout in enumerate(timeouts):
-            _checks.CALL_TIMEOUT.check(f"timeout of spec #{index}", timeout)
-        labels = [str(spec.pop("label", None) or getattr(spec["kernel"], "__name__", None)
-                      or getattr(spec["kernel"], "name", "?")) for spec in spec_list]
-        first_error: list[BaseException] = []
-        bar = self._progress(len(spec_list), progress)
-
-        def failed(index: int, exc: Exception, scope: anyio.CancelScope) -> None:
-            bar.finished(labels[index], ok=False)
-            if return_exceptions:
-                results[index] = exc
-            elif not first_error:
-                first_error.append(exc)
-                scope.cancel()
-
-        async def execute(index: int, request: Request, admitted: Any, scope: anyio.CancelScope) -> None:
-            try:
-                results[index] = await self._requests.result(request, admitted)
-            except Exception as exc:
-                failed(index, exc, scope)
-                return
-            bar.finished(labels[index], ok=True)
-
-        try:
-            await _threads.LOADS.run(self._costs.load)
-            # First every key (checked arguments, Triton's hash: in one thread, in order), so
-            # that the compiles can start longest first: a batch ends when its last compile
-            # does, and a long one started last runs alone at the end.
-            items = [{"kernel": spec.pop("kernel"), "signature": spec.pop("signature"),
-                      "constexprs": spec.pop("constexprs", None), "target": spec.pop("target", None),
-                      "attrs": spec.pop("attrs", None), "options": spec} for spec in spec_list]
-            unstarted = anyio.CancelScope()  # nothing has started yet for a failure to cancel
-            for index, prepared in enumerate(await self._triton.prepare_many(self._context, items)):
-                if isinstance(prepared, Exception):
-                    failed(index, prepared, unstarted)
-                else:
-                    requests[index] = prepared
-            if not first_error:
-                ready = [(index, request) for index, request in enumerate(requests) if request is not None]
-                estimates = [self._costs.estimate(r.key, r.name, r.backend, r.target) for _, r in ready]
-                async with anyio.create_task_group() as group:
-                    # Admitted here, in this order, and not by the tasks: the pool's queue is
-                    # first come first served, while the order in which new tasks take their
-                    # first step is up to the event loop (trio shuffles it on purpose).
-                    for count, position in enumerate(longest_first(estimates), 1):
-                        if count % 8 == 0:
-                            # A thousand admissions in one go would hold the loop for tens
-                            # of milliseconds; those admitted so far have their tasks.
-                            await anyio.lowlevel.checkpoint()
-                        index, request = ready[position]
-                        try:
-                            admitted = self._requests.admit(request, timeouts[index])
-                        except Exception as exc:
-                            failed(index, exc, group.cancel_scope)
-                            if first_error:
-                                break
-                            continue
-                        group.start_soon(execute, index, request, admitted, group.cancel_scope)
-        finally:
-            bar.close()
-            _threads.LOADS.submit(self._costs.save)
-        if first_error:
-            raise first_error[0]
-        return results
+        return await compile_batch(self, specs, progress=progress, return_exceptions=return_exceptions)
 
     async def wait(
         self,
@@ -463,62 +557,11 @@ class Scheduler:
         ``return_exceptions`` puts exceptions in place of results. Cancelling ``wait()``
         cancels the waiting, with the same rule for started compiles.
         """
-        if isinstance(awaitables, MutableMapping):
-            scope: MutableMapping[Any, Any] | None = awaitables
-            items = [(name, value) for name, value in list(awaitables.items()) if _is_waitable(value)]
-        elif isinstance(awaitables, Iterable) and not isinstance(awaitables, (str, bytes)):
-            scope = None
-            items = list(enumerate(awaitables))
-            for index, value in items:
-                if not _is_waitable(value):
-                    raise TypeError(f"item #{index} is not awaitable: {value!r}")
-        else:
-            raise TypeError(f"wait() takes an iterable of awaitables or a mapping, got {type(awaitables).__name__}")
-        # One await per distinct object: a coroutine cannot be awaited twice.
-        distinct: dict[int, Any] = {}
-        for _, value in items:
-            distinct.setdefault(id(value), value)
-        outcome: dict[int, Any] = {}
-        first_error: list[BaseException] = []
-        bar = self._progress(len(distinct), progress)
+        return await wait_many(awaitables, lambda total: self._progress(total, progress), return_exceptions)
 
-        async def one(ident: int, value: Any, scope_: anyio.CancelScope) -> None:
-            try:
-                if isinstance(value, cf.Future):
-                    result = await _bridge.wait(value)
-                elif _is_inductor_future(value):
-                    result = await _await_inductor_future(value)
-                else:
-                    result = await value
-            except Exception as exc:
-                bar.finished(type(exc).__name__, ok=False)
-                outcome[ident] = exc
-                if not return_exceptions and not first_error:
-                    first_error.append(exc)
-                    scope_.cancel()
-                return
-            bar.finished(str(getattr(result, "name", "") or ""), ok=True)
-            outcome[ident] = result
-
-        try:
-            async with anyio.create_task_group() as group:
-                for ident, value in distinct.items():
-                    group.start_soon(one, ident, value, group.cancel_scope)
-        finally:
-            bar.close()
-            for value in distinct.values():
-                if inspect.iscoroutine(value) and id(value) not in outcome:
-                    value.close()  # never started: no "was never awaited" warning
-        if first_error:
-            raise first_error[0]
-        if scope is not None:
-            for name, value in items:
-                scope[name] = outcome[id(value)]
-            return scope
-        return [outcome[id(value)] for _, value in items]
-
-    def _progress(self, total: int, enabled: bool) -> Progress:
-        return Progress(total, enabled=enabled, subscribe=self.subscribe if self.config.metrics else None)
+    def _progress(self, total: int, enabled: bool, description: str = "compiling") -> Progress:
+        return Progress(total, enabled=enabled, description=description,
+                        subscribe=self.subscribe if self.config.metrics else None)
 
     async def run(
         self, fn: Callable[..., Any], *args: Any, key: str | None = None, timeout: float | None = None
@@ -539,11 +582,17 @@ class Scheduler:
         _checks.CALL_TIMEOUT.check("timeout", timeout)
         # Its turn first (see _admission): in a burst, most requests wait here, and what
         # they have not built yet costs the loop nothing now.
-        await self._gates.enter()
+        if not self._gates.enter_now():
+            await self._gates.enter()
         name = getattr(fn, "__qualname__", None) or type(fn).__name__
-        request = Request(backend="python", key=key, name=name, target=None, fn=fn, args=args, finish=_identity,
-                          direct=True)
-        return await self._requests.result(request, self._requests.admit(request, timeout))
+        request = build(Request, {"backend": "python", "key": key, "name": name, "target": None, "fn": fn,
+                                  "args": args, "finish": None, "encode": None, "decode": None, "size": None,
+                                  "details": None, "direct": True, "features": ()})
+        admitted = self._requests.admit(request, timeout)
+        result = await self._requests.result(request, admitted)
+        if admitted[0] in ("started", "joined"):
+            self._gates.waited()  # it waited for its job: the loop has gone round (see _admission)
+        return result
 
     # -- the request path ---------------------------------------------------------------------
 
@@ -551,7 +600,11 @@ class Scheduler:
         # A burst of requests is admitted a loop iteration's slice at a time (see
         # _admission); one waiting its turn has not been counted or started yet.
         await self._gates.enter()
-        return await self._requests.result(request, self._requests.admit(request, timeout))
+        admitted = self._requests.admit(request, timeout)
+        result = await self._requests.result(request, admitted)
+        if admitted[0] in ("started", "joined"):
+            self._gates.waited()  # it waited for its job: the loop has gone round (see _admission)
+        return result
 
 
     # -- PyTorch Inductor --------------------------------------------------------------------
@@ -601,32 +654,3 @@ class Scheduler:
         waiting (a backend's warm-up, such as importing torch for Inductor's kernels)."""
         self._check_open()
         self._pool.warm(fn, args)
-
-def _is_inductor_future(value: Any) -> bool:
-    """An Inductor compile future (``LambdaFuture`` and kin, with a blocking
-    ``result()``), recognised without importing torch."""
-    codecache = sys.modules.get("torch._inductor.codecache")
-    base = getattr(codecache, "CodeCacheFuture", None)
-    return isinstance(base, type) and isinstance(value, base)
-
-
-async def _await_inductor_future(value: Any) -> Any:
-    # Wait for the compile itself without holding a thread, where the future shows it (an
-    # Inductor LambdaFuture carries the worker's concurrent future); then take the result,
-    # which may load the kernel, in a thread. Its error, if any, comes from result(), in
-    # Inductor's words.
-    inner = getattr(value, "future", None)
-    if isinstance(inner, cf.Future):
-        try:
-            await _bridge.wait(inner)
-        except Exception:
-            pass
-    return await anyio.to_thread.run_sync(value.result)
-
-
-def _is_waitable(value: Any) -> bool:
-    return isinstance(value, cf.Future) or inspect.isawaitable(value) or _is_inductor_future(value)
-
-
-def _identity(value: Any) -> Any:
-    return value

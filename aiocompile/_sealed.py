@@ -28,6 +28,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
+import time
+from typing import Any, Callable
 
 MAGIC = b"AIOCOMPILE-SEALED\n"
 _VERSION = 1
@@ -47,6 +49,35 @@ class NotSealed(SealError):
 class BadSeal(SealError):
     """The entry's seal does not match: another secret sealed it, or its bytes (or the key
     it is stored under) changed since; or the envelope itself is damaged."""
+
+
+class Undecodable(ValueError):
+    """The entry's bytes are not a result the backend can read, or hold another key's:
+    damaged, or written by an incompatible version. Its cause says why."""
+
+
+def wrap(data: bytes, secret: bytes | None, name: str) -> bytes:
+    """What a cache tier stores for ``data`` under ``name``: sealed with ``secret``, or as
+    it is without one."""
+    return data if secret is None else seal(data, secret, name)
+
+
+def open_entry(blob: bytes, secret: bytes | None, name: str, decode: Callable[[bytes], Any]) -> tuple[Any, float]:
+    """The result in an entry stored under ``name``, and the seconds ``decode`` took.
+
+    Every tier reads its entries through this: with ``secret`` the seal is verified first
+    (``NotSealed``, ``BadSeal``); without, a sealed entry's data is read unverified. Then
+    the backend's own checksummed form is decoded, and must hold ``name``'s result
+    (``Undecodable`` otherwise, whatever ``decode`` raised)."""
+    data = payload(blob) if secret is None else unseal(blob, secret, name)
+    started = time.perf_counter()
+    try:
+        result = decode(data)
+        if getattr(result, "key", name) != name:
+            raise ValueError("the entry holds another key's result")
+    except Exception as exc:
+        raise Undecodable(f"{type(exc).__name__}: {exc}") from exc
+    return result, time.perf_counter() - started
 
 
 def seal(data: bytes, secret: bytes, name: str) -> bytes:

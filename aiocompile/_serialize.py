@@ -28,6 +28,16 @@ class _StrictPickler(pickle.Pickler):
 
 def dumps(obj: object) -> bytes:
     """Pickle ``obj`` for a worker. Raises ``TypeError`` if that cannot be done."""
+    # The C pickler alone first: the Python-level hook below costs a call per pickled
+    # object, and most jobs refer to nothing in __main__. A reference to __main__ would
+    # show in the bytes as its name; such bytes (or any failure) take the careful way.
+    try:
+        fast = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        pass
+    else:
+        if b"__main__" not in fast:
+            return fast
     buffer = io.BytesIO()
     try:
         _StrictPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)

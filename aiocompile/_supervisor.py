@@ -19,6 +19,7 @@ import collections
 import logging
 import os
 import pickle
+import struct
 import threading
 import time
 from multiprocessing.connection import wait as wait_for_any
@@ -43,6 +44,16 @@ _MAX_START_FAILURES = 3
 # Large answers are read in these threads, not the supervisor's: reading one takes as long
 # as the worker takes to write it, and the supervisor must meanwhile watch the others.
 _ANSWERS = Lane("aiocompile-answers", 2)
+
+
+_FRAME = struct.Struct("!i")
+_LONG_FRAME = struct.Struct("!Q")
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def _lower_priority(pid: int, nice: int) -> None:
@@ -313,9 +324,9 @@ class Supervisor:
         # A retried job's future is RUNNING already; a queued one may have been cancelled,
         # or (sent from a submitting thread as the pool shuts down) failed meanwhile.
         try:
-            startable = job.future.running() or job.future.set_running_or_notify_cancel()
-        except RuntimeError:  # FINISHED: it has its outcome already
-            startable = False
+            startable = job.future.set_running_or_notify_cancel()
+        except RuntimeError:  # RUNNING: a retry; or FINISHED: it has its outcome already
+            startable = job.future.running()
         if not startable:
             with self._lock:
                 worker.release()
@@ -331,8 +342,12 @@ class Supervisor:
         path = None if job.sys_path is worker.sent_path else job.sys_path
         worker.sent_env, worker.sent_path = job.env, job.sys_path
         message = pickle.dumps(("run", job.id, env, path, job.payload), protocol=pickle.HIGHEST_PROTOCOL)
+        # Framed as multiprocessing.connection frames it, in one write; its send_bytes
+        # checks and slices its argument first, at a cost felt in a trivial job.
+        message = (_FRAME.pack(len(message)) + message) if len(message) < 0x7FFFFFFF else \
+            (_FRAME.pack(-1) + _LONG_FRAME.pack(len(message)) + message)
         try:
-            worker.proc.conn.send_bytes(message)
+            _write_all(worker.proc.conn.fileno(), message)
         except OSError:
             # The worker died before it could take the job: the job never ran, so this
             # is no crash of its. The socket's end is seen by the wait loop.

@@ -26,7 +26,9 @@ from __future__ import annotations
 import fcntl
 import os
 import pickle
+import select
 import signal
+import struct
 import sys
 import time
 import traceback
@@ -107,6 +109,19 @@ class _JobState:
         # state in the parent, for foreign executors' workers, must not hold it open.)
         self._statm: int | None = None
         self._statm_tried = False
+        self._rss = 0
+        self._unmeasured = _RSS_EVERY  # seconds of jobs run since the last measure
+
+    def rss_after(self, run_time: float) -> int:
+        """The resident memory after a job that ran ``run_time`` seconds. Measured once
+        at least ``_RSS_EVERY`` seconds of jobs have run since the last measure (the first
+        job's included): reading it costs several microseconds, more than a trivial job
+        itself, and a millisecond of work can grow a process by a few megabytes at most."""
+        self._unmeasured += run_time
+        if self._unmeasured >= _RSS_EVERY:
+            self._unmeasured = 0.0
+            self._rss = self.rss()
+        return self._rss
 
     def rss(self) -> int:
         if not self._statm_tried:
@@ -183,7 +198,9 @@ def die_with_parent(alive_fd: int) -> None:
 
 def _output_size(fd: int = 2) -> int:
     try:
-        return os.fstat(fd).st_size
+        # The end of the capture file is its size (it is opened for appending, so moving
+        # the offset there changes nothing), without building a stat result per job.
+        return os.lseek(fd, 0, os.SEEK_END)
     except OSError:
         return 0
 
@@ -201,6 +218,8 @@ def _truncate_output() -> None:
 
 
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+# How many seconds of jobs may run between two measures of the worker's resident memory.
+_RSS_EVERY = 0.001
 
 
 def _rss() -> int:
@@ -264,13 +283,73 @@ def run_one(
         return False, _describe_failure(error), run_time
 
 
+_LENGTH = struct.Struct("!i")
+_LONG_LENGTH = struct.Struct("!Q")
+_FIRST_READ = 4096
+
+
+class _Inbox:
+    """The parent's messages on the job socket ``fd``, framed as
+    ``multiprocessing.connection`` frames them (a 4-byte length, or -1 and an 8-byte
+    length), read with as few system calls as a job allows: a wait, then one read for a
+    whole small message.
+
+    The wait is a poll for input, not a blocking read: a read asleep on the socket is woken
+    each time the parent reads an answer from its end (the kernel tells every sleeper on a
+    socket that its room to write has grown), a wake-up and a switch for nothing per job,
+    and the parent pays for the wake-up in the middle of reading the answer."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = self._fd = fd
+        self._poller = select.poll()
+        self._poller.register(fd, select.POLLIN)
+        self._held = b""  # bytes read past the last message (the parent sends one at a time)
+
+    def _more(self, size: int) -> bytes:
+        data = os.read(self._fd, size)
+        if not data:
+            raise EOFError("the parent closed the job socket")
+        return data
+
+    def receive(self) -> bytes | bytearray | memoryview:
+        data = self._held
+        if not data:
+            self._poller.poll()
+            # A few kilobytes hold most jobs; a larger buffer costs its allocation each time.
+            data = self._more(_FIRST_READ)
+        while len(data) < 4:
+            data += self._more(_FIRST_READ)
+        size, start = _LENGTH.unpack_from(data)[0], 4
+        if size == -1:
+            while len(data) < 12:
+                data += self._more(_FIRST_READ)
+            size, start = _LONG_LENGTH.unpack_from(data, 4)[0], 12
+        end = start + size
+        if len(data) >= end:
+            self._held = data[end:]
+            return memoryview(data)[start:end]
+        # A large message: the rest straight into its buffer.
+        body = bytearray(size)
+        have = len(data) - start
+        body[:have] = data[start:]
+        view = memoryview(body)
+        while have < size:
+            count = os.readv(self._fd, [view[have:have + min(size - have, 1 << 22)]])
+            if not count:
+                raise EOFError("the parent closed the job socket")
+            have += count
+        self._held = b""
+        return body
+
+
 def serve(conn: Connection) -> NoReturn:
     """The job loop: one job at a time until the parent closes the connection."""
     state = _JobState()
     conn.send_bytes(pickle.dumps(("ready", os.getpid())))
+    inbox = _Inbox(conn.fileno())
     while True:
         try:
-            message = conn.recv_bytes()
+            message = inbox.receive()
         except (EOFError, OSError):
             os._exit(0)
         kind, job_id, env, sys_path, payload = pickle.loads(message)
@@ -288,11 +367,17 @@ def serve(conn: Connection) -> NoReturn:
         state.output_written = output_size != 0
         follows = len(data) if len(data) >= STREAM_MIN else 0
         reply = pickle.dumps(
-            ("done", job_id, ok, None if follows else data, run_time, output_size, state.rss(), follows),
+            ("done", job_id, ok, None if follows else data, run_time, output_size, state.rss_after(run_time), follows),
             protocol=pickle.HIGHEST_PROTOCOL,
         )
         try:
-            conn.send_bytes(reply)
+            if len(reply) < 1 << 16:
+                # Framed as send_bytes frames it, in one write, without its checks.
+                frame = memoryview(_LENGTH.pack(len(reply)) + reply)
+                while frame:
+                    frame = frame[os.write(inbox.fd, frame):]
+            else:
+                conn.send_bytes(reply)
             if follows:
                 conn.send_bytes(data)
         except (BrokenPipeError, OSError):

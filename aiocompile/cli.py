@@ -8,15 +8,33 @@ a ``manifest.json`` and the bare binaries under ``binaries/<target>/``. Building
 the same DIR compiles only what changed.
 
 KERNELS is a Python file or module whose ``KERNELS`` list holds ``compile_triton``'s
-keyword arguments per kernel, the kernel itself under ``"kernel"`` and a ``"label"``.
+keyword arguments per kernel, the kernel itself under ``"kernel"`` and a ``"label"``. An
+entry with ``"kind": "cpp"`` holds ``compile_cpp``'s arguments instead (the source under
+``"source"``) and is built once, for this machine; one with ``"kind": "cuda"`` holds
+``compile_cuda``'s and is built once for its own ``"arch"``, or, without one, once per
+target (``cuda:90`` -> ``sm_90``, ``hip:gfx942`` -> ``gfx942``). ``--target`` is needed
+only where an entry is built per target.
 
 Everything it writes is private to the user who runs it (directories 0700, files 0600),
 and, with ``AIOCOMPILE_CACHE_KEY`` set, every cache file is signed with that key (see
 docs/deployment.md). A DIR the build could not write to, or would not trust, stops it
 before anything is compiled.
 
+``--dask tcp://host:8786`` builds on a Dask cluster instead of local worker processes
+(``aiocompile.dask``; needs ``pip install 'aiocompile[dask]'`` here and aiocompile with
+the same Triton on the workers): the same table and summary, the files written here.
+``--cache-url redis://host:6379/0`` also reads and fills a shared cache
+(``Scheduler(cache_url=...)``, ``AIOCOMPILE_CACHE_URL``).
+
 ``--events FILE`` appends every request's record and every worker event to FILE, a
 JSON-lines event log (``Scheduler(event_log=FILE)``).
+
+``aiocompile decisions list|export|import`` carries ``autotune()``'s decisions between
+machines of the same GPU model: ``export DIR -o FILE`` writes those kept in the cache
+directory DIR to a JSON file, ``import DIR FILE...`` puts a file's decisions into DIR
+(signed with ``AIOCOMPILE_CACHE_KEY`` when it is set), ``list DIR`` shows them. ``build
+--decisions FILE`` imports them into the directory it builds, so that a server using it
+tunes nothing it was tuned for on a GPU host.
 
 ``aiocompile report EVENTS [--timeline PNG]`` reads such a log back, written by a build or
 by any scheduler given ``event_log=``, and prints a summary: requests by outcome, a line
@@ -63,9 +81,69 @@ def _load_kernel_set(spec: str) -> list[dict[str, Any]]:
         except ImportError as exc:
             _usage_error(f"cannot import {spec!r}: {exc}")
     kernels = getattr(module, "KERNELS", None)
-    if not isinstance(kernels, Sequence) or not all(isinstance(k, Mapping) and "kernel" in k for k in kernels):
-        _usage_error(f"{spec} must define KERNELS, a list of dicts each with a 'kernel'")
+    if not isinstance(kernels, Sequence) or not all(isinstance(k, Mapping) and _kind(k) is not None for k in kernels):
+        _usage_error(f"{spec} must define KERNELS, a list of dicts each with a 'kernel' (Triton), or with a 'kind' "
+                     "('cpp' or 'cuda') and a 'source'")
     return [dict(k) for k in kernels]
+
+
+def _kind(entry: Mapping[str, Any]) -> str | None:
+    """What an entry of KERNELS builds: "triton", "cpp" or "cuda"; None for no entry."""
+    kind = entry.get("kind", "triton")
+    if kind == "triton":
+        return "triton" if "kernel" in entry else None
+    return kind if kind in ("cpp", "cuda") and "source" in entry else None
+
+
+def _native_arch(target: str) -> str:
+    """The compile_cuda architecture of a target: cuda:90 -> sm_90, hip:gfx942 -> gfx942."""
+    backend, _, arch = target.partition(":")
+    return f"sm_{arch}" if backend == "cuda" else arch
+
+
+def _expand(kernels: list[dict[str, Any]], targets: list[str]) -> list[tuple[str, dict[str, Any]]]:
+    """(label, compile_many spec) of each compile: a Triton kernel for each target, a C++
+    source once, a CUDA source once for its own architectures, or for each target."""
+    specs = []
+    for entry in kernels:
+        kind = _kind(entry)
+        spec = dict(entry)
+        label = str(spec.pop("label", None) or spec.get("name") or
+                    (getattr(spec["kernel"], "__name__", "kernel") if kind == "triton" else kind))
+        if kind == "cpp":
+            spec.setdefault("name", label)  # in records and errors, rather than one made from the source's hash
+        if kind == "cpp" or (kind == "cuda" and "arch" in spec):
+            specs.append((label, dict(spec, label=label)))
+            continue
+        for target in targets:
+            built = dict(spec, label=f"{label}@{target}")
+            if kind == "triton":
+                built["target"] = target
+            else:
+                built["arch"] = _native_arch(target)
+            specs.append((label, built))
+    return specs
+
+
+def _spec_target(spec: Mapping[str, Any]) -> str:
+    """What a spec was built for, as its result would say (for a failure's line)."""
+    kind = spec.get("kind", "triton")
+    if kind == "triton":
+        return str(spec["target"])
+    if kind == "cpp":
+        return "host"
+    arch = spec.get("arch", "sm_90")
+    archs = [arch] if isinstance(arch, str) else [str(a) for a in arch]
+    return f"{'hip' if archs[0].startswith('gfx') else 'cuda'}:{'+'.join(archs)}"
+
+
+def _images(result: Any) -> dict[str, bytes]:
+    """The files a result is written as, by name suffix: one for a Triton kernel or a
+    library; one per architecture for cubins and PTX."""
+    images: dict[str, bytes] | None = getattr(result, "images", None)
+    if images is None or len(images) == 1:
+        return {"": result.binary}
+    return {f".{name}": data for name, data in images.items()}
 
 
 def _import_path(path: Path) -> Any:
@@ -107,55 +185,68 @@ async def _build(args: argparse.Namespace) -> int:
                 except ValueError as exc:
                     _usage_error(str(exc))
     targets = list(dict.fromkeys(targets))
+    per_target = [k for k in kernels if _kind(k) == "triton" or (_kind(k) == "cuda" and "arch" not in k)]
+    if per_target and not targets:
+        _usage_error("--target is needed: some kernels are built for each target (Triton kernels, and CUDA sources "
+                     "without an 'arch')")
     out = Path(args.out)
     config = SchedulerConfig.from_env().with_changes(workers=args.workers, timeout=args.timeout,
-                                                     start_method=args.start_method)
-    specs = []
-    for target in targets:
-        for entry in kernels:
-            spec = dict(entry)
-            spec["target"] = target
-            label = spec.pop("label", None) or getattr(spec["kernel"], "__name__", "kernel")
-            spec["label"] = f"{label}@{target}"
-            specs.append((label, target, spec))
+                                                     start_method=args.start_method, cache_url=args.cache_url)
+    executor = _dask_executor(args.dask) if args.dask else None
+    specs = _expand(kernels, targets)
 
-    print(f"aiocompile: building {len(kernels)} kernels for {len(targets)} target(s) "
-          f"({', '.join(targets)}) with {config.workers} workers", file=sys.stderr)
+    for_what = f"{len(targets)} target(s) ({', '.join(targets)})" if targets else "this machine"
+    running = (f"on the Dask cluster at {args.dask} ({executor.capacity()} worker threads)" if executor is not None
+               else f"with {config.workers} workers")
+    print(f"aiocompile: building {len(kernels)} kernels for {for_what} {running}", file=sys.stderr)
     started = time.perf_counter()
-    async with Scheduler(config=config, cache_dir=out, event_log=args.events) as sched:
+    async with Scheduler(config=config, cache_dir=out, event_log=args.events, executor=executor) as sched:
         access = sched.statistics().disk_access
         if access != "read-write":
             # Kernels compiled into a directory that keeps none of them would be a build
             # that ships nothing.
             _usage_error(f"cannot build into {out}: the directory is {access} for this user (see the warning above)")
         show_progress = not args.no_progress and sys.stderr.isatty()
-        results = await sched.compile_many([spec for _, _, spec in specs], progress=show_progress,
+        results = await sched.compile_many([spec for _, spec in specs], progress=show_progress,
                                            return_exceptions=True)
         wall = time.perf_counter() - started
         stats = sched.statistics()
-        from_cache = {r.key for r in sched.records() if r.outcome in ("disk_hit", "cache_hit")}
+        from_cache = {r.key for r in sched.records() if r.outcome in ("disk_hit", "cache_hit", "shared_hit")}
     # Leaving the block waited for every new artifact to be written.
 
     rows, failures, manifest = [], [], []
-    for (label, target, _), result in zip(specs, results):
+    for (label, spec), result in zip(specs, results):
+        kind = spec.get("kind", "triton")
         if isinstance(result, BaseException):
-            failures.append((label, target, result))
+            failures.append((label, getattr(result, "target", None) or _spec_target(spec), result))
             continue
+        target = result.target
         artifact = DiskCache.path_in(out, result.key)
         make_private_dir(out / "binaries")
         directory = out / "binaries" / _target_dir(target)
         make_private_dir(directory)
-        binary = directory / f"{label}.{result.binary_ext}"
-        write_private(binary, result.binary)
-        meta = result.metadata
-        manifest.append({
-            "label": label, "kernel": result.name, "target": target, "key": result.key,
-            "from_cache": result.key in from_cache,
-            "file": str(artifact.relative_to(out)), "binary": str(binary.relative_to(out)),
-            "size": result.size, "binary_size": len(result.binary), "compile_time": round(result.compile_time, 6),
-            "num_warps": meta.get("num_warps"), "num_stages": meta.get("num_stages"), "shared": meta.get("shared"),
-            "triton": result.triton_version,
-        })
+        files = {}
+        for suffix, data in _images(result).items():
+            binary = directory / f"{label}{suffix}.{result.binary_ext}"
+            write_private(binary, data)
+            files[suffix.lstrip(".")] = str(binary.relative_to(out))
+        entry = {
+            "label": label, "kind": kind, "kernel": result.name, "target": target, "key": result.key,
+            "from_cache": result.key in from_cache, "file": str(artifact.relative_to(out)),
+            "binary": next(iter(files.values())), "size": result.size, "compile_time": round(result.compile_time, 6),
+        }
+        if kind == "triton":
+            meta = result.metadata
+            entry.update({"binary_size": len(result.binary), "num_warps": meta.get("num_warps"),
+                          "num_stages": meta.get("num_stages"), "shared": meta.get("shared"),
+                          "triton": result.triton_version})
+        else:
+            if len(files) > 1:
+                entry["images"] = files
+            entry.update({"compiler": result.compiler, "compiler_version": result.compiler_version,
+                          "command": result.command,
+                          "stages": [[stage, round(seconds, 6)] for stage, seconds in result.stages]})
+        manifest.append(entry)
         rows.append((label, target, result, result.key in from_cache))
 
     from aiocompile import __version__
@@ -168,7 +259,10 @@ async def _build(args: argparse.Namespace) -> int:
         "failures": [{"label": label, "target": target, "error": str(exc)} for label, target, exc in failures],
     }, indent=2).encode())
 
-    _print_summary(rows, failures, wall, stats, config.workers, out)
+    if args.decisions:
+        imported = _import_decisions(out, args.decisions, config.cache_key)
+        print(f"{imported} tuning decision(s) imported into {out}", file=sys.stderr)
+    _print_summary(rows, failures, wall, stats, running, out)
     if args.events:
         print(f"events appended to {args.events} (aiocompile report {args.events})")
     return 1 if failures else 0
@@ -244,22 +338,96 @@ def _report_events(args: argparse.Namespace) -> None:
         print()
 
 
-def _print_summary(rows: list[Any], failures: list[Any], wall: float, stats: Any, workers: int, out: Path) -> None:
+def _read_decision_files(files: Sequence[str]) -> list[Any]:
+    from aiocompile._tuning._decisions import import_text
+
+    decisions = []
+    for name in files:
+        try:
+            text = sys.stdin.read() if name == "-" else Path(name).read_text()
+            decisions.extend(import_text(text))
+        except FileNotFoundError:
+            _usage_error(f"no such file: {name}")
+        except (OSError, ValueError) as exc:
+            _usage_error(f"cannot read decisions from {name}: {exc}")
+    return decisions
+
+
+def _import_decisions(directory: Path, files: Sequence[str], secret: Any) -> int:
+    from aiocompile._tuning._decisions import write_all
+
+    decisions = _read_decision_files(files)
+    disk = write_all(directory, decisions, secret)
+    if disk.access != "read-write" or disk.writes != len(decisions):
+        _usage_error(f"could not write the decisions into {directory} (the directory is {disk.access} for this user; "
+                     f"{disk.writes} of {len(decisions)} written)")
+    return len(decisions)
+
+
+def _decisions(args: argparse.Namespace) -> int:
+    from aiocompile._tuning._decisions import export_text, read_all
+
+    secret = SchedulerConfig.from_env().cache_key
+    directory = Path(args.directory)
+    if args.action == "import":
+        count = _import_decisions(directory, args.files, secret)
+        print(f"{count} tuning decision(s) imported into {directory}")
+        return 0
+    if not directory.is_dir():
+        _usage_error(f"no such directory: {directory}")
+    decisions, disk = read_all(directory, secret)
+    if args.action == "export":
+        text = export_text(decisions)
+        if args.output in (None, "-"):
+            sys.stdout.write(text)
+        else:
+            make_private_dir(Path(args.output).resolve().parent)
+            write_private(Path(args.output), text.encode())
+            print(f"{len(decisions)} tuning decision(s) exported to {args.output}", file=sys.stderr)
+        return 0
+    for decision in decisions:
+        tuned = time.strftime("%Y-%m-%d %H:%M", time.localtime(decision.tuned_at)) if decision.tuned_at else "?"
+        print(f"{decision.kernel}  key={decision.tuning_key}  on {decision.device_name} (Triton "
+              f"{decision.triton_version}, {tuned}): {decision.label}")
+    refused = 0 if disk is None else disk.refused + disk.corrupt
+    print(f"{len(decisions)} decision(s) in {directory}" + (f"; {refused} file(s) not used" if refused else ""))
+    return 0
+
+
+def _dask_executor(address: str) -> Any:
+    try:
+        from aiocompile.dask import executor
+    except ImportError as exc:
+        _usage_error(f"--dask needs Dask's distributed package: pip install 'aiocompile[dask]' ({exc})")
+    try:
+        return executor(address)
+    except (OSError, ValueError, TypeError) as exc:
+        _usage_error(f"cannot use the Dask cluster at {address}: {exc}")
+
+
+def _print_summary(rows: list[Any], failures: list[Any], wall: float, stats: Any, running: str, out: Path) -> None:
     width = max([len(row[0]) for row in rows] + [len(f[0]) for f in failures] + [len("kernel")])
-    print(f"\n{'kernel':<{width}}  {'target':<11} {'compile':>9} {'binary':>10} {'warps':>5} {'stages':>6} {'smem':>7}")
+    where = max([len(row[1]) for row in rows] + [len(f[1]) for f in failures] + [11])
+    print(f"\n{'kernel':<{width}}  {'target':<{where}} {'compile':>9} {'binary':>10} {'warps':>5} {'stages':>6} "
+          f"{'smem':>7}")
     for label, target, kernel, cached in rows:
-        meta = kernel.metadata
+        meta = getattr(kernel, "metadata", {})  # Triton's; a C++ or CUDA build has none of these
         note = "  (cached)" if cached else ""
-        print(f"{label:<{width}}  {target:<11} {kernel.compile_time * 1000:7.0f}ms {_fmt_size(len(kernel.binary)):>10} "
+        size = sum(len(data) for data in _images(kernel).values())
+        print(f"{label:<{width}}  {target:<{where}} {kernel.compile_time * 1000:7.0f}ms {_fmt_size(size):>10} "
               f"{meta.get('num_warps', ''):>5} {meta.get('num_stages', ''):>6} {meta.get('shared', ''):>7}{note}")
     for label, target, exc in failures:
         first_line = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        if isinstance(exc, CompileError) and exc.command:
+            # A compiler's last line is its command (or a count of errors): show its first diagnostic.
+            lines = [line for line in exc.message.splitlines()[1:] if "error" in line.lower()]
+            first_line = lines[0].strip() if lines else first_line
         kind = type(exc).__name__ if not isinstance(exc, CompileError) else "CompileError"
-        print(f"{label:<{width}}  {target:<11} FAILED   {kind}: {first_line}")
+        print(f"{label:<{width}}  {target:<{where}} FAILED   {kind}: {first_line}")
     compiled = [kernel for _, _, kernel, cached in rows if not cached]
     total = sum(kernel.compile_time for kernel in compiled)
     cached_note = f" ({len(rows) - len(compiled)} of them from the cache)" if len(compiled) < len(rows) else ""
-    print(f"\n{len(rows)} built{cached_note}, {len(failures)} failed in {wall:.2f} s wall with {workers} workers; "
+    print(f"\n{len(rows)} built{cached_note}, {len(failures)} failed in {wall:.2f} s wall {where}; "
           f"sum of compile times {total:.2f} s ({total / wall if wall else 0:.1f}x parallel)")
     q, r = stats.queue_wait, stats.run_time
     print(f"queue wait p50 {q.p50 * 1000:.0f} ms, p95 {q.p95 * 1000:.0f} ms; "
@@ -276,16 +444,33 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     build = commands.add_parser("build", help="pre-build a kernel set for one or more targets")
     build.add_argument("kernels", help="a Python file or module defining KERNELS")
-    build.add_argument("--target", "-t", action="append", required=True,
-                       help="target such as cuda:80, cuda:90, hip:gfx942 (repeat, or comma-separate)")
+    build.add_argument("--target", "-t", action="append", default=[],
+                       help="target such as cuda:80, cuda:90, hip:gfx942 (repeat, or comma-separate); needed for "
+                            "Triton kernels and CUDA sources without an 'arch'")
     build.add_argument("--out", "-o", default="build/kernels", help="output directory (default: build/kernels)")
     build.add_argument("--workers", "-j", type=_setting("workers"), default=None,
                        help="worker processes (default: CPUs)")
     build.add_argument("--timeout", type=_setting("timeout"), default=None, help="per-kernel timeout in seconds")
     build.add_argument("--start-method", choices=["forkserver", "spawn", "fork"], default=None)
     build.add_argument("--no-progress", action="store_true", help="no progress bar (none unless on a terminal)")
+    build.add_argument("--dask", metavar="ADDRESS", default=None,
+                       help="build on the Dask cluster whose scheduler is at ADDRESS (tcp://host:8786)")
+    build.add_argument("--cache-url", type=_setting("cache_url"), default=None, metavar="URL",
+                       help="also use the shared cache at URL (redis://host:6379/0; default: AIOCOMPILE_CACHE_URL)")
     build.add_argument("--events", metavar="FILE", default=None,
                        help="append every request's record and worker event to FILE (JSON lines)")
+    build.add_argument("--decisions", metavar="FILE", action="append", default=None,
+                       help="import autotune() decisions exported from a GPU host into the output directory")
+    decisions = commands.add_parser("decisions", help="list, export or import autotune() decisions")
+    actions = decisions.add_subparsers(dest="action", required=True)
+    listing = actions.add_parser("list", help="show the decisions kept in a cache directory")
+    listing.add_argument("directory", metavar="DIR", help="a cache directory (cache_dir=)")
+    export = actions.add_parser("export", help="write the decisions of a cache directory to a JSON file")
+    export.add_argument("directory", metavar="DIR", help="a cache directory (cache_dir=)")
+    export.add_argument("--output", "-o", metavar="FILE", default=None, help="the file (default: standard output)")
+    into = actions.add_parser("import", help="put exported decisions into a cache directory")
+    into.add_argument("directory", metavar="DIR", help="a cache directory (cache_dir=)")
+    into.add_argument("files", metavar="FILE", nargs="+", help="files written by export ('-': standard input)")
     report = commands.add_parser("report", help="summarise an event log, draw its timeline, list repro bundles")
     report.add_argument("events", metavar="EVENTS", nargs="?", default=None,
                         help="a JSON-lines event log (event_log=, build --events)")
@@ -298,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(_build(args))
     if args.command == "report":
         return _report(args)
+    if args.command == "decisions":
+        return _decisions(args)
     return 2  # pragma: no cover - argparse requires a command
 
 

@@ -29,6 +29,26 @@ aiocompile_workers_started_total       counter
 aiocompile_cache_entries               gauge      compiled results in memory
 aiocompile_cache_bytes                 gauge      bytes they hold
 aiocompile_cache_evictions_total       counter
+aiocompile_tunings_total               counter    ``autotune()`` calls answered with a
+                                                  configuration
+aiocompile_tunings_benchmarked_total   counter    of which tuned by benchmarking now
+aiocompile_tuning_hits_total           counter    of which answered by a decision kept
+aiocompile_tuning_failures_total       counter    ``autotune()`` calls that failed
+aiocompile_benchmarks_total            counter    configurations benchmarked, by
+                                                  ``outcome`` (``ok``, ``fault``, ...)
+aiocompile_benchmark_seconds           histogram  one configuration in a benchmark process
+aiocompile_benchmark_processes_started_total
+                                       counter
+aiocompile_benchmark_processes_lost_total
+                                       counter    benchmark processes that died unasked
+aiocompile_shared_cache_errors_total   counter    reads and writes of the shared cache
+                                                  (``cache_url``) that failed
+aiocompile_shared_cache_skipped_total  counter    not attempted: the server left alone, an
+                                                  entry too large, too many writes queued
+aiocompile_shared_cache_refused_total  counter    entries not trusted or not decoding,
+                                                  never loaded
+aiocompile_shared_cache_open           gauge      1 while the shared cache is left alone
+                                                  after failing (its breaker not closed)
 =====================================  =========  ==========================================
 """
 
@@ -37,7 +57,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from aiocompile._metrics import BUCKETS, OUTCOMES
+from aiocompile._metrics import BENCHMARK_OUTCOMES, BUCKETS, OUTCOMES
 
 if TYPE_CHECKING:
     from aiocompile._scheduler import Scheduler
@@ -132,3 +152,28 @@ class SchedulerCollector(_Collector):
         yield gauge("aiocompile_cache_entries", "Compiled results in the memory cache.", stats.cache_entries)
         yield gauge("aiocompile_cache_bytes", "Bytes of compiled results in the memory cache.", stats.cache_bytes)
         yield counter("aiocompile_cache_evictions", "Results dropped from the memory cache.", stats.cache_evictions)
+
+        yield counter("aiocompile_tunings", "autotune() calls answered with a configuration.", stats.tunings)
+        yield counter("aiocompile_tunings_benchmarked", "autotune() calls that benchmarked configurations.",
+                      stats.tuned)
+        yield counter("aiocompile_tuning_hits", "autotune() calls answered by a decision kept.", stats.tuning_hits)
+        yield counter("aiocompile_tuning_failures", "autotune() calls that failed.", stats.tuning_failures)
+        benchmarks = CounterMetricFamily("aiocompile_benchmarks", "Configurations benchmarked, by outcome.",
+                                         labels=names + ["outcome"])
+        for outcome in BENCHMARK_OUTCOMES:
+            benchmarks.add_metric(values + [outcome], stats.benchmark_outcomes[outcome])
+        yield benchmarks
+        yield histogram("aiocompile_benchmark_seconds", "Time of one configuration in a benchmark process.", None,
+                        {"": histograms.benchmark_seconds})
+        yield counter("aiocompile_benchmark_processes_started", "Benchmark processes started.",
+                      stats.benchmark_processes_started)
+        yield counter("aiocompile_benchmark_processes_lost", "Benchmark processes that died unasked.",
+                      stats.benchmark_processes_lost)
+        yield counter("aiocompile_shared_cache_errors", "Reads and writes of the shared cache that failed.",
+                      stats.shared_errors)
+        yield counter("aiocompile_shared_cache_skipped", "Reads and writes of the shared cache not attempted.",
+                      stats.shared_skipped)
+        yield counter("aiocompile_shared_cache_refused", "Entries of the shared cache not trusted or not decoding.",
+                      stats.shared_refused + stats.shared_corrupt)
+        yield gauge("aiocompile_shared_cache_open", "1 while the shared cache is left alone after failing.",
+                    1 if stats.shared_state in ("open", "half-open") else 0)

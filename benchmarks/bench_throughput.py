@@ -1,7 +1,13 @@
-"""Compile throughput and event-loop lag: 64 distinct kernels, five ways, in one run.
+"""Compile throughput and event-loop lag: distinct kernels, five ways, in one run.
 
-The kernels (``benchmarks/_kernel_set.py``: the example kernels in 64 tile, dtype, block
-and ``num_warps`` configurations) are one of two sets:
+The kernels (``benchmarks/_kernel_set.py``: the example kernels in many tile, dtype, block
+and ``num_warps`` configurations) are one of three sets:
+
+- ``adds_matmuls``: 32 vector adds and 18 matmuls of several tile sizes, the longest
+  compile (a 128x256 matmul) 34th in the order given. With ``--first-run`` every aiocompile
+  round starts with no compile history at all, as a first run on a fresh machine does: the
+  order comes from the predicted costs alone, whose rank correlation with the measured
+  times is reported;
 
 - ``mixed`` (the default): 10 matmuls, one of them long, among 54 short row-wise kernels,
   in a shuffled order. The compiles add up to about 7x the longest, so on 16 workers
@@ -30,6 +36,13 @@ that every way really compiles every kernel:
 - ``anyio to_process``: ``anyio.to_process.run_sync`` with a limiter of W, every worker
   warmed the same way.
 
+``aiocompile[workers=8,nice=0,pin]`` is aiocompile with other pool settings (fewer
+workers, workers as nice as the parent, each worker pinned to a CPU of its own), for the
+contention figures. ``--alone N`` times, after each round, the round's N longest compiles
+alone (each in a warm worker process of its own, nothing else running): the longest of
+them is the round's lower bound, and their time in the batch over their time alone is how
+much the compiles beside them slowed them down.
+
 Each way runs in an event loop of its own, in which a ticker wakes every 1 ms and notes
 how late it woke. The benchmark process compiles one tiny kernel first, so that no way
 pays Triton's one-time set-up in this process. Reported for each way: wall time (median
@@ -37,8 +50,8 @@ of ``--repeat``), its ratio to aiocompile, parallel efficiency = (sum of single 
 times / W) / wall, the lower bound max(sum / W, longest single compile), and the loop's
 lateness (p50, p99, max over every tick of every repeat).
 
-    python benchmarks/bench_throughput.py [--set mixed|heavy] [--workers N] [--target cuda:90] [--repeat 3]
-                                          [--json out.json]
+    python benchmarks/bench_throughput.py [--set mixed|heavy|adds_matmuls] [--workers N] [--target cuda:90]
+                                          [--repeat 3] [--first-run] [--alone N] [--ways a,b] [--json out.json]
 """
 
 from __future__ import annotations
@@ -87,32 +100,97 @@ async def _timed(ticker: Ticker, work: Any) -> tuple[float, Any]:
     return wall, result
 
 
-# The cost history aiocompile's rounds share, and the kernel set (set by measure()).
+# The cost history aiocompile's rounds share, the kernel set, and whether each aiocompile
+# round starts with no history at all (set by measure()).
 COST_HISTORY: str | None = None
 KIND = "mixed"
+FIRST_RUN = False
 
 
-def _known_costs() -> int:
-    if COST_HISTORY is None or not os.path.exists(COST_HISTORY):
+def _known_costs(path: str | None) -> int:
+    if path is None or not os.path.exists(path):
         return 0
-    with open(COST_HISTORY) as f:
+    with open(path) as f:
         return len(json.load(f).get("costs", {}))
 
 
-async def run_aiocompile(specs: list[dict], workers: int, target: str, cache_dir: str, ticker: Ticker) -> dict:
+def parse_way(way: str) -> tuple[str, dict[str, Any]]:
+    """``"aiocompile[workers=8,nice=0,pin]"`` -> ``("aiocompile", {"workers": 8, "nice": 0,
+    "pin": True})``: aiocompile with other pool settings, for the contention figures."""
+    if "[" not in way:
+        return way, {}
+    base, _, rest = way.partition("[")
+    options: dict[str, Any] = {}
+    for part in rest.rstrip("]").split(","):
+        name, eq, value = part.strip().partition("=")
+        if not name:
+            continue
+        if name not in ("workers", "nice", "pin"):
+            raise ValueError(f"unknown pool setting {name!r} in {way!r} (workers=N, nice=N, pin)")
+        options[name] = int(value) if eq else True
+    return base, options
+
+
+def _pin(pids: list[int]) -> None:
+    """Each worker on a CPU of its own (the parent stays where it was)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    for index, pid in enumerate(sorted(pids)):
+        os.sched_setaffinity(pid, {cpus[index % len(cpus)]})
+
+
+async def _predictions(sched: Any, specs: list[dict], history: str | None) -> list[float | None] | None:
+    """What a scheduler with the cost history ``history`` held before the batch predicted
+    for each spec (the keys come from the batch's own memo now, at no cost)."""
+    from aiocompile._costs import CostHistory
+
+    items = [{"kernel": spec["kernel"], "signature": spec["signature"], "constexprs": spec.get("constexprs"),
+              "target": spec.get("target"), "attrs": None,
+              "options": {k: spec[k] for k in ("num_warps", "num_stages") if k in spec}} for spec in specs]
+    requests = await sched._triton.prepare_many(sched._context, items)
+    before = CostHistory(history, read_only=True)
+    before.load()
+    try:
+        return [before.estimate(r.key, r.name, r.backend, r.target, getattr(r, "features", ())) for r in requests]
+    except TypeError:  # a version without a cost model
+        return None
+
+
+async def run_aiocompile(specs: list[dict], workers: int, target: str, cache_dir: str, ticker: Ticker,
+                         options: dict[str, Any] | None = None) -> dict:
     import aiocompile
 
-    known = _known_costs()
-    config = aiocompile.SchedulerConfig(cost_history=COST_HISTORY)
-    async with aiocompile.Scheduler(workers=workers, config=config) as sched:
-        await sched.warm(target)
-        os.environ["TRITON_CACHE_DIR"] = cache_dir  # each job carries the parent's TRITON_* environment
-        wall, kernels = await _timed(ticker, lambda: sched.compile_many(specs))
-        assert len(kernels) == len(specs)
-        records = [r for r in sched.records() if r.backend == "triton"]
+    options = options or {}
+    workers = options.get("workers", workers)
+    scratch = tempfile.mkdtemp(prefix="bench-throughput-history-")
+    history = os.path.join(scratch, "costs.json") if FIRST_RUN else COST_HISTORY
+    before = os.path.join(scratch, "before.json")
+    if history is not None and os.path.exists(history):
+        shutil.copyfile(history, before)
+    known = _known_costs(history)
+    settings: dict[str, Any] = {"cost_history": history}
+    if "nice" in options:
+        settings["worker_nice"] = options["nice"]
+    config = aiocompile.SchedulerConfig(**settings)
+    try:
+        async with aiocompile.Scheduler(workers=workers, config=config) as sched:
+            await sched.warm(target)
+            if options.get("pin"):
+                _pin(sched.worker_pids())
+            os.environ["TRITON_CACHE_DIR"] = cache_dir  # each job carries the parent's TRITON_* environment
+            wall, kernels = await _timed(ticker, lambda: sched.compile_many(specs))
+            assert len(kernels) == len(specs)
+            records = [r for r in sched.records() if r.backend == "triton"]
+            predicted = await _predictions(sched, specs, before)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     assert len(records) == len(specs) and not any(r.compiler_cache_hit for r in records), records
-    return {"wall_s": wall, "compile_s_in_workers": sum(r.run_time or 0.0 for r in records),
-            "processes": len({r.worker_pid for r in records}), "costs_known": known}
+    run_times = {r.key: r.run_time or 0.0 for r in records}
+    per_kernel = {spec["label"]: run_times[kernel.key] for spec, kernel in zip(specs, kernels)}
+    row = {"wall_s": wall, "compile_s_in_workers": sum(r.run_time or 0.0 for r in records),
+           "processes": len({r.worker_pid for r in records}), "costs_known": known, "per_kernel_s": per_kernel}
+    if predicted is not None:
+        row["predicted_s"] = {spec["label"]: p for spec, p in zip(specs, predicted)}
+    return row
 
 
 async def run_serial(specs: list[dict], workers: int, target: str, cache_dir: str, ticker: Ticker) -> dict:
@@ -227,7 +305,7 @@ async def run_stdlib(specs: list[dict], workers: int, target: str, cache_dir: st
 
         wall, done = await _timed(ticker, work)
     return {"wall_s": wall, "compile_s_in_workers": sum(s for _, s in done), "processes": len({p for p, _ in done}),
-            "warmed_processes": len(pids)}
+            "warmed_processes": len(pids), "per_kernel_s": {spec["label"]: s for spec, (_, s) in zip(specs, done)}}
 
 
 async def run_anyio(specs: list[dict], workers: int, target: str, cache_dir: str, ticker: Ticker) -> dict:
@@ -264,9 +342,69 @@ def pick(ordered: list[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, int(p * len(ordered)))]
 
 
-def measure(ways: list[str], workers: int, target: str, repeat: int, kernels: int = 64, kind: str = "mixed") -> dict:
-    global COST_HISTORY, KIND
+def _ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2  # ties share their mean rank
+        i = j + 1
+    return ranks
+
+
+def spearman(xs: list[float], ys: list[float]) -> float | None:
+    """Spearman's rank correlation of two equally long lists (None if either is constant)."""
+    if len(xs) < 2:
+        return None
+    rx, ry = _ranks(xs), _ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    sxx = sum((a - mx) ** 2 for a in rx)
+    syy = sum((b - my) ** 2 for b in ry)
+    return sxy / (sxx * syy) ** 0.5 if sxx and syy else None
+
+
+def split_ways(text: str) -> list[str]:
+    """Comma-separated ways; commas inside a way's ``[...]`` settings do not split it."""
+    ways, depth, current = [], 0, ""
+    for char in text:
+        depth += char == "["
+        depth -= char == "]"
+        if char == "," and not depth:
+            ways.append(current.strip())
+            current = ""
+        else:
+            current += char
+    ways.append(current.strip())
+    return [way for way in ways if way]
+
+
+def _alone(specs: list[dict], labels: list[str], target: str) -> dict[str, float]:
+    """Each of ``labels`` compiled alone, one after another, in a worker process of its own
+    (a stdlib pool of one, warmed with a tiny compile) with nothing else running, each in
+    a fresh Triton cache: the time the batch's lower bound is made of."""
+    index = {spec["label"]: i for i, spec in enumerate(specs)}
+    out: dict[str, float] = {}
+    with cf.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("forkserver")) as pool:
+        pool.submit(kernel_set.warm_worker, target, 0.0).result()
+        for label in labels:
+            scratch = tempfile.mkdtemp(prefix="bench-throughput-alone-")
+            try:
+                out[label] = pool.submit(kernel_set.compile_in_worker, index[label], target, scratch, KIND).result()[1]
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+    return out
+
+
+def measure(ways: list[str], workers: int, target: str, repeat: int, kernels: int = 64, kind: str = "mixed",
+            first_run: bool = False, alone: int = 0) -> dict:
+    global COST_HISTORY, KIND, FIRST_RUN
     KIND = kind
+    FIRST_RUN = first_run
     specs = kernel_set.specs(target, kind)[:kernels]
     history_dir = tempfile.mkdtemp(prefix="bench-throughput-costs-")
     COST_HISTORY = os.path.join(history_dir, "costs.json")
@@ -277,17 +415,23 @@ def measure(ways: list[str], workers: int, target: str, repeat: int, kernels: in
     unavailable: dict[str, str] = {}
     failed: dict[str, str] = {}  # a way that raised: reported, and left out of later rounds
     single: dict[str, list[float]] = {spec["label"]: [] for spec in specs}
+    rounds: list[dict[str, Any]] = []
     saved = os.environ.get("TRITON_CACHE_DIR")
     for round_ in range(repeat):
         # Rotate the order each round, so that drift of the machine hits every way alike.
         order = ways[round_ % len(ways):] + ways[:round_ % len(ways)]
+        this_round: dict[str, Any] = {"round": round_ + 1, "ways": {}}
         for way in order:
             if way in unavailable or way in failed:
                 continue
             cache_dir = tempfile.mkdtemp(prefix="bench-throughput-")
             ticker = Ticker()
+            base, options = parse_way(way)
             try:
-                row = asyncio.run(RUNNERS[way](specs, workers, target, cache_dir, ticker))
+                if options:
+                    row = asyncio.run(RUNNERS[base](specs, workers, target, cache_dir, ticker, options))
+                else:
+                    row = asyncio.run(RUNNERS[base](specs, workers, target, cache_dir, ticker))
             except Unavailable as exc:
                 unavailable[way] = str(exc)
                 print(f"{way}: unavailable ({exc})", flush=True)
@@ -308,11 +452,47 @@ def measure(ways: list[str], workers: int, target: str, repeat: int, kernels: in
             for label, seconds in row.pop("single_s", {}).items():
                 single[label].append(seconds)
             extra[way].append(row)
+            entry: dict[str, Any] = {"wall_s": walls[way][-1], "costs_known": row.get("costs_known"),
+                                     "per_kernel_s": row.get("per_kernel_s"), "predicted_s": row.get("predicted_s")}
+            if "predicted_s" in row:
+                labels = [spec["label"] for spec in specs]
+                if all(row["predicted_s"][label] is not None for label in labels):
+                    entry["spearman"] = spearman([row["predicted_s"][label] for label in labels],
+                                                 [row["per_kernel_s"][label] for label in labels])
+            this_round["ways"][way] = entry
+            note = f"  predictions' rank correlation {entry['spearman']:.3f}" if entry.get("spearman") is not None \
+                else ""
             print(f"round {round_ + 1} {way:24} {walls[way][-1]:7.2f} s  loop late max "
-                  f"{max(ticker.lags) * 1000:8.1f} ms", flush=True)
+                  f"{max(ticker.lags) * 1000:8.1f} ms{note}", flush=True)
+        if alone:
+            # The longest compiles of this round, whichever pool ran them, each timed alone
+            # now: the longest of them is this round's lower bound.
+            seen: dict[str, float] = {}
+            for way in this_round["ways"]:
+                for label, seconds in extra[way][-1].get("per_kernel_s", {}).items():
+                    seen[label] = max(seen.get(label, 0.0), seconds)
+            longest = sorted(seen, key=lambda label: -seen[label])[:alone]
+            measured = _alone(specs, longest, target)
+            bound = max(measured.values()) if measured else None
+            this_round["alone_s"] = measured
+            this_round["lower_bound_s"] = bound
+            for way, entry in this_round["ways"].items():
+                batch = extra[way][-1].get("per_kernel_s", {})
+                if bound:
+                    entry["wall_over_bound"] = entry["wall_s"] / bound
+                slowdowns = [batch[label] / measured[label] for label in measured if label in batch]
+                if slowdowns:
+                    entry["slowdown"] = statistics.median(slowdowns)
+            print(f"round {round_ + 1} alone: " + ", ".join(f"{label} {t:.2f} s" for label, t in measured.items())
+                  + "; " + ", ".join(f"{way} {e['wall_over_bound']:.2f}x bound, longest slowed "
+                                     f"{e.get('slowdown', float('nan')):.2f}x"
+                                     for way, e in this_round["ways"].items() if "wall_over_bound" in e),
+                  flush=True)
+        rounds.append(this_round)
 
     report: dict[str, Any] = {"cpus": os.cpu_count(), "workers": workers, "target": target, "repeat": repeat,
-                              "set": kind, "kernels": len(specs), "ways": {}}
+                              "set": kind, "kernels": len(specs), "first_run": first_run, "ways": {},
+                              "rounds": rounds}
     if all(single.values()):
         medians = {label: statistics.median(v) for label, v in single.items()}
         total = sum(medians.values())
@@ -320,6 +500,9 @@ def measure(ways: list[str], workers: int, target: str, repeat: int, kernels: in
         report["single"] = {"sum_s": total, "longest_s": medians[longest], "longest_label": longest,
                             "per_kernel_s": medians}
         report["lower_bound_s"] = max(total / workers, medians[longest])
+    elif alone and all(r.get("lower_bound_s") for r in rounds):
+        report["lower_bound_s"] = statistics.median(r["lower_bound_s"] for r in rounds)
+        report["lower_bound_from"] = "the longest compile timed alone after each round (median over rounds)"
     for way in ways:
         if way in unavailable:
             report["ways"][way] = {"available": False, "reason": unavailable[way]}
@@ -336,7 +519,18 @@ def measure(ways: list[str], workers: int, target: str, repeat: int, kernels: in
                        "over_10ms": sum(1 for lag in ordered if lag > 0.010)}}
         if "single" in report:
             row["efficiency"] = report["single"]["sum_s"] / workers / row["wall_s"]
+        if "lower_bound_s" in report:
             row["wall_over_bound"] = row["wall_s"] / report["lower_bound_s"]
+        per_round = [r["ways"][way] for r in rounds if way in r["ways"]]
+        over = [e["wall_over_bound"] for e in per_round if "wall_over_bound" in e]
+        if over:
+            row["wall_over_round_bound"] = statistics.median(over)
+        slowed = [e["slowdown"] for e in per_round if "slowdown" in e]
+        if slowed:
+            row["longest_slowdown"] = statistics.median(slowed)
+        correlations = [e["spearman"] for e in per_round if e.get("spearman") is not None]
+        if correlations:
+            row["spearman"] = statistics.median(correlations)
         known = [(e.get("costs_known", 0), wall) for e, wall in zip(extra[way], walls[way])]
         if way == BASELINE and known:
             cold = [wall for n, wall in known if n == 0]
@@ -347,43 +541,52 @@ def measure(ways: list[str], workers: int, target: str, repeat: int, kernels: in
                 row["costs_known_over_bound"] = row["costs_known_s"] / report["lower_bound_s"]
         report["ways"][way] = row
     base = report["ways"].get(BASELINE, {}).get("wall_s")
+    stdlib = report["ways"].get("ProcessPoolExecutor", {}).get("wall_s")
     for row in report["ways"].values():
         if base and "wall_s" in row:
             row["ratio_to_aiocompile"] = row["wall_s"] / base
+        if stdlib and "wall_s" in row:
+            row["ratio_to_stdlib"] = row["wall_s"] / stdlib
     return report
 
 
 def print_report(report: dict) -> None:
     print(f"\n{report['kernels']} distinct kernels ({report['set']} set) for {report['target']}, "
           f"{report['workers']} workers, "
-          f"{report['cpus']} CPUs, median of {report['repeat']}")
+          f"{report['cpus']} CPUs, median of {report['repeat']}"
+          + (", every aiocompile round with no compile history" if report.get("first_run") else ""))
     if "single" in report:
         single = report["single"]
         print(f"single compiles (serial, warm process): sum {single['sum_s']:.2f} s, longest "
               f"{single['longest_s']:.2f} s ({single['longest_label']}); lower bound "
               f"max(sum/W, longest) = {report['lower_bound_s']:.2f} s")
-    print(f"{'':24}{'wall s':>8}{'ratio':>7}{'effic.':>8}{'/bound':>8}{'compile s':>10}"
-          f"{'lag p50 ms':>11}{'p99 ms':>9}{'max ms':>9}{'>10ms':>7}")
+    elif "lower_bound_s" in report:
+        print(f"lower bound {report['lower_bound_s']:.2f} s: {report['lower_bound_from']}")
+    print(f"{'':34}{'wall s':>8}{'/aioc.':>7}{'/stdlib':>8}{'/bound':>8}{'slowed':>7}{'rank r':>7}{'compile s':>10}"
+          f"{'lag p99 ms':>11}{'max ms':>9}")
     for way, row in report["ways"].items():
         if not row["available"]:
-            print(f"{way:24} unavailable: {row['reason']}")
+            print(f"{way:34} unavailable: {row['reason']}")
             continue
         if "error" in row:
-            print(f"{way:24} FAILED: {row['error']}")
+            print(f"{way:34} FAILED: {row['error']}")
             continue
         lag = row["lag"]
-        print(f"{way:24}{row['wall_s']:8.2f}{row.get('ratio_to_aiocompile', float('nan')):7.2f}"
-              f"{row.get('efficiency', float('nan')):8.2f}{row.get('wall_over_bound', float('nan')):8.2f}"
-              f"{row['compile_s_in_workers']:10.2f}{lag['p50_ms']:11.2f}{lag['p99_ms']:9.2f}{lag['max_ms']:9.1f}"
-              f"{lag['over_10ms']:7d}")
-    print("(ratio: wall / aiocompile's; effic.: (sum of single compiles / W) / wall; /bound: wall / lower bound;"
+        nan = float("nan")
+        print(f"{way:34}{row['wall_s']:8.2f}{row.get('ratio_to_aiocompile', nan):7.2f}"
+              f"{row.get('ratio_to_stdlib', nan):8.2f}"
+              f"{row.get('wall_over_round_bound', row.get('wall_over_bound', nan)):8.2f}"
+              f"{row.get('longest_slowdown', nan):7.2f}{row.get('spearman', nan):7.2f}"
+              f"{row['compile_s_in_workers']:10.2f}{lag['p99_ms']:11.2f}{lag['max_ms']:9.1f}")
+    print("(/bound: wall / lower bound, the median of each round's own; slowed: the longest compiles' time in the"
+          " batch / alone; rank r: Spearman's correlation of the predicted and measured compile times;"
           " compile s: the compiles' own times summed, as measured where they ran)")
     base = report["ways"].get(BASELINE, {})
     if base.get("nothing_known_s") is not None or base.get("costs_known_s") is not None:
         def fmt(value: float | None) -> str:
             return "-" if value is None else f"{value:.2f} s"
-        print(f"aiocompile, first round (no compile times known): {fmt(base.get('nothing_known_s'))}; "
-              f"later rounds (longest first, from the first round's times): {fmt(base.get('costs_known_s'))}")
+        print(f"aiocompile, rounds with no compile times known: {fmt(base.get('nothing_known_s'))}; "
+              f"rounds with the earlier rounds' times known: {fmt(base.get('costs_known_s'))}")
 
 
 def main() -> None:
@@ -395,16 +598,25 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--ways", default=",".join(WAYS), help="a comma-separated subset of: " + ", ".join(WAYS))
     parser.add_argument("--kernels", type=int, default=64, help="compile only the first N (a smoke test)")
+    parser.add_argument("--first-run", action="store_true",
+                        help="every aiocompile round starts with an empty compile history, as a first run does")
+    parser.add_argument("--alone", type=int, default=0, metavar="N",
+                        help="after each round, time its N longest compiles alone: the round's lower bound")
     parser.add_argument("--json", help="write the results here too")
     args = parser.parse_args()
-    ways = [w for w in args.ways.split(",") if w]
+    ways = split_ways(args.ways)
     for way in ways:
-        if way not in RUNNERS:
+        try:
+            base, _ = parse_way(way)
+        except ValueError as exc:
+            parser.error(str(exc))
+        if base not in RUNNERS:
             parser.error(f"unknown way {way!r}")
-    if "serial triton.compile" not in ways:
-        print("(without the serial way there are no single compile times: no efficiency or bound)")
+    if "serial triton.compile" not in ways and not args.alone:
+        print("(without the serial way or --alone there are no single compile times: no efficiency or bound)")
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when it is unset
-    report = measure(ways, args.workers, args.target, args.repeat, args.kernels, args.kind)
+    report = measure(ways, args.workers, args.target, args.repeat, args.kernels, args.kind, args.first_run,
+                     args.alone)
     import triton
 
     report["triton"] = triton.__version__

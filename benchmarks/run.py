@@ -12,7 +12,7 @@ of time is recorded as such and the others still run. Written to ``--out``
 - ``<slug>-throughput.png``, ``<slug>-throughput-heavy.png``, ``<slug>-loop-lag.png``,
   ``<slug>-dispatch.png``, ``<slug>-startup-memory.png``.
 
-``--quick`` runs fewer repeats (the full run takes about 15 minutes on 2 CPUs). ``--only a,b`` runs some
+``--quick`` runs fewer repeats (the full run takes about 25 minutes on 2 CPUs). ``--only a,b`` runs some
 benchmarks again and keeps the others' results from the existing JSON file. ``--render``
 rewrites the markdown and charts from the JSON file without running anything (with
 ``--slug``, another machine's: a report made where matplotlib is missing gets its charts).
@@ -57,9 +57,12 @@ class Bench:
     quick_args: tuple[str, ...] = ()
     timeout: float = 600.0
     quick_timeout: float = 300.0
-    needs: str | None = None  # "cuda": torch with a CUDA GPU
+    needs: str | None = None  # "cuda": torch with a CUDA GPU; "c++": a C++ compiler on PATH
     quick_flag_if_offered: bool = False  # pass --quick when the script's --help offers it
 
+
+_CONTENTION_WAYS = ("aiocompile,aiocompile[workers=12],aiocompile[workers=8],aiocompile[nice=0],aiocompile[pin],"
+                    "ProcessPoolExecutor")
 
 # In the order they run; any other bench_*.py found in benchmarks/ runs after them with
 # just --json.
@@ -71,6 +74,17 @@ KNOWN = [
     Bench("throughput_heavy", "bench_throughput.py", ("--set", "heavy", "--repeat", "3"),
           ("--set", "heavy", "--repeat", "2", "--ways", "aiocompile,serial triton.compile,ProcessPoolExecutor"),
           1800, 600),
+    # A first run on a fresh machine: no compile history, the order from predictions alone,
+    # beside the stdlib pool, each round's longest compile timed alone after it.
+    Bench("first_run", "bench_throughput.py",
+          ("--set", "adds_matmuls", "--first-run", "--alone", "1", "--repeat", "5", "--ways",
+           "aiocompile,ProcessPoolExecutor"),
+          ("--set", "adds_matmuls", "--first-run", "--alone", "1", "--repeat", "3", "--ways",
+           "aiocompile,ProcessPoolExecutor"), 1800, 600),
+    # How compiles slow each other down, and what fewer workers, niceness or pinning do to it.
+    Bench("contention", "bench_throughput.py",
+          ("--set", "adds_matmuls", "--alone", "1", "--repeat", "4", "--ways", _CONTENTION_WAYS),
+          ("--set", "adds_matmuls", "--alone", "1", "--repeat", "2", "--ways", _CONTENTION_WAYS), 1800, 900),
     Bench("dispatch", "bench_dispatch.py", (), ("--rounds", "4"), 300, 120),
     Bench("loop_lag", "bench_loop_lag.py", (), (), 600, 300),
     Bench("startup", "bench_startup.py", ("--repeat", "3"), ("--repeat", "1"), 900, 300),
@@ -79,9 +93,13 @@ KNOWN = [
     Bench("crash", "bench_crash.py", (), (), 300, 120),
     Bench("metrics", "bench_metrics.py", (), ("--rounds", "3"), 300, 120),
     Bench("build", "bench_build.py", (), (), 900, 300),
+    Bench("fleet", "bench_fleet.py", (), (), 1200, 600),
     Bench("serving", "bench_serving.py", (), (), 1200, 400, quick_flag_if_offered=True),
+    # 32 units at -O2 take about 80 s one after another on 2 CPUs: four ways, two rounds.
+    Bench("native", "bench_native.py", ("--repeat", "2"), ("--repeat", "1"), 1800, 900, needs="c++"),
     Bench("torch_compile", "bench_torch_compile.py", ("--repeat", "3"), ("--repeat", "1"), 2400, 900,
           needs="cuda"),
+    Bench("autotune", "bench_autotune.py", ("--repeat", "3"), ("--repeat", "1"), 2400, 900, needs="cuda"),
     # CPU or GPU, whichever torch sees: Inductor compiles C++ for the CPU.
     Bench("background", "bench_background.py", ("--repeat", "3"), ("--repeat", "1"), 3600, 1800),
 ]
@@ -285,6 +303,9 @@ def run_one(bench: Bench, quick: bool, machine: dict[str, Any]) -> dict[str, Any
     if bench.needs == "cuda" and not machine["cuda"]:
         entry.update(status="skipped", reason="needs torch with a CUDA GPU")
         return entry
+    if bench.needs == "c++" and not any(shutil.which(name) for name in ("c++", "g++", "clang++")):
+        entry.update(status="skipped", reason="needs a C++ compiler (c++, g++ or clang++ on PATH)")
+        return entry
     args = list(bench.quick_args if quick else bench.args)
     if quick and bench.quick_flag_if_offered and _offers_quick(bench.script):
         args.append("--quick")
@@ -427,7 +448,25 @@ def render_columns(result: Any) -> str:
 _SET_TEXT = {
     "mixed": "the mixed set: 10 matmuls, one of them long, among 54 short row-wise kernels, in a shuffled order",
     "heavy": "the matmul-heavy set: 28 matmuls interleaved with 36 row-wise kernels",
+    "adds_matmuls": "32 vector adds and 18 matmuls of several tile sizes, the longest compile 34th in the order given",
 }
+
+
+def render_rounds(r: dict[str, Any]) -> str:
+    """Every round of every way: wall, against the round's own lower bound (its longest
+    compile timed alone after it), how much the longest compiles were slowed beside the
+    others, and the rank correlation of the predicted and measured compile times."""
+    rows = []
+    for round_ in r.get("rounds", []):
+        bound = round_.get("lower_bound_s")
+        for way, entry in round_["ways"].items():
+            rows.append([round_["round"], way, entry["wall_s"], bound, entry.get("wall_over_bound"),
+                         entry.get("slowdown"), entry.get("spearman"),
+                         "yes" if entry.get("costs_known") else "no"])
+    if not rows:
+        return ""
+    return ("Every round:\n\n" + _table(["round", "way", "wall s", "lower bound s", "wall / bound",
+                                        "longest slowed", "rank correlation", "costs known before"], rows))
 
 
 def render_throughput(r: dict[str, Any]) -> str:
@@ -469,9 +508,16 @@ def render_throughput(r: dict[str, Any]) -> str:
                 return "not run"
             bound = r.get("lower_bound_s")
             return f"{value:.2f} s" + (f" ({value / bound:.2f}x the lower bound)" if bound else "")
-        parts.append(f"aiocompile's first round knows no compile times and starts kernels in the order given: "
-                     f"{fmt(cold)}. Later rounds read the first round's times (`cost_history`) and start the "
-                     f"longest compiles first: {fmt(warm)}.")
+        if r.get("first_run"):
+            parts.append(f"Every aiocompile round started with no compile history: the order came from the "
+                         f"predicted costs alone: {fmt(cold)}.")
+        else:
+            parts.append(f"aiocompile's first round knows no compile times and orders the kernels by their "
+                         f"predicted cost: {fmt(cold)}. Later rounds read the earlier rounds' times "
+                         f"(`cost_history`): {fmt(warm)}.")
+    rounds = render_rounds(r)
+    if rounds:
+        parts.append(rounds)
     return "\n\n".join(parts)
 
 
@@ -583,6 +629,36 @@ def render_build(r: dict[str, Any]) -> str:
             f"{r['workers']} workers:\n\n" + _table(["way", "wall s", "speed-up over serial", "kernels"], rows))
 
 
+def render_native(r: dict[str, Any]) -> str:
+    results = r["results"]
+    serial = results["serial"]["wall"]
+    pool = next(row["wall"] for name, row in results.items() if name.startswith("ProcessPoolExecutor"))
+    rows = [[name, row["wall"], serial / row["wall"], row["wall"] / pool, row.get("parent_cpu"), row.get("lag_max_ms"),
+             row.get("lag_p99_ms")] for name, row in results.items()]
+    return (f"{r['units']} generated C++ translation units ({r['lines_min']} to {r['lines_max']} lines) built into "
+            f"shared libraries by `{r['command']}`, {r['workers']} workers, median of {r['repeat']} round(s), pools "
+            "started inside the timed region:\n\n"
+            + _table(["way", "wall s", "speed-up over serial", "wall / stdlib pool", "this process's CPU s",
+                      "loop lag max ms", "loop lag p99 ms"], rows))
+
+
+def render_fleet(r: dict[str, Any]) -> str:
+    if r.get("skipped"):
+        return f"Skipped: {r['skipped']}."
+    parts = []
+    for title, group, first in (("Shared Redis cache, two processes with empty local caches", "shared cache",
+                                 "empty server (first machine)"),
+                                ("The same set through aiocompile's own pool and a Dask LocalCluster", "pool",
+                                 "aiocompile's own pool")):
+        runs = r.get(group) or {}
+        base = (runs.get(first) or {}).get("wall")
+        rows = [[name, row["wall"], row["wall"] / base if base else None, row.get("compiles"), row.get("shared_hits"),
+                 row.get("cluster_start")] for name, row in runs.items()]
+        parts.append(f"{title} ({r['targets']}, {r['workers']} workers):\n\n"
+                     + _table(["way", "wall s", f"/ {first}", "compiles", "shared hits", "cluster start s"], rows))
+    return "\n\n".join(parts)
+
+
 def render_torch_compile(runs: list[dict[str, Any]]) -> str:
     groups: dict[tuple[str, str], dict[str, list[float]]] = {}
     for run in runs:
@@ -595,6 +671,25 @@ def render_torch_compile(runs: list[dict[str, Any]]) -> str:
         rows.append([scenario, model, med(stock), med(ours),
                      med(ours) / med(stock) if stock and ours else None])  # type: ignore[operator]
     return _table(["scenario", "model", "stock Inductor s", "with aiocompile s", "ratio"], rows)
+
+
+def render_autotune(runs: list[dict[str, Any]]) -> str:
+    rows = []
+    for case in dict.fromkeys(run["case"] for run in runs):
+        of = [run for run in runs if run["case"] == case]
+
+        def med(mode: str, of: list[dict[str, Any]] = of) -> float | None:
+            values = sorted(run["seconds"] for run in of if run["mode"] == mode)
+            return values[len(values) // 2] if values else None
+
+        triton, cold, warm = med("triton"), med("aiocompile"), med("aiocompile-warm")
+        choice = max((run.get("vs_triton_choice", 0.0) for run in of if run["mode"] != "triton"), default=None)
+        launch = max((run["launch_compiles"] + run["launch_benchmarks"] for run in of if run["mode"] != "triton"),
+                     default=None)
+        rows.append([case, of[0]["configs"], triton, cold, cold / triton if cold and triton else None, warm,
+                     warm / triton if warm and triton else None, choice, launch])
+    return _table(["kernel", "configs", "Triton first launch s", "autotune()+launch s", "ratio", "warmed s", "ratio",
+                   "choice vs Triton's", "compiles+benchmarks after"], rows)
 
 
 def render_background(r: dict[str, Any]) -> str:
@@ -627,6 +722,8 @@ def render_background(r: dict[str, Any]) -> str:
 RENDERERS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "throughput": ("Compile throughput: 64 kernels, five ways", render_throughput),
     "throughput_heavy": ("Compile throughput: the matmul-heavy set", render_throughput),
+    "first_run": ("A first run: 50 kernels, no compile history", render_throughput),
+    "contention": ("Contention: compiles side by side, fewer workers, niceness, pinning", render_throughput),
     "dispatch": ("Dispatch round trip", render_dispatch),
     "startup": ("Start-up", render_startup),
     "memory": ("Cold start and worker memory", render_memory),
@@ -634,7 +731,10 @@ RENDERERS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "crash": ("Crash recovery", render_crash),
     "metrics": ("What measuring costs", render_metrics),
     "build": ("Pre-building the example set", render_build),
+    "native": ("C++ translation units into shared libraries", render_native),
+    "fleet": ("A fleet: shared Redis cache, Dask cluster", render_fleet),
     "torch_compile": ("torch.compile with and without aiocompile", render_torch_compile),
+    "autotune": ("Autotuning's first launch: Triton against autotune()", render_autotune),
     "background": ("Compiling in the background while serving", render_background),
 }
 
@@ -833,7 +933,7 @@ def render_markdown(report: dict[str, Any], images: dict[str, str] | None) -> st
             return (f"(this benchmark's JSON has a shape the report does not know: {type(exc).__name__}: {exc}; "
                     "all of it:)\n\n" + render_generic(results[name]))
 
-    order = ["throughput", "loop_lag", "throughput_heavy", "dispatch", "startup", "memory"]
+    order = ["throughput", "loop_lag", "throughput_heavy", "first_run", "contention", "dispatch", "startup", "memory"]
     order += [name for name in benches if name not in order]
     for name in order:
         if name == "loop_lag":

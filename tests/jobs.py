@@ -66,6 +66,17 @@ def mark_then_sleep(path, seconds, value=None):
     return value
 
 
+def mark_start_and_end(path, seconds, value=None):
+    """Append "start <pid>" to ``path``, sleep, append "end <pid>" and return ``value``: a
+    test sees every attempt at the job, and every one that ran to its end."""
+    with open(path, "a") as f:
+        f.write(f"start {os.getpid()}\n")
+    time.sleep(seconds)
+    with open(path, "a") as f:
+        f.write(f"end {os.getpid()}\n")
+    return value
+
+
 _kept = []
 
 

@@ -48,6 +48,27 @@ def test_a_lone_request_and_a_trickle_never_wait():
     assert gate.held == 0
 
 
+def test_a_request_admitted_alone_asks_the_loop_nothing_and_closes_its_slice_once_it_waited():
+    soon = Soon()
+    gate = Gate(soon, budget=10.0)
+    for _ in range(3):
+        assert gate.open()
+        assert not soon.callbacks  # alone so far: no turn of the loop needed to end its slice
+        gate.close_lone()  # its task waited for its job meanwhile: the loop has gone round
+    assert gate.held == 0
+
+
+def test_a_second_admission_in_a_slice_asks_the_loop_when_its_iteration_ends():
+    soon = Soon()
+    gate = Gate(soon, budget=10.0)
+    assert gate.open() and gate.open()
+    assert len(soon.callbacks) == 1
+    gate.close_lone()  # not alone: the slice lasts until the loop's next iteration says so
+    assert gate.open() and len(soon.callbacks) == 1
+    soon.run()
+    assert gate.open() and not soon.callbacks
+
+
 def test_past_the_budget_requests_wait_their_turn_first_come_first_served():
     soon = Soon()
     gate = Gate(soon, budget=0.0)
@@ -123,6 +144,19 @@ async def test_a_burst_is_admitted_a_slice_at_a_time_while_the_loop_keeps_servin
         assert seen[-1] == 301 and max(steps) <= 3, max(steps)
         stats = sched.statistics()
         assert (stats.submitted, stats.compiled, stats.in_flight) == (301, 301, 0)
+
+
+async def test_one_request_after_another_costs_the_loop_no_turn_of_its_own(monkeypatch, async_runner):
+    if async_runner != "asyncio":
+        pytest.skip("under trio each slice still ends with a callback in the next iteration")
+    turns: list[int] = []
+    original = Gate._next_slice
+    monkeypatch.setattr(Gate, "_next_slice", lambda self: (turns.append(1), original(self))[1])
+    async with aiocompile.Scheduler(workers=1, config=aiocompile.SchedulerConfig(preload=())) as sched:
+        with anyio.fail_after(60):
+            for i in range(20):
+                assert await sched.run(echo, i) == i
+    assert turns == []
 
 
 async def test_a_request_cancelled_while_it_waits_its_turn_is_never_counted(monkeypatch):

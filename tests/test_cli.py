@@ -6,7 +6,9 @@ import stat
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT, subprocess_env
+from native_sources import have
 
 import aiocompile
 
@@ -154,3 +156,138 @@ def test_a_build_into_a_directory_others_can_write_stops_before_compiling(tmp_pa
     proc = _aiocompile("build", "examples/kernels.py", "-t", "cuda:80", "--out", str(out), "--no-progress")
     assert proc.returncode == 2 and "cannot build into" in proc.stderr and "refusing" in proc.stderr
     assert list(out.iterdir()) == []
+
+
+# -- decisions ---------------------------------------------------------------------------------
+
+
+def _decision(key_char, kernel="matmul_kernel"):
+    from aiocompile._tuning._decisions import Decision
+
+    return Decision(key=key_char * 64, kernel=kernel, tuning_key="(4096, 4096, 4096)", device_name="NVIDIA H100",
+                    triton_version="3.6.0", config='{"kwargs": [["BLOCK", 128]], "pre_hook": null}',
+                    label="BLOCK=128, num_warps=4", timings=(("BLOCK=128, num_warps=4", 0.2, None),
+                                                             ("BLOCK=64, num_warps=4", None, "out of resource")),
+                    tuned_at=1_700_000_000.0)
+
+
+def test_decisions_travel_by_export_and_import(tmp_path):
+    from aiocompile._tuning._decisions import read_all, write_all
+
+    source, target = tmp_path / "gpu-host", tmp_path / "fleet"
+    made = [_decision("a"), _decision("b", "l2norm_fwd_kernel")]
+    write_all(source, made)
+    listed = _aiocompile("decisions", "list", str(source))
+    assert listed.returncode == 0, listed.stderr
+    assert "matmul_kernel" in listed.stdout and "on NVIDIA H100" in listed.stdout and "BLOCK=128" in listed.stdout
+    assert "2 decision(s)" in listed.stdout
+
+    exported = tmp_path / "decisions.json"
+    proc = _aiocompile("decisions", "export", str(source), "-o", str(exported))
+    assert proc.returncode == 0, proc.stderr
+    assert stat.S_IMODE(exported.stat().st_mode) == 0o600
+    proc = _aiocompile("decisions", "import", str(target), str(exported))
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(read_all(target)[0], key=lambda d: d.key) == made
+
+    # Signed where a key is set: read with the key, refused without it.
+    signed = tmp_path / "signed"
+    assert _aiocompile("decisions", "import", str(signed), str(exported), AIOCOMPILE_CACHE_KEY="k").returncode == 0
+    assert len(read_all(signed, "k")[0]) == 2 and read_all(signed, "other")[0] == []
+
+
+def test_build_carries_decisions_into_its_directory(tmp_path):
+    from aiocompile._tuning._decisions import export_text, read_all
+
+    kernels = tmp_path / "one_kernel.py"
+    tests = str(ROOT / "tests")
+    kernels.write_text(f"import sys\nsys.path.insert(0, {tests!r})\nfrom triton_kernels import ADD_SIGNATURE, "
+                       "add_kernel\nKERNELS = [{'label': 'add', 'kernel': add_kernel, 'signature': ADD_SIGNATURE, "
+                       "'constexprs': {'BLOCK': 64}}]\n")
+    exported = tmp_path / "decisions.json"
+    exported.write_text(export_text([_decision("c")]))
+    out = tmp_path / "out"
+    proc = _aiocompile("build", str(kernels), "-t", "cuda:90", "--out", str(out), "--no-progress", "-j", "1",
+                       "--decisions", str(exported))
+    assert proc.returncode == 0, proc.stderr
+    assert "1 tuning decision(s) imported" in proc.stderr
+    assert [d.key for d in read_all(out)[0]] == ["c" * 64]
+
+
+def test_bad_decision_files_are_refused(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "something else", "decisions": []}')
+    proc = _aiocompile("decisions", "import", str(tmp_path / "d"), str(bad))
+    assert proc.returncode == 2 and "not an export of tuning decisions" in proc.stderr
+    proc = _aiocompile("decisions", "import", str(tmp_path / "d"), str(tmp_path / "missing.json"))
+    assert proc.returncode == 2 and "no such file" in proc.stderr
+    proc = _aiocompile("decisions", "list", str(tmp_path / "nowhere"))
+    assert proc.returncode == 2 and "no such directory" in proc.stderr
+
+
+MIXED = (
+    "import sys\n"
+    "sys.path.insert(0, {tests!r})\n"
+    "from native_sources import ADD, VECTOR_ADD\n"
+    "from triton_kernels import ADD_SIGNATURE, add_kernel\n\n"
+    "KERNELS = [\n"
+    "    {{'label': 'add_64', 'kernel': add_kernel, 'signature': ADD_SIGNATURE, 'constexprs': {{'BLOCK': 64}}}},\n"
+    "    {{'label': 'add_cpp', 'kind': 'cpp', 'source': ADD, 'flags': ['-O2']}},\n"
+    "    {{'label': 'vector_add', 'kind': 'cuda', 'source': VECTOR_ADD, 'arch': ['sm_80', 'sm_90']}},\n"
+    "    {{'label': 'vector_add_ptx', 'kind': 'cuda', 'source': VECTOR_ADD, 'output': 'ptx'}},\n"
+    "    {{'label': 'broken_cpp', 'kind': 'cpp', 'source': 'int broken() {{ return undefined_name; }}'}},\n"
+    "]\n"
+)
+
+
+@pytest.mark.skipif(not (have("cpp") and have("cuda")), reason="needs a C++ compiler and nvcc")
+def test_a_build_of_triton_cpp_and_cuda_kernels_side_by_side(tmp_path):
+    kernel_set = tmp_path / "mixed_set.py"
+    kernel_set.write_text(MIXED.format(tests=str(ROOT / "tests")))
+    out = tmp_path / "out"
+    proc = _aiocompile("build", str(kernel_set), "-t", "cuda:80,cuda:90", "--out", str(out), "--no-progress", "-j", "2")
+    assert proc.returncode == 1, proc.stderr  # one entry does not compile
+    manifest = json.loads((out / "manifest.json").read_text())
+    entries = {(e["label"], e["target"]): e for e in manifest["kernels"]}
+    machine = next(e["target"] for e in manifest["kernels"] if e["kind"] == "cpp")
+    # Triton and the CUDA source without an arch once per target; the rest once.
+    assert set(entries) == {("add_64", "cuda:80"), ("add_64", "cuda:90"), ("add_cpp", machine),
+                            ("vector_add", "cuda:sm_80+sm_90"), ("vector_add_ptx", "cuda:sm_80"),
+                            ("vector_add_ptx", "cuda:sm_90")}
+    library = aiocompile.NativeLibrary.from_bytes((out / entries["add_cpp", machine]["file"]).read_bytes())
+    assert (out / entries["add_cpp", machine]["binary"]).read_bytes() == library.binary
+    assert library.symbol("add")(2, 3) == 5 and "-O2" in entries["add_cpp", machine]["command"]
+    cubins = entries["vector_add", "cuda:sm_80+sm_90"]
+    binary = aiocompile.CudaBinary.from_bytes((out / cubins["file"]).read_bytes())
+    assert set(cubins["images"]) == {"sm_80", "sm_90"}
+    for arch, path in cubins["images"].items():
+        assert path.endswith(f"vector_add.{arch}.cubin") and (out / path).read_bytes() == binary.images[arch]
+    assert {"cicc", "ptxas"} <= {stage for stage, _ in cubins["stages"]}
+    ptx = (out / entries["vector_add_ptx", "cuda:sm_90"]["binary"]).read_text()
+    assert ".target sm_90" in ptx
+    # The failure: its compiler's first error, file:line, in the summary and the manifest.
+    assert manifest["failures"][0]["label"] == "broken_cpp" and "command:" in manifest["failures"][0]["error"]
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("broken_cpp"))
+    assert "FAILED" in line and "source.cpp:1:" in line and "undefined_name" in line
+    assert "6 built, 1 failed" in proc.stdout
+
+    again = _aiocompile("build", str(kernel_set), "-t", "cuda:80,cuda:90", "--out", str(out), "--no-progress")
+    assert "6 built (6 of them from the cache), 1 failed" in again.stdout, again.stderr
+
+
+@pytest.mark.skipif(not have("cpp"), reason="needs a C++ compiler")
+def test_a_build_of_cpp_sources_alone_needs_no_target(tmp_path):
+    kernel_set = tmp_path / "cpp_set.py"
+    kernel_set.write_text("KERNELS = [{'label': 'one', 'kind': 'cpp',\n"
+                          "            'source': 'extern \"C\" int one() { return 1; }'}]\n")
+    out = tmp_path / "out"
+    proc = _aiocompile("build", str(kernel_set), "--out", str(out), "--no-progress", "-j", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert "building 1 kernels for this machine" in proc.stderr and "1 built, 0 failed" in proc.stdout
+    # A Triton kernel, or a CUDA source without an arch, is built per target: then one is needed.
+    kernel_set.write_text("KERNELS = [{'label': 'k', 'kind': 'cuda', 'source': '__global__ void k() {}'}]\n")
+    proc = _aiocompile("build", str(kernel_set), "--out", str(out), "--no-progress")
+    assert proc.returncode == 2 and "--target is needed" in proc.stderr
+    kernel_set.write_text("KERNELS = [{'kind': 'rust', 'source': 'fn main() {}'}]\n")
+    proc = _aiocompile("build", str(kernel_set), "--out", str(out), "--no-progress")
+    assert proc.returncode == 2 and "must define KERNELS" in proc.stderr

@@ -1,14 +1,15 @@
 """Compile costs are remembered, and a batch starts its longest compiles first."""
 
 import json
+import math
 import os
 
 import anyio
 import pytest
-from triton_kernels import ADD_SIGNATURE, add_kernel, axpy_kernel
+from triton_kernels import ADD_SIGNATURE, MATMUL_SIGNATURE, add_kernel, axpy_kernel, tile_matmul_kernel
 
 import aiocompile
-from aiocompile._costs import CostHistory, longest_first
+from aiocompile._costs import PRIORS, TERMS, CostHistory, longest_first
 
 AXPY_SIGNATURE = {"x_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*fp32", "alpha": "fp32", "n": "i32"}
 
@@ -55,7 +56,7 @@ def test_the_file_is_merged_with_other_writers_bounded_and_replaced_whole(tmp_pa
     second.note("d", "k", "triton", "cuda:90", 4.0)
     second.save()  # keeps the newest 3 of a, b, c, d
     data = json.loads(open(path).read())
-    assert data["version"] == 1 and sorted(data["costs"]) == ["b", "c", "d"]
+    assert data["version"] == 2 and sorted(data["costs"]) == ["b", "c", "d"]
     assert os.listdir(tmp_path / "sub") == ["costs.json"]  # no temporary file left
     third = CostHistory(path)
     third.load()
@@ -116,8 +117,8 @@ async def test_a_batch_starts_its_longest_compiles_first_as_the_history_says(tmp
     async with aiocompile.Scheduler(workers=1, config=aiocompile.SchedulerConfig(cost_history=str(history))) as sched:
         kernels, first_order = await started_order(sched, specs)
     keys = [k.key for k in kernels]
-    # Nothing was known: the order given.
-    assert first_order == keys
+    # Nothing was measured: the adds in the order of their predicted cost, larger blocks first.
+    assert [key for key in first_order if key != keys[3]] == [keys[4], keys[2], keys[1], keys[0]]
     # The scheduler noted each compile's time in the file.
     assert set(json.loads(history.read_text())["costs"]) == set(keys)
 
@@ -146,3 +147,88 @@ async def test_the_cache_directory_keeps_the_history_and_a_bad_spec_starts_nothi
         with pytest.raises(TypeError, match="no 'signature'"):
             await sched.compile_many([{"kernel": add_kernel}])
     assert len(json.loads((tmp_path / "costs.json").read_text())["costs"]) == 1
+
+
+# -- predicting a compile that never ran ---------------------------------------------------------
+
+
+def triton_features(tile, warps=4, stages=3, dot=0.0, source=10.0):
+    return (("source", source), ("tile", math.log2(tile)), ("warps", math.log2(warps)), ("dot", dot),
+            ("stages", float(stages)))
+
+
+def test_with_nothing_measured_the_prior_ranks_matmuls_by_their_tile_and_above_elementwise_kernels():
+    history = CostHistory()
+    add = history.estimate("a", "add", "triton", "cuda:90", triton_features(1024, source=8.2))
+    small = history.estimate("m1", "mm", "triton", "cuda:90", triton_features(16 * 32 * 32, 1, 2, dot=1.0, source=10.7))
+    large = history.estimate("m2", "mm", "triton", "cuda:90", triton_features(128 * 256 * 64, 8, 3, 1.0, 10.7))
+    assert add is not None and small is not None and large is not None
+    assert add < small < large
+    # Nothing about it at all, not even a description: no estimate (as given, in a batch).
+    assert history.estimate("z", "other", "triton", "cuda:90") is None
+    model = history.model("triton")
+    assert model["compiles"] == 0 and model["terms"] == dict(zip(TERMS, PRIORS["triton"]))
+
+
+def test_the_model_learns_from_compiles_and_a_fresh_process_reads_what_it_learnt(tmp_path):
+    path = str(tmp_path / "costs.json")
+    history = CostHistory(path)
+    # On this machine, say, the prior is wrong about warps: more warps compile slower.
+    for n, warps in enumerate([1, 2, 4, 8, 16] * 4):
+        history.note(f"k{n}", f"kernel{n}", "triton", "cuda:90", 0.05 * warps, triton_features(1024, warps))
+    learnt = history.model("triton")
+    assert learnt["compiles"] == 20 and learnt["terms"]["warps"] > 0.5 > PRIORS["triton"][TERMS.index("warps")]
+    few, many = (history.estimate("new", "unseen", "triton", "cuda:90", triton_features(1024, w)) for w in (2, 16))
+    assert few is not None and many is not None and many > 4 * few
+    history.save()
+    fresh = CostHistory(path)
+    fresh.load()
+    assert fresh.model("triton") == learnt
+    assert fresh.estimate("new", "unseen", "triton", "cuda:90", triton_features(1024, 16)) == pytest.approx(many)
+    # Measured again: the old time leaves the model, the new one takes its place.
+    fresh.note("k0", "kernel0", "triton", "cuda:90", 0.05, triton_features(1024, 1))
+    assert fresh.model("triton") == learnt
+
+
+def test_a_new_configuration_of_a_known_kernel_is_corrected_by_its_familys_residual():
+    history = CostHistory()
+    slow_before = history.estimate("new", "slow_kernel", "triton", "cuda:90", triton_features(2048))
+    plain_before = history.estimate("new", "plain_kernel", "triton", "cuda:90", triton_features(2048, source=9.0))
+    # One family compiles about 8x slower than the prior says, another as it says.
+    for family, factor, source in (("slow_kernel", 8, 10.0), ("plain_kernel", 1, 9.0)):
+        for tile in (256, 512, 1024):
+            features = triton_features(tile, source=source)
+            predicted = CostHistory().estimate(None, family, "triton", "cuda:90", features)
+            history.note(f"{family}{tile}", family, "triton", "cuda:90", factor * predicted, features)
+    slow = history.estimate("new", "slow_kernel", "triton", "cuda:90", triton_features(2048))
+    plain = history.estimate("new", "plain_kernel", "triton", "cuda:90", triton_features(2048, source=9.0))
+    assert slow_before is not None and plain_before is not None and slow is not None and plain is not None
+    assert slow > 4 * slow_before
+    assert plain < 2 * plain_before
+
+
+def test_a_version_1_file_is_read_and_its_times_still_count(tmp_path):
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"version": 1, "costs": {"a": [0.7, "k", "triton", "cuda:90", 1.0]}}))
+    history = CostHistory(str(path))
+    history.load()
+    assert history.estimate("a", "k", "triton", "cuda:90", triton_features(64)) == 0.7
+    assert history.estimate("b", "k", "triton", "cuda:90", triton_features(64)) == 0.7  # its family's mean
+    history.note("c", "k", "triton", "cuda:90", 0.5, triton_features(64))
+    history.save()
+    data = json.loads(path.read_text())
+    assert data["version"] == 2 and data["costs"]["a"][5] is None and data["costs"]["c"][5]["tile"] == 6.0
+
+
+async def test_a_first_run_starts_the_matmul_before_the_vector_adds(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    matmul = {"kernel": tile_matmul_kernel, "signature": MATMUL_SIGNATURE, "target": "cuda:80",
+              "constexprs": {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32}, "num_warps": 2}
+    specs = [add_spec(64), add_spec(1024), matmul, add_spec(256)]
+    config = aiocompile.SchedulerConfig(cost_history=str(tmp_path / "costs.json"))
+    async with aiocompile.Scheduler(workers=1, config=config) as sched:
+        kernels, order = await started_order(sched, specs)
+    keys = [k.key for k in kernels]
+    assert order == [keys[2], keys[1], keys[3], keys[0]]
+    entry = json.loads((tmp_path / "costs.json").read_text())["costs"][keys[2]]
+    assert entry[5]["dot"] == 1.0 and entry[5]["tile"] == 15.0 and entry[5]["warps"] == 1.0

@@ -36,9 +36,9 @@ def test_every_export_is_documented():
 
 def test_import_is_light():
     code = ("import sys, aiocompile; print(' '.join(str(m in sys.modules) for m in "
-            "('triton', 'torch', 'anyio', 'aiocompile._scheduler')))")
+            "('triton', 'torch', 'anyio', 'aiocompile._scheduler', 'redis', 'distributed', 'dask')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["False", "False", "False", "False"]
+    assert out.split() == ["False"] * 7
 
 
 def test_error_tree():
@@ -46,9 +46,13 @@ def test_error_tree():
     assert issubclass(aiocompile.CompileTimeout, aiocompile.CompileError)
     assert issubclass(aiocompile.CompileTimeout, TimeoutError)
     assert issubclass(aiocompile.WorkerCrashedError, aiocompile.CompileError)
+    assert issubclass(aiocompile.CompilerNotFound, aiocompile.CompileError)
+    assert issubclass(aiocompile.CompilerNotFound, FileNotFoundError)
     assert issubclass(aiocompile.SchedulerClosed, aiocompile.AiocompileError)
+    assert issubclass(aiocompile.AutotuneError, aiocompile.CompileError)
     for cls in (aiocompile.AiocompileError, aiocompile.CompileError, aiocompile.CompileTimeout,
-                aiocompile.WorkerCrashedError, aiocompile.SchedulerClosed):
+                aiocompile.WorkerCrashedError, aiocompile.AutotuneError, aiocompile.CompilerNotFound,
+                aiocompile.SchedulerClosed):
         assert cls.__doc__ and "fault" in cls.__doc__, f"{cls.__name__} must say whose fault it is"
 
 
@@ -65,3 +69,10 @@ def test_errors_pickle_with_their_fields():
     assert str(again) == str(crash)
     timeout = pickle.loads(pickle.dumps(aiocompile.CompileTimeout("slow", timeout=1.5, kernel_name="k")))
     assert isinstance(timeout, TimeoutError) and timeout.timeout == 1.5
+    tuning = aiocompile.AutotuneError("none left", failures=(("BLOCK=64", "fault"),), kernel_name="k")
+    again = pickle.loads(pickle.dumps(tuning))
+    assert again.failures == (("BLOCK=64", "fault"),) and again.kernel_name == "k" and str(again) == str(tuning)
+    failed = aiocompile.CompileError("g++ exited with status 1", kernel_name="lib", command="g++ -shared x.cpp")
+    assert pickle.loads(pickle.dumps(failed)).command == "g++ -shared x.cpp"
+    missing = pickle.loads(pickle.dumps(aiocompile.CompilerNotFound("no nvcc found")))
+    assert type(missing) is aiocompile.CompilerNotFound and str(missing) == "no nvcc found"

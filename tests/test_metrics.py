@@ -441,3 +441,106 @@ def test_progress_shows_in_a_notebook_without_a_terminal(monkeypatch):
     assert Progress(2, enabled=True, stream=io.StringIO()).enabled
     fake.get_ipython = lambda: None  # plain IPython in a terminal, or no shell at all
     assert not Progress(2, enabled=True, stream=io.StringIO()).enabled
+
+
+# -- autotune(): its counters, records and progress -------------------------------------------
+
+
+def _stand_in_tuning(sched, devices=1):
+    from tuning_stand_in import StandInTiming
+
+    from aiocompile._tuning._tuner import Tuner
+
+    sched._tuner = Tuner(sched, StandInTiming(devices))
+    return sched
+
+
+@pytest.fixture
+def stand_in_driver():
+    from triton.runtime import driver
+    from tuning_stand_in import StandInDriver
+
+    previous = driver._active
+    driver.set_active(StandInDriver())
+    try:
+        yield
+    finally:
+        driver._active = previous
+        import tuning_kernels
+
+        tuning_kernels.scale_base.device_caches.clear()
+
+
+async def test_tuning_counters_reach_statistics_and_prometheus(stand_in_driver):
+    prometheus = pytest.importorskip("prometheus_client")
+    torch = pytest.importorskip("torch")
+    import tuning_kernels as tk
+    import tuning_stand_in as si
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from aiocompile.prometheus import SchedulerCollector
+
+    x, out = torch.ones(4096), torch.empty(4096)
+    kernel = tk.tuned([tk.config(64, cost=5), tk.config(128, mode=si.ERROR), tk.config(256, mode=si.CRASH)])
+    failing = tk.tuned([tk.config(64, mode=si.ERROR), tk.config(128, mode=si.ERROR)])
+    async with _stand_in_tuning(aiocompile.Scheduler(workers=2)) as sched:
+        await sched.autotune(kernel, x, out, 4096, 2.0, grid=tk.grid)
+        await sched.autotune(kernel, x, out, 4096, 2.0, grid=tk.grid)  # the decision, remembered
+        with pytest.raises(aiocompile.AutotuneError):
+            await sched.autotune(failing, x, out, 4096, 2.0, grid=tk.grid)
+        stats = sched.statistics()
+        registry = prometheus.CollectorRegistry()
+        registry.register(SchedulerCollector(sched))
+        text = prometheus.generate_latest(registry).decode()
+    assert (stats.tunings, stats.tuned, stats.tuning_hits, stats.tuning_failures) == (2, 1, 1, 1)
+    assert stats.benchmarks == 5 and stats.benchmark_outcomes["ok"] == 1
+    assert stats.benchmark_outcomes["error"] == 3 and stats.benchmark_outcomes["crashed"] == 1
+    assert stats.benchmark_processes_started >= 1 and stats.benchmark_processes_lost == 1
+    assert stats.benchmark_time.count == 5 and stats.benchmark_time.max > 0
+    # The configurations are ordinary compiles: each distinct one once (failing's BLOCK=128
+    # is kernel's), the chosen one's later requests answered by the cache.
+    assert stats.compiled == 4 and stats.cache_hits == 3
+    json.dumps(stats.to_dict())
+
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, sample.labels.get("outcome"))] = sample.value
+    assert samples[("aiocompile_tunings_total", None)] == 2
+    assert samples[("aiocompile_tunings_benchmarked_total", None)] == 1
+    assert samples[("aiocompile_tuning_hits_total", None)] == 1
+    assert samples[("aiocompile_tuning_failures_total", None)] == 1
+    assert samples[("aiocompile_benchmarks_total", "error")] == 3
+    assert samples[("aiocompile_benchmarks_total", "crashed")] == 1
+    assert samples[("aiocompile_benchmark_seconds_count", None)] == 5
+    assert samples[("aiocompile_benchmark_processes_lost_total", None)] == 1
+
+
+async def test_progress_covers_compiles_and_benchmarks(monkeypatch, stand_in_driver):
+    pytest.importorskip("tqdm")
+    torch = pytest.importorskip("torch")
+    import tuning_kernels as tk
+
+    terminal = TTY()
+    monkeypatch.setattr("sys.stderr", terminal)
+    kernel = tk.tuned([tk.config(64, cost=5), tk.config(128, cost=3)])
+    async with _stand_in_tuning(aiocompile.Scheduler(workers=2)) as sched:
+        await sched.autotune(kernel, torch.ones(4096), torch.empty(4096), 4096, 2.0, grid=tk.grid, progress=True)
+    shown = terminal.getvalue()
+    assert "tuning scale_base" in shown and "4/4" in shown  # two compiles, two benchmarks
+
+
+def test_a_record_made_in_a_hurry_is_the_record_its_constructor_makes():
+    from aiocompile._frozen import build
+    from aiocompile._metrics import JobRecord
+
+    fields = dict(key="k", name="add", backend="triton", target="cuda:90", outcome="compiled", error=None,
+                  queued_at=1.0, started_at=1.5, finished_at=2.0, queue_wait=0.5, run_time=0.4, load_time=0.01,
+                  total_time=1.0, stages=(("ttir", 0.1),), compiler_cache_hit=False, attempts=1, worker_pid=7,
+                  worker_rss=1 << 20, artifact_size=4096)
+    record = build(JobRecord, dict(fields))
+    assert record == JobRecord(**fields) and record.to_dict() == JobRecord(**fields).to_dict()
+    with pytest.raises(AttributeError):
+        record.outcome = "error"  # type: ignore[misc]  # still frozen
+    with pytest.raises(TypeError, match="every field"):
+        build(JobRecord, {k: v for k, v in fields.items() if k != "error"})

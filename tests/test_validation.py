@@ -136,9 +136,11 @@ def test_config_rejects_nonsense():
 def test_config_from_env():
     env = {"AIOCOMPILE_WORKERS": "3", "AIOCOMPILE_TIMEOUT": "7.5", "AIOCOMPILE_MAX_CRASHES": "4",
            "AIOCOMPILE_START_METHOD": "spawn", "AIOCOMPILE_CANCEL_RUNNING": "kill",
-           "AIOCOMPILE_MAX_WORKER_RSS": "1000000000", "AIOCOMPILE_IDLE_TIMEOUT": "30"}
+           "AIOCOMPILE_MAX_WORKER_RSS": "1000000000", "AIOCOMPILE_IDLE_TIMEOUT": "30",
+           "AIOCOMPILE_BENCHMARK_TIMEOUT": "12", "AIOCOMPILE_TUNING_DEVICES": "2, 0"}
     config = aiocompile.SchedulerConfig.from_env(env)
     assert (config.workers, config.timeout, config.max_crashes, config.start_method) == (3, 7.5, 4, "spawn")
+    assert (config.benchmark_timeout, config.tuning_devices) == (12.0, (2, 0))
     assert (config.cancel_running, config.max_worker_rss, config.idle_timeout) == ("kill", 10**9, 30.0)
     assert aiocompile.SchedulerConfig.from_env({}) == aiocompile.SchedulerConfig()
     for bad in (dict(cancel_running="maybe"), dict(max_worker_rss=0), dict(idle_timeout=-1)):
@@ -181,6 +183,16 @@ BAD_SETTINGS = [
     ("event_log", "", ValueError), ("event_log", 3, TypeError),
     ("cost_history", "", ValueError), ("cost_history", 3, TypeError),
     ("cache_key", b"", ValueError), ("cache_key", "", ValueError), ("cache_key", 1234, TypeError),
+    ("benchmark_timeout", 0, ValueError), ("benchmark_timeout", INF, ValueError),
+    ("benchmark_timeout", "60", TypeError),
+    ("tuning_devices", (), ValueError), ("tuning_devices", (0, 0), ValueError), ("tuning_devices", (-1,), ValueError),
+    ("tuning_devices", 0, TypeError), ("tuning_devices", (True,), TypeError), ("tuning_devices", "0,1", TypeError),
+    ("cache_url", "http://:s3cret@cache/", ValueError), ("cache_url", "redis://:s3cret@", ValueError),
+    ("cache_url", b"redis://:s3cret@cache", TypeError),
+    ("cache_url_ttl", 0, ValueError), ("cache_url_ttl", "60", TypeError),
+    ("cache_url_entry_bytes", 0, ValueError), ("cache_url_entry_bytes", 1.5, TypeError),
+    ("cache_url_timeout", 0, ValueError), ("cache_url_timeout", 61, ValueError), ("cache_url_timeout", None, TypeError),
+    ("cache_url_retry", INF, ValueError), ("cache_url_retry", True, TypeError),
     ("repro_dir", "", ValueError), ("repro_dir", 3, TypeError), ("repro_dir", False, TypeError),
     ("repro_keep", 0, ValueError), ("repro_keep", 1.5, TypeError), ("repro_keep", None, TypeError),
     ("repro_dir_bytes", 0, ValueError), ("repro_dir_bytes", "1", TypeError),
@@ -202,6 +214,8 @@ def test_a_bad_setting_is_refused_naming_itself_and_its_value(field, value, exc)
     assert field in str(info.value)
     if field == "cache_key":
         assert "1234" not in str(info.value)  # a secret: its value stays out of messages
+    elif field == "cache_url":
+        assert "s3cret" not in str(info.value)  # nor does a URL's password
     else:
         assert repr(value) in str(info.value)
     if value is not None:
@@ -233,6 +247,9 @@ BAD_ENVIRONMENT = [
     ("AIOCOMPILE_WORKERS", "1.5"), ("AIOCOMPILE_WORKERS", "0"), ("AIOCOMPILE_MAX_CRASHES", "0"),
     ("AIOCOMPILE_MAX_WORKER_RSS", "0"), ("AIOCOMPILE_CACHE_DIR_BYTES", "-1"), ("AIOCOMPILE_WORKER_NICE", "20"),
     ("AIOCOMPILE_METRICS", "maybe"), ("AIOCOMPILE_START_METHOD", "thread"), ("AIOCOMPILE_CANCEL_RUNNING", "maybe"),
+    ("AIOCOMPILE_BENCHMARK_TIMEOUT", "0"), ("AIOCOMPILE_TUNING_DEVICES", "0,x"), ("AIOCOMPILE_TUNING_DEVICES", "1,1"),
+    ("AIOCOMPILE_CACHE_URL", "http://cache/"), ("AIOCOMPILE_CACHE_URL_TIMEOUT", "0"),
+    ("AIOCOMPILE_CACHE_URL_TTL", "never"),
     ("AIOCOMPILE_REPRO_KEEP", "0"), ("AIOCOMPILE_REPRO_DIR_BYTES", "lots"),
 ]
 

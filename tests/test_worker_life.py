@@ -4,7 +4,10 @@ kill that can only reach the job it was meant for."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
+import socket
 import threading
+from multiprocessing.connection import Connection
 
 import pytest
 from jobs import echo, pid, sleep_then
@@ -12,6 +15,7 @@ from jobs import echo, pid, sleep_then
 from aiocompile import WorkerPool
 from aiocompile._jobs import Job
 from aiocompile._launch import WorkerProcess
+from aiocompile._worker import _Inbox
 from aiocompile._workers import TRANSITIONS, UNDELIVERED, InvalidTransition, State, Worker
 
 
@@ -212,3 +216,41 @@ def test_a_wake_up_written_while_the_supervisor_drains_its_pipe_is_never_lost(mo
         closer.start()
         closer.join(30)
         assert not closer.is_alive(), "shutdown's wake-up was lost: the supervisor never heard it"
+
+
+# -- the worker's end of the job socket -----------------------------------------------------------
+
+
+def test_the_worker_reads_messages_whole_however_they_arrive_and_stops_at_the_parents_end():
+    parent, child = socket.socketpair()
+    sender = Connection(os.dup(parent.fileno()))
+    inbox = _Inbox(child.fileno())
+    # Two messages in one go: the second is kept for the next receive, not lost.
+    sender.send_bytes(b"first")
+    sender.send_bytes(b"second")
+    assert bytes(inbox.receive()) == b"first"
+    assert bytes(inbox.receive()) == b"second"
+    # A message larger than one read, its length first and its body in pieces meanwhile.
+    big = bytes(range(256)) * 40000
+    writer = threading.Thread(target=sender.send_bytes, args=(big,))
+    writer.start()
+    assert bytes(inbox.receive()) == big
+    writer.join()
+    sender.close()
+    parent.close()
+    with pytest.raises(EOFError):
+        inbox.receive()
+    child.close()
+
+
+def test_a_worker_measures_its_memory_after_a_millisecond_of_jobs_not_after_each_trivial_one():
+    from aiocompile._worker import _JobState
+
+    state = _JobState()
+    measured: list[int] = []
+    state.rss = lambda: (measured.append(1), 1000 * len(measured))[1]  # type: ignore[method-assign]
+    assert state.rss_after(0.00001) == 1000  # the first job's is measured
+    assert [state.rss_after(0.00001) for _ in range(50)] == [1000] * 50  # 0.5 ms more: not yet
+    assert state.rss_after(0.0006) == 2000  # past a millisecond of jobs: measured again
+    assert state.rss_after(0.5) == 3000  # a long job is always measured
+    assert len(measured) == 3

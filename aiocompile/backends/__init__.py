@@ -23,8 +23,8 @@ class Request:
     target: str | None
     fn: Callable[..., Any]
     args: tuple[Any, ...]
-    finish: Callable[[Any], Any]
-    """The worker's answer -> the result (in the parent)."""
+    finish: Callable[[Any], Any] | None
+    """The worker's answer -> the result (in the parent); None: the answer is the result."""
     encode: Callable[[Any], bytes] | None = None
     """The result -> bytes for the disk cache (None: results are not kept on disk)."""
     decode: Callable[[bytes], Any] | None = None
@@ -37,6 +37,26 @@ class Request:
     direct: bool = False
     """The answer is small and awaited in the submitting thread's event loop, which may
     then read it from the worker itself (``WorkerPool.submit_job(direct=True)``)."""
+    features: tuple[tuple[str, float], ...] = ()
+    """What is known of the compile's cost before it runs, as ``(name, value)`` pairs, for
+    predicting it (``_costs``): ``source`` (log2 of the source's bytes) from any backend
+    that has a source; from Triton also ``tile``, ``warps``, ``dot`` and ``stages``."""
+
+
+class SpecBackend(Protocol):
+    """A backend as ``compile_many`` sees it: a spec names its backend by its ``"kind"``
+    (``"triton"`` when it names none), and the rest of the spec is the backend's."""
+
+    needs: tuple[str, ...]
+    """The keys every spec of this kind must have."""
+
+    def label(self, spec: Mapping[str, Any]) -> str:
+        """A name for the spec in progress lines, where it has no ``"label"``."""
+        ...
+
+    async def prepare_specs(self, ctx: BackendContext, specs: list[dict[str, Any]]) -> list[Request | Exception]:
+        """A request for each spec (or the exception its checks raised), in order."""
+        ...
 
 
 class BackendContext(Protocol):

@@ -33,6 +33,7 @@ import ast
 import functools
 import hashlib
 import inspect
+import math
 import os
 import threading
 from collections.abc import Mapping
@@ -487,7 +488,14 @@ def build_request(
         encode=None,  # an autotuner is a live object: it is not kept on disk
         size=lambda artifact: artifact.size,
         details=_details,
+        features=source_features(source_code),
     )
+
+
+def source_features(source: str) -> tuple[tuple[str, float], ...]:
+    """What predicts a compile's cost from its source alone (see ``_costs``): log2 of its
+    size in bytes."""
+    return (("source", math.log2(max(len(source.encode()), 1))),)
 
 
 def _details(answer: Mapping[str, Any]) -> dict[str, Any]:

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import math
 import os
+import re
 import sys
 import threading
 import time
@@ -206,12 +208,18 @@ class _Kernel:
     guards: tuple[tuple[dict[str, Any], str, Any], ...] = ()
     jit_functions: tuple[Any, ...] = ()
     requests: dict[Any, Request] = field(default_factory=dict)
+    shape: tuple[float, float] | None = None
+    """log2 of its source's bytes (with its callees'), and 1.0 if it calls ``dot``: worked
+    out once, for predicting its compiles' cost (``_features``)."""
 
     def fresh(self) -> bool:
         return all(d.get(name, _MISSING) is value for d, name, value in self.guards)
 
 
 _MISSING = object()
+# A call of tl.dot or tl.dot_scaled (or of dot imported by name): the kernel multiplies
+# matrices, and its compile grows with its tile.
+_DOT = re.compile(r"\bdot(?:_scaled)?\s*\(")
 
 
 class _ByIdentity:
@@ -313,6 +321,7 @@ class TritonBackend:
     seen. Thread-safe: requests come from any event loop, keys are computed in threads."""
 
     name = "triton"
+    needs: tuple[str, ...] = ("kernel", "signature")
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
@@ -344,6 +353,18 @@ class TritonBackend:
             found.resolve(await self._current_target(ctx))
         built: Request = await ctx.to_thread(lambda: self._build(found))
         return built
+
+    def label(self, spec: Mapping[str, Any]) -> str:
+        kernel = spec["kernel"]
+        return str(getattr(kernel, "__name__", None) or getattr(kernel, "name", "?"))
+
+    async def prepare_specs(self, ctx: BackendContext, specs: list[dict[str, Any]]) -> list[Request | Exception]:
+        """``prepare_many`` for ``compile_many``'s specs: ``compile_triton``'s keyword
+        arguments, the kernel under ``"kernel"``; what is not an argument is an option."""
+        items = [{"kernel": spec.pop("kernel"), "signature": spec.pop("signature"),
+                  "constexprs": spec.pop("constexprs", None), "target": spec.pop("target", None),
+                  "attrs": spec.pop("attrs", None), "options": spec} for spec in specs]
+        return await self.prepare_many(ctx, items)
 
     async def prepare_many(self, ctx: BackendContext, items: list[dict[str, Any]]) -> list[Request | Exception]:
         """``prepare`` for many requests at once (``compile_many``): each item holds
@@ -428,12 +449,37 @@ class TritonBackend:
             constexprs = fill_defaults(checked.name, known.fn, checked.signature, checked.constexprs)
             spec = TritonSpec(known.ref, checked.name, checked.arg_names, checked.signature, constexprs,
                               checked.attrs, checked.options, checked.target, key="")
-            request = self._request(TritonSpec(**{**spec.__dict__, "key": self._key(known.fn, spec)}))
+            request = self._request(TritonSpec(**{**spec.__dict__, "key": self._key(known.fn, spec)}),
+                                    self._features(known, spec))
             if checked.memo is not None:
                 known.requests[checked.memo] = request
             return request
 
-    def _request(self, spec: TritonSpec) -> Request:
+    def _features(self, known: _Kernel, spec: TritonSpec) -> tuple[tuple[str, float], ...]:
+        """What predicts this compile's cost (see ``_costs``): the kernel's source size and
+        whether it calls ``dot``, the tile (the product of the BLOCK/TILE constexprs),
+        ``num_warps`` and ``num_stages`` (Triton's defaults where not given)."""
+        if known.shape is None:
+            try:
+                jits = [known.fn, *_called_jit_functions(known.fn)]
+            except Exception:  # a source that does not parse here, say: the kernel alone
+                jits = [known.fn]
+            sources = [str(getattr(jit, "src", "") or "") for jit in jits]
+            size = sum(len(source.encode()) for source in sources)
+            known.shape = (math.log2(max(size, 1)), 1.0 if any(_DOT.search(source) for source in sources) else 0.0)
+        tile = 1
+        for name, value in spec.constexprs:
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0 and \
+                    ("BLOCK" in name.upper() or "TILE" in name.upper()):
+                tile *= value
+        options = self._parsed_options(spec.target, spec.options)
+        warps = getattr(options, "num_warps", 4) or 4
+        stages = getattr(options, "num_stages", 3) or 0
+        source, dot = known.shape
+        return (("source", source), ("tile", math.log2(tile)), ("warps", math.log2(warps)), ("dot", dot),
+                ("stages", float(stages)))
+
+    def _request(self, spec: TritonSpec, features: tuple[tuple[str, float], ...] = ()) -> Request:
         return Request(
             backend="triton",
             key=spec.key,
@@ -446,6 +492,7 @@ class TritonBackend:
             decode=TritonKernel.from_bytes,
             size=size,
             details=_details,
+            features=features,
         )
 
     # -- kernels ----------------------------------------------------------------------------

@@ -27,7 +27,7 @@ Nested (tuple) arguments with constant members cannot be expressed as a
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiocompile._target import Target, parse_target
@@ -79,6 +79,9 @@ class Plan:
     attrs: dict[tuple[int, ...], Any]
     options: dict[str, Any]
     """The compile options among the keywords (as the JIT binder returns them)."""
+    bound_args: dict[str, Any] = field(default_factory=dict, repr=False)
+    """Every parameter and its value, in order, as the JIT binds them: what a callable
+    grid is given, and what the launch passes to the compiled kernel."""
 
     def request(self) -> dict[str, Any]:
         """``compile_triton``'s keyword arguments for this specialisation."""
@@ -98,9 +101,11 @@ class Plan:
         }
 
 
-def plan(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any = None) -> Plan:
+def plan(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any = None,
+         device: int | None = None) -> Plan:
     """Specialise ``kernel`` for a launch with ``args`` and ``kwargs`` (see the module
-    docstring). With ``target=None`` this asks the GPU driver for the current device."""
+    docstring). With ``target=None`` this asks the GPU driver for the current device, or
+    specialises for ``device`` where one is given (the JIT keeps a cache per device)."""
     from triton.compiler.compiler import make_backend
     from triton.runtime.jit import MockTensor, compute_cache_key, create_function_from_signature
 
@@ -111,12 +116,13 @@ def plan(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any
     if parsed is None:
         from triton.runtime import driver
 
-        device = int(driver.active.get_current_device())
+        if device is None:
+            device = int(driver.active.get_current_device())
         _, kernel_key_cache, gpu_target, backend, binder = fn.device_caches[device]
         parsed = parse_target(gpu_target)
         assert parsed is not None
     else:
-        device = None
+        device = None  # an explicit target: no device's cache to prime
         backend = make_backend(parsed.to_gpu_target())
         binder = create_function_from_signature(fn.signature, fn.params, backend)
         kernel_key_cache = {}
@@ -131,7 +137,8 @@ def plan(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any
         raise NotImplementedError("warmup() does not support Triton's add_stages_inspection_hook")
     jit_key = compute_cache_key(kernel_key_cache, specialization, options)
     _, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args, specialization, options)
-    return Plan(fn, parsed, device, jit_key, dict(signature), dict(constexprs), dict(attrs), dict(options))
+    return Plan(fn, parsed, device, jit_key, dict(signature), dict(constexprs), dict(attrs), dict(options),
+                dict(bound_args))
 
 
 def prime(plan: Plan, kernel: Any, *, load: bool = True) -> Any:

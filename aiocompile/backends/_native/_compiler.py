@@ -1,0 +1,201 @@
+"""Finding a compiler program, and what it is.
+
+A compiler is found in the parent, before any worker is involved: the one given
+(``compiler=``: a path, or a name looked up on ``PATH``), or the first found of
+
+==========  ==========================================================================
+C++         ``c++``, ``g++``, ``clang++`` on ``PATH``
+CUDA        ``nvcc`` in ``$CUDA_HOME/bin``, ``$CUDA_PATH/bin``, on ``PATH``, in
+            ``/usr/local/cuda/bin``
+ROCm        ``hipcc`` in ``$ROCM_PATH/bin``, ``$HIP_PATH/bin``, on ``PATH``, in
+            ``/opt/rocm/bin``
+==========  ==========================================================================
+
+Where none is, ``CompilerNotFound`` says where it looked. These environment variables are
+read here and nowhere else.
+
+Its identity (what ``--version`` prints, and for GCC and Clang the machine they build for)
+goes into every key: another compiler, or another version of the same, builds another
+binary. Asking costs a process or two (10 to 30 ms), so it is asked once per process and
+compiler file (its path, inode, size and modification time: a compiler upgraded in place
+is asked again), in the calling thread, which is a backend's key thread, never an event
+loop's.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from aiocompile._errors import CompilerNotFound
+
+__all__ = ["Compiler", "find", "host_compiler", "identify"]
+
+# What each kind of compile looks for when no compiler is given: names on PATH, and the
+# environment variables (then fixed directories) whose bin/ may hold it.
+_SEARCH: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
+    "cpp": (("c++", "g++", "clang++"), (), ()),
+    "cuda": (("nvcc",), ("CUDA_HOME", "CUDA_PATH"), ("/usr/local/cuda",)),
+    "hip": (("hipcc",), ("ROCM_PATH", "HIP_PATH"), ("/opt/rocm",)),
+}
+_WHAT = {"cpp": "C++ compiler", "cuda": "CUDA compiler", "hip": "ROCm (HIP) compiler"}
+
+
+@dataclass(frozen=True)
+class Compiler:
+    """A compiler program and what it said about itself."""
+
+    path: str
+    """Absolute path, as found (``/usr/bin/g++``, not what the link points to)."""
+    family: str
+    """``"gcc"``, ``"clang"``, ``"nvcc"``, ``"hipcc"``, or ``"unknown"``."""
+    version: str
+    """``"12.2.0"``, ``"13.0.88"``; empty where it could not be read."""
+    identity: str
+    """What ``--version`` printed, with the machine it builds for (GCC, Clang)."""
+    realpath: str
+    machine: str = ""
+    """The machine GCC or Clang builds for (``x86_64-linux-gnu``); empty for others."""
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.path)
+
+
+def _executable(path: str) -> bool:
+    return os.path.isfile(path) and os.access(path, os.X_OK)
+
+
+def find(kind: str, given: str | None, environ: Mapping[str, str] = os.environ) -> str:
+    """The absolute path of the compiler to run for ``kind`` ("cpp", "cuda" or "hip");
+    ``CompilerNotFound`` if there is none."""
+    what = _WHAT[kind]
+    path_var = environ.get("PATH", os.defpath)
+    if given is not None:
+        if os.sep in given:
+            path = os.path.abspath(given)
+            if _executable(path):
+                return path
+            raise CompilerNotFound(f"compiler={given!r}: no executable file there (the {what} to run)")
+        found = shutil.which(given, path=path_var)
+        if found is None:
+            raise CompilerNotFound(f"compiler={given!r} is not on PATH ({path_var}); give its path, or install it")
+        return os.path.abspath(found)
+    names, variables, fixed = _SEARCH[kind]
+    looked: list[str] = []
+    for variable in variables:
+        root = environ.get(variable)
+        if root:
+            for name in names:
+                candidate = os.path.join(root, "bin", name)
+                looked.append(f"{candidate} (${variable})")
+                if _executable(candidate):
+                    return os.path.abspath(candidate)
+    for name in names:
+        found = shutil.which(name, path=path_var)
+        if found is not None:
+            return os.path.abspath(found)
+    looked.append(f"{', '.join(names)} on PATH ({path_var})")
+    for root in fixed:
+        for name in names:
+            candidate = os.path.join(root, "bin", name)
+            looked.append(candidate)
+            if _executable(candidate):
+                return candidate
+    hint = {"cpp": "install g++ or clang++", "cuda": "install the CUDA toolkit, or set CUDA_HOME",
+            "hip": "install ROCm, or set ROCM_PATH"}[kind]
+    raise CompilerNotFound(f"no {what} found: looked for {'; '.join(looked)}; {hint}, or pass compiler=")
+
+
+def host_compiler(environ: Mapping[str, str] = os.environ) -> str | None:
+    """The C++ compiler nvcc would use for host code when not told (``g++`` on PATH), so
+    that it can be told explicitly and keyed; None where there is none."""
+    found = shutil.which("g++", path=environ.get("PATH", os.defpath))
+    return os.path.abspath(found) if found else None
+
+
+class _Identities:
+    """What each compiler file said about itself, asked once per process and file."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._known: dict[tuple[object, ...], Compiler] = {}
+        self._pid = os.getpid()
+
+    def get(self, path: str) -> Compiler:
+        real = os.path.realpath(path)
+        try:
+            st = os.stat(real)
+        except OSError as exc:
+            raise CompilerNotFound(f"the compiler {path} cannot be read: {exc.strerror or exc}") from None
+        stamp = (path, real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        with self._lock:
+            if self._pid != os.getpid():  # a forked child asks for itself
+                self._known, self._pid = {}, os.getpid()
+            known = self._known.get(stamp)
+        if known is not None:
+            return known
+        # Asked outside the lock: two threads asking at once for a new compiler each pay
+        # 20 ms once, rather than one waiting for the other.
+        found = _ask(path, real)
+        with self._lock:
+            return self._known.setdefault(stamp, found)
+
+
+_IDENTITIES = _Identities()
+
+
+def identify(path: str) -> Compiler:
+    """What the compiler at ``path`` is (asked once per process and compiler file)."""
+    return _IDENTITIES.get(path)
+
+
+def _run(argv: list[str]) -> str:
+    try:
+        proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=60,
+                              env={**os.environ, "LC_ALL": "C"})
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise CompilerNotFound(f"{argv[0]} does not run ({' '.join(argv[1:])}): {exc}") from None
+    text = (proc.stdout + proc.stderr).decode(errors="replace").strip()
+    if proc.returncode != 0:
+        raise CompilerNotFound(f"{argv[0]} is not a usable compiler: '{' '.join(argv)}' exited with status "
+                               f"{proc.returncode}: {text[-500:]}")
+    return text
+
+
+_BOILERPLATE = re.compile(r"Copyright|This is free software|warranty;")
+_VERSION_PATTERNS = {
+    "nvcc": r"release [\d.]+, V(\d+\.\d+\.\d+)",
+    "hipcc": r"HIP version: (\S+)",
+    "clang": r"clang version (\d+\.\d+\.\d+)",
+    "gcc": r"\) (\d+\.\d+(?:\.\d+)?)",
+}
+
+
+def _ask(path: str, real: str) -> Compiler:
+    text = _run([path, "--version"])
+    lowered = text.lower()
+    if "cuda compilation tools" in lowered:
+        family = "nvcc"
+    elif "hip version" in lowered:
+        family = "hipcc"
+    elif "clang version" in lowered:
+        family = "clang"
+    elif "free software foundation" in lowered:
+        family = "gcc"
+    else:
+        family = "unknown"
+    identity = "\n".join(line for line in text.splitlines() if line.strip() and not _BOILERPLATE.match(line))
+    machine = ""
+    if family in ("gcc", "clang"):
+        # The version text does not say which machine a cross compiler builds for.
+        machine = _run([path, "-dumpmachine"]).splitlines()[-1].strip()
+        identity += f"\nmachine: {machine}"
+    found = re.search(_VERSION_PATTERNS.get(family, r"(\d+\.\d+(?:\.\d+)?)"), text)
+    return Compiler(path=path, family=family, version=found.group(1) if found else "", identity=identity,
+                    realpath=real, machine=machine)

@@ -1,0 +1,142 @@
+"""Running a compiler program inside a worker: a scratch directory, the command, what it
+printed, how long it took, and its failure as a ``CompileError``.
+
+The compiler runs as a child of the worker, in the worker's process group (see
+``aiocompile._worker.lead_own_group``): when the job is killed (its timeout, or
+``cancel_running="kill"``), the group is, and the compiler driver dies with every program
+it started (cc1plus, as, ld; cicc, ptxas, fatbinary).
+
+Each compile runs in a directory of its own, ``<tmp>/aiocompile-native-<uid>/<pid>-*``
+(0700), with the source under a fixed name (``source.cpp``), so that its command line and
+its diagnostics read the same every time (``source.cpp:3:5: error: ...``). The compiler's
+own temporary files go there too (``TMPDIR``). A killed worker cannot clean up after
+itself, so each compile first removes what workers that no longer run left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import shutil
+import signal
+import stat
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from aiocompile._errors import CompileError
+
+__all__ = ["Ran", "failure", "run", "scratch"]
+
+# What a CompileError's message shows of the diagnostics; ``output`` keeps more.
+_MESSAGE_LINES = 60
+_OUTPUT_CHARS = 256 * 1024
+
+
+def _scratch_root() -> str | None:
+    """``<tmp>/aiocompile-native-<uid>``, made private; None where it exists and is not
+    this user's alone (then each compile takes a fresh directory of its own)."""
+    root = os.path.join(tempfile.gettempdir(), f"aiocompile-native-{os.getuid()}")
+    try:
+        os.mkdir(root, 0o700)
+    except FileExistsError:
+        pass
+    except OSError:
+        return None
+    try:
+        st = os.lstat(root)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+        return None
+    return root
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _sweep(root: str) -> None:
+    """Remove the directories of workers that no longer run."""
+    try:
+        entries = os.listdir(root)
+    except OSError:
+        return
+    for entry in entries:
+        pid = entry.split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+
+
+@contextlib.contextmanager
+def scratch() -> Iterator[str]:
+    """A private directory for one compile, removed afterwards."""
+    root = _scratch_root()
+    if root is not None:
+        _sweep(root)
+    prefix = f"{os.getpid()}-" if root is not None else f"aiocompile-native-{os.getpid()}-"
+    path = tempfile.mkdtemp(prefix=prefix, dir=root)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class Ran:
+    argv: tuple[str, ...]
+    returncode: int
+    output: str
+    """What it printed, stdout and stderr interleaved as they came."""
+    seconds: float
+
+    @property
+    def command(self) -> str:
+        return shlex.join(self.argv)
+
+
+def run(argv: Sequence[str], cwd: str) -> Ran:
+    """Run a compiler command in ``cwd`` and wait for it."""
+    # C locale: plain quotes and English words in diagnostics, whatever the worker's
+    # locale, so that they read (and match) the same everywhere.
+    env = {**os.environ, "TMPDIR": cwd, "LC_ALL": "C"}
+    started = time.perf_counter()
+    proc = subprocess.run(list(argv), cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT)
+    seconds = time.perf_counter() - started
+    return Ran(tuple(argv), proc.returncode, proc.stdout.decode("utf-8", errors="replace"), seconds)
+
+
+def failure(ran: Ran, *, name: str, key: str | None, target: str | None) -> CompileError:
+    """The ``CompileError`` for a compiler command that failed: its diagnostics (the first
+    lines in the message, more in ``output``) and its command line."""
+    tool = os.path.basename(ran.argv[0])
+    if ran.returncode < 0:
+        try:
+            how = f"was killed by {signal.Signals(-ran.returncode).name}"
+        except ValueError:
+            how = f"was killed by signal {-ran.returncode}"
+    else:
+        how = f"exited with status {ran.returncode}"
+    diagnostics = ran.output.strip()
+    lines = diagnostics.splitlines()
+    shown = "\n".join(line if len(line) <= 1000 else line[:1000] + " ..." for line in lines[:_MESSAGE_LINES])
+    if len(lines) > _MESSAGE_LINES:
+        shown += f"\n... ({len(lines) - _MESSAGE_LINES} more lines in the error's output)"
+    message = f"{tool} {how}:\n{shown}\ncommand: {ran.command}" if shown else f"{tool} {how}\ncommand: {ran.command}"
+    return CompileError(message, kernel_name=name, key=key, target=target, output=diagnostics[:_OUTPUT_CHARS],
+                        command=ran.command)
+
+
+def read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()

@@ -1,0 +1,154 @@
+"""The C++ backend: ``compile_cpp`` arguments -> a shared library built in a worker ->
+a ``NativeLibrary``.
+
+The command line, run in a scratch directory of the worker::
+
+    CXX -shared -fPIC -pipe -I<include_dirs>... FLAGS... -o libsource.so source.cpp LIBRARIES... -MMD -MF source.d
+
+The key covers what the library is made of: the source, the flags, the include
+directories, the libraries (and the contents of those given as files), the compiler (its
+path, identity and version, see ``_native._compiler``) and the contents of every header
+the source reads from its include directories (see ``_native._headers``). Relative paths
+(include directories, libraries, paths in ``-I``/``-L``/``-include`` flags) are taken
+relative to the caller's current directory and made absolute here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from aiocompile import _checks
+from aiocompile.backends import Request
+from aiocompile.backends._native import _compiler
+from aiocompile.backends._native._backend import NativeBackend, key_of, keyed_headers
+from aiocompile.backends._native._compiler import Compiler
+from aiocompile.backends._native._headers import absolute_paths
+from aiocompile.backends.cpp import _worker as _cpp_worker
+from aiocompile.backends.cpp._library import NativeLibrary
+
+__all__ = ["CppBackend", "CppSpec"]
+
+_FORMAT = 1
+"""Part of every key: raised when the command line built here changes."""
+
+
+@dataclass(frozen=True)
+class CppSpec:
+    """Everything a worker needs to build one library."""
+
+    name: str
+    key: str
+    target: str
+    source: str
+    argv: tuple[str, ...]
+    compiler: Compiler
+    flags: tuple[str, ...]
+    include_dirs: tuple[str, ...]
+    libraries: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class _Checked:
+    source: str
+    flags: tuple[str, ...]
+    include_dirs: tuple[str, ...]
+    libraries: tuple[str, ...]
+    compiler: str | None
+    name: str | None
+
+
+def _library_argument(library: str) -> tuple[str, bool]:
+    """How ``library`` goes on the command line, and whether it is a file (whose
+    contents are keyed): ``m`` -> ``-lm``; ``-lfoo`` as it is; a path made absolute."""
+    if library.startswith("-"):
+        return library, False
+    if os.sep in library or library.endswith((".so", ".a", ".o")) or ".so." in library:
+        return os.path.abspath(library), True
+    return f"-l{library}", False
+
+
+class CppBackend(NativeBackend):
+    """The C++ backend's state in one scheduler: what it knows of the headers it read."""
+
+    kind = "cpp"
+    fields = frozenset({"source", "flags", "include_dirs", "libraries", "compiler", "name"})
+
+    def check(self, *, source: Any = None, flags: Any = (), include_dirs: Any = (), libraries: Any = (),
+              compiler: Any = None, name: Any = None) -> _Checked:
+        return _Checked(
+            source=_checks.SOURCE.check("source", source),
+            flags=_checks.NATIVE_FLAGS.check("flags", flags),
+            include_dirs=_checks.INCLUDE_DIRS.check("include_dirs", include_dirs),
+            libraries=_checks.LIBRARIES.check("libraries", libraries),
+            compiler=_checks.COMPILER.check("compiler", compiler),
+            name=_checks.NATIVE_NAME.check("name", name),
+        )
+
+    def build(self, checked: _Checked) -> Request:
+        compiler = _compiler.identify(_compiler.find("cpp", checked.compiler))
+        cwd = os.getcwd()
+        include_dirs = tuple(os.path.normpath(os.path.join(cwd, d)) for d in checked.include_dirs)
+        flags = absolute_paths(checked.flags, cwd)
+        libraries, library_files = [], []
+        for library in checked.libraries:
+            argument, is_file = _library_argument(library)
+            libraries.append(argument)
+            if is_file:
+                library_files.append([argument, self.headers.digest(argument)])
+        search_argv = (compiler.path, *(f"-I{d}" for d in include_dirs), *flags)
+        scan = keyed_headers(self.headers, search_argv, checked.source, ".cpp")
+        source_digest = hashlib.sha256(checked.source.encode("utf-8", errors="surrogatepass")).hexdigest()
+        key = key_of({
+            "kind": "cpp", "format": _FORMAT, "source": source_digest, "flags": flags, "include_dirs": include_dirs,
+            "libraries": libraries, "library_files": library_files, "headers": scan.headers,
+            "compiler": [compiler.path, compiler.realpath, compiler.identity],
+        })
+        argv = (compiler.path, "-shared", "-fPIC", "-pipe", *(f"-I{d}" for d in include_dirs), *flags,
+                "-o", _cpp_worker.OUTPUT, _cpp_worker.SOURCE, *libraries, "-MMD", "-MF", _cpp_worker.DEPENDENCIES)
+        spec = CppSpec(
+            name=checked.name or f"cpp-{source_digest[:12]}", key=key, target=compiler.machine or "host",
+            source=checked.source, argv=argv, compiler=compiler, flags=flags, include_dirs=include_dirs,
+            libraries=tuple(libraries),
+        )
+        return request(spec)
+
+
+def request(spec: CppSpec) -> Request:
+    return Request(
+        backend="cpp",
+        key=spec.key,
+        name=spec.name,
+        target=spec.target,
+        fn=_cpp_worker.compile_library,
+        args=(spec,),
+        finish=lambda answer: finish(spec, answer),
+        encode=NativeLibrary.to_bytes,
+        decode=NativeLibrary.from_bytes,
+        size=_size,
+        details=_details,
+    )
+
+
+def finish(spec: CppSpec, answer: dict[str, Any]) -> NativeLibrary:
+    """The parent's last step: the worker's answer -> a ``NativeLibrary``."""
+    return NativeLibrary(
+        name=spec.name, key=spec.key, target=spec.target, binary=answer["binary"], command=answer["command"],
+        compiler=spec.compiler.path, compiler_version=spec.compiler.version,
+        compiler_identity=spec.compiler.identity, compile_time=answer["compile_time"],
+        stages=tuple(answer["stages"]), diagnostics=answer["diagnostics"],
+        dependencies=tuple(answer["dependencies"]), flags=spec.flags, include_dirs=spec.include_dirs,
+        libraries=spec.libraries,
+    )
+
+
+def _size(library: NativeLibrary) -> int:
+    return library.size
+
+
+def _details(answer: dict[str, Any]) -> dict[str, Any]:
+    stages: Sequence[tuple[str, float]] = answer.get("stages", ())
+    return {"stages": tuple((str(s), float(t)) for s, t in stages), "compiler_cache_hit": None}

@@ -1,0 +1,222 @@
+"""The CUDA (and ROCm) backend: ``compile_cuda`` arguments -> nvcc (or hipcc) in a worker
+-> a ``CudaBinary``.
+
+What runs, in a scratch directory of the worker (``FLAGS`` after the include directories;
+``-ccbin`` names the host compiler found here unless the flags name one)::
+
+    cubin    nvcc -I... FLAGS -ccbin g++ -cubin -arch=sm_90 -o sm_90.cubin source.cu --time sm_90.time
+             (once per architecture: a cubin holds one)
+    ptx      nvcc ... -ptx -arch=sm_90 -o sm_90.ptx source.cu --time sm_90.time      (once per architecture)
+    fatbin   nvcc ... -fatbin -gencode=arch=compute_80,code=sm_80 ... -o source.fatbin source.cu --time ...
+    shared   nvcc ... -shared -Xcompiler -fPIC -gencode=... -o libsource.so source.cu --time ...
+    hsaco    hipcc -I... FLAGS --genco --offload-arch=gfx942 ... -o source.hsaco source.hip
+
+An ``sm_XX`` architecture in a fatbin or a shared library is its machine code; a
+``compute_XX`` one is its PTX, which the driver compiles for newer GPUs. For AMD
+architectures (``gfx942``) hipcc runs instead, and ``cubin``, ``fatbin`` and ``hsaco``
+all mean a code object (a bundle of one per architecture).
+
+The key covers the source, the architectures, the output, the flags, the include
+directories and the headers read from them, the compiler (path, identity, version) and,
+for nvcc, the host compiler.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from aiocompile import _checks
+from aiocompile.backends import Request
+from aiocompile.backends._native import _compiler
+from aiocompile.backends._native._backend import NativeBackend, key_of, keyed_headers
+from aiocompile.backends._native._compiler import Compiler
+from aiocompile.backends._native._headers import absolute_paths
+from aiocompile.backends.cuda import _worker as _cuda_worker
+from aiocompile.backends.cuda._binary import CudaBinary
+
+__all__ = ["CudaBackend", "CudaSpec", "Invocation"]
+
+_FORMAT = 1
+"""Part of every key: raised when the command lines built here change."""
+
+_KERNEL_NAME = re.compile(r"__global__\s+(?:void\s+)?(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(")
+
+
+@dataclass(frozen=True)
+class Invocation:
+    """One compiler run: the image it makes (an architecture, or the output's name), its
+    command line, the file it writes, and nvcc's phase-times file."""
+
+    label: str
+    argv: tuple[str, ...]
+    output: str
+    times: str | None
+
+
+@dataclass(frozen=True)
+class CudaSpec:
+    """Everything a worker needs to build one ``compile_cuda`` request."""
+
+    name: str
+    key: str
+    target: str
+    vendor: str
+    archs: tuple[str, ...]
+    output: str
+    source: str
+    source_file: str
+    invocations: tuple[Invocation, ...]
+    compiler: Compiler
+
+
+@dataclass(frozen=True)
+class _Checked:
+    source: str
+    archs: tuple[str, ...]
+    output: str
+    flags: tuple[str, ...]
+    include_dirs: tuple[str, ...]
+    compiler: str | None
+    name: str | None
+    vendor: str
+
+
+def _gencode(arch: str) -> str:
+    number = arch.split("_", 1)[1]
+    code = arch if arch.startswith("sm_") else f"compute_{number}"
+    return f"-gencode=arch=compute_{number},code={code}"
+
+
+def _invocations(base: tuple[str, ...], vendor: str, archs: tuple[str, ...], output: str,
+                 source_file: str) -> tuple[Invocation, ...]:
+    if vendor == "hip":
+        targets = tuple(f"--offload-arch={a}" for a in archs)
+        if output == "shared":
+            return (Invocation("shared", (*base, "-shared", "-fPIC", *targets, "-o", "libsource.so", source_file),
+                               "libsource.so", None),)
+        return (Invocation("hsaco", (*base, "--genco", *targets, "-o", "source.hsaco", source_file),
+                           "source.hsaco", None),)
+    if output in ("cubin", "ptx"):
+        return tuple(
+            Invocation(arch, (*base, f"-{output}", f"-arch={arch}", "-o", f"{arch}.{output}", source_file,
+                              "--time", f"{arch}.time"), f"{arch}.{output}", f"{arch}.time")
+            for arch in archs)
+    gencodes = tuple(_gencode(a) for a in archs)
+    if output == "fatbin":
+        return (Invocation("fatbin", (*base, "-fatbin", *gencodes, "-o", "source.fatbin", source_file,
+                                      "--time", "fatbin.time"), "source.fatbin", "fatbin.time"),)
+    return (Invocation("shared", (*base, "-shared", "-Xcompiler", "-fPIC", *gencodes, "-o", "libsource.so",
+                                  source_file, "--time", "shared.time"), "libsource.so", "shared.time"),)
+
+
+class CudaBackend(NativeBackend):
+    """The CUDA backend's state in one scheduler: what it knows of the headers it read."""
+
+    kind = "cuda"
+    fields = frozenset({"source", "arch", "output", "flags", "include_dirs", "compiler", "name"})
+
+    def check(self, *, source: Any = None, arch: Any = "sm_90", output: Any = "cubin", flags: Any = (),
+              include_dirs: Any = (), compiler: Any = None, name: Any = None) -> _Checked:
+        source = _checks.SOURCE.check("source", source)
+        archs = tuple(dict.fromkeys(_checks.GPU_ARCHS.check("arch", arch)))
+        output = _checks.GPU_OUTPUT.check("output", output)
+        vendors = {"hip" if a.startswith("gfx") else "cuda" for a in archs}
+        if len(vendors) > 1:
+            raise ValueError(f"arch mixes NVIDIA and AMD architectures ({', '.join(archs)}): compile for each apart")
+        vendor = vendors.pop()
+        if vendor == "hip":
+            if output == "ptx":
+                raise ValueError("output='ptx' is NVIDIA's; for an AMD architecture use 'hsaco' (a code object) "
+                                 "or 'shared'")
+            if output in ("cubin", "fatbin"):
+                output = "hsaco"
+        elif output == "hsaco":
+            raise ValueError(f"output='hsaco' is AMD's; for {', '.join(archs)} use 'cubin', 'fatbin', 'ptx' or "
+                             "'shared'")
+        elif output == "cubin" and any(a.startswith("compute_") for a in archs):
+            raise ValueError("a cubin is machine code for one GPU: give sm_XX architectures (a compute_XX one is "
+                             "PTX: output='ptx', or 'fatbin' to carry it)")
+        return _Checked(
+            source=source, archs=archs, output=output, vendor=vendor,
+            flags=_checks.NATIVE_FLAGS.check("flags", flags),
+            include_dirs=_checks.INCLUDE_DIRS.check("include_dirs", include_dirs),
+            compiler=_checks.COMPILER.check("compiler", compiler),
+            name=_checks.NATIVE_NAME.check("name", name),
+        )
+
+    def label(self, spec: Mapping[str, Any]) -> str:
+        found = _KERNEL_NAME.search(spec.get("source") or "") if isinstance(spec.get("source"), str) else None
+        return str(spec.get("name") or (found.group(1) if found else self.kind))
+
+    def build(self, checked: _Checked) -> Request:
+        compiler = _compiler.identify(_compiler.find(checked.vendor, checked.compiler))
+        cwd = os.getcwd()
+        include_dirs = tuple(os.path.normpath(os.path.join(cwd, d)) for d in checked.include_dirs)
+        flags = absolute_paths(checked.flags, cwd)
+        base = (compiler.path, *(f"-I{d}" for d in include_dirs), *flags)
+        host: Compiler | None = None
+        if checked.vendor == "cuda" and not any(f in ("-ccbin", "--compiler-bindir") or
+                                                f.startswith("--compiler-bindir=") for f in flags):
+            # Told explicitly, the host compiler is the one keyed, whatever the worker's PATH.
+            found = _compiler.host_compiler()
+            if found is not None:
+                host = _compiler.identify(found)
+                base = (*base, "-ccbin", host.path)
+        source_file = "source.cu" if checked.vendor == "cuda" else "source.hip"
+        scan = keyed_headers(self.headers, base, checked.source, os.path.splitext(source_file)[1])
+        source_digest = hashlib.sha256(checked.source.encode("utf-8", errors="surrogatepass")).hexdigest()
+        key = key_of({
+            "kind": "cuda", "format": _FORMAT, "vendor": checked.vendor, "source": source_digest,
+            "archs": sorted(checked.archs), "output": checked.output, "flags": flags, "include_dirs": include_dirs,
+            "headers": scan.headers, "compiler": [compiler.path, compiler.realpath, compiler.identity],
+            "host": None if host is None else [host.path, host.realpath, host.identity],
+        })
+        found_name = _KERNEL_NAME.search(checked.source)
+        name = checked.name or (found_name.group(1) if found_name else f"cuda-{source_digest[:12]}")
+        spec = CudaSpec(
+            name=name, key=key, target=f"{checked.vendor}:{'+'.join(checked.archs)}", vendor=checked.vendor,
+            archs=checked.archs, output=checked.output, source=checked.source, source_file=source_file,
+            invocations=_invocations(base, checked.vendor, checked.archs, checked.output, source_file),
+            compiler=compiler,
+        )
+        return request(spec)
+
+
+def request(spec: CudaSpec) -> Request:
+    return Request(
+        backend=spec.vendor,
+        key=spec.key,
+        name=spec.name,
+        target=spec.target,
+        fn=_cuda_worker.compile_gpu_code,
+        args=(spec,),
+        finish=lambda answer: finish(spec, answer),
+        encode=CudaBinary.to_bytes,
+        decode=CudaBinary.from_bytes,
+        size=_size,
+        details=_details,
+    )
+
+
+def finish(spec: CudaSpec, answer: dict[str, Any]) -> CudaBinary:
+    """The parent's last step: the worker's answer -> a ``CudaBinary``."""
+    return CudaBinary(
+        name=spec.name, key=spec.key, target=spec.target, arch=spec.archs, output=spec.output,
+        images=answer["images"], command=answer["command"], compiler=spec.compiler.path,
+        compiler_version=spec.compiler.version, compiler_identity=spec.compiler.identity,
+        compile_time=answer["compile_time"], stages=tuple(answer["stages"]), diagnostics=answer["diagnostics"],
+    )
+
+
+def _size(binary: CudaBinary) -> int:
+    return binary.size
+
+
+def _details(answer: dict[str, Any]) -> dict[str, Any]:
+    stages: Sequence[tuple[str, float]] = answer.get("stages", ())
+    return {"stages": tuple((str(s), float(t)) for s, t in stages), "compiler_cache_hit": None}

@@ -1,0 +1,71 @@
+"""The CUDA backend's side inside a worker process: nvcc (or hipcc) in a scratch directory,
+once per image, with nvcc's own phase times."""
+
+from __future__ import annotations
+
+import csv
+import os
+from typing import Any
+
+from aiocompile.backends._native import _run
+
+_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+def read_phase_times(path: str) -> list[tuple[str, float]]:
+    """nvcc's ``--time`` file: one CSV row per phase it ran (``gcc (preprocessing 1)``,
+    ``cicc``, ``ptxas``, ``fatbinary``, ``nvcc (driver)``, ...), as (phase, seconds) in
+    the order first run, a phase that ran several times (once per architecture) summed."""
+    totals: dict[str, float] = {}
+    try:
+        with open(path, newline="", encoding="utf-8", errors="replace") as f:
+            rows = list(csv.reader(f, skipinitialspace=True))
+    except OSError:
+        return []
+    if not rows:
+        return []
+    header = [cell.strip().lower() for cell in rows[0]]
+    try:
+        phase, metric, unit = header.index("phase name"), header.index("metric"), header.index("unit")
+    except ValueError:
+        return []  # a layout this reader does not know: no stage times rather than wrong ones
+    for row in rows[1:]:
+        if len(row) <= max(phase, metric, unit) or row[0].strip().lower() == "source file name":
+            continue
+        try:
+            seconds = float(row[metric]) * _UNITS[row[unit].strip()]
+        except (ValueError, KeyError):
+            continue
+        name = row[phase].strip() or "other"  # nvcc leaves some steps unnamed (copying the PTX out)
+        totals[name] = totals.get(name, 0.0) + seconds
+    return list(totals.items())
+
+
+def compile_gpu_code(spec: Any) -> dict[str, Any]:
+    """Build one ``CudaSpec``'s images; returns them as plain data."""
+    images: dict[str, bytes] = {}
+    stages: dict[str, float] = {}
+    commands, diagnostics = [], []
+    seconds = 0.0
+    with _run.scratch() as work:
+        with open(os.path.join(work, spec.source_file), "w", encoding="utf-8", errors="surrogatepass") as f:
+            f.write(spec.source)
+        for invocation in spec.invocations:
+            ran = _run.run(invocation.argv, work)
+            if ran.returncode != 0:
+                raise _run.failure(ran, name=spec.name, key=spec.key, target=spec.target)
+            images[invocation.label] = _run.read(os.path.join(work, invocation.output))
+            phases = read_phase_times(os.path.join(work, invocation.times)) if invocation.times else []
+            for phase, duration in phases or [(os.path.basename(invocation.argv[0]), ran.seconds)]:
+                stages[phase] = stages.get(phase, 0.0) + duration
+            commands.append(ran.command)
+            if ran.output.strip():
+                diagnostics.append(ran.output.strip())
+            seconds += ran.seconds
+    return {
+        "images": images,
+        "command": "\n".join(commands),
+        "compile_time": seconds,
+        "stages": list(stages.items()),
+        "diagnostics": "\n".join(diagnostics),
+    }

