@@ -34,7 +34,8 @@ __all__ = [
     "BENCHMARK_TIMEOUT", "CALL_TIMEOUT", "CLOSE_GRACE", "COMPILER", "CRASHES", "DEVICE", "GPU_ARCHS", "GPU_OUTPUT",
     "IDLE_TIMEOUT", "INCLUDE_DIRS", "JOB_TIMEOUT", "LIBRARIES", "MAX_SECONDS", "NATIVE_FLAGS", "NATIVE_NAME",
     "NICE", "POOL_GRACE", "PRELOAD", "RSS", "SOURCE", "SPEC_KIND", "START_METHOD", "SYMBOL", "WORKERS", "Choice",
-    "Devices", "Each", "FilePath", "Flag", "Modules", "Number", "Rule", "Secret", "Text", "Url", "check_callable",
+    "Devices", "Each", "FilePath", "Flag", "Modules", "Number", "Rule", "Secret", "SwitchablePath", "Text", "Url",
+    "check_callable",
 ]
 
 MAX_SECONDS = 1_000_000
@@ -204,6 +205,17 @@ class FilePath(Rule):
         if not text.strip():
             raise self.bad_value(setting, value, unset)
         return text
+
+
+@dataclass(frozen=True)
+class SwitchablePath(FilePath):
+    """A path that may be switched off: ``None`` as a value; in the environment, one of
+    the false words (``0``, ``false``, ``no``, ``off``) or ``none``."""
+
+    def parse(self, setting: str, text: str) -> Any:
+        if text.lower() in (*_FALSE_WORDS, "none"):
+            return None
+        return self.check(setting, text, unset="set it to off")
 
 
 _ENTRY = re.compile(r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*(?::[A-Za-z_]\w*)?$")

@@ -44,6 +44,11 @@ AIOCOMPILE_BENCHMARK_TIMEOUT
                            (``autotune()``) before it counts as hung (default: 60)
 AIOCOMPILE_TUNING_DEVICES  the devices given a benchmark process, comma-separated
                            (default: every visible device)
+AIOCOMPILE_REPRO_DIR       where a repro bundle is written for each failed compile, or
+                           off (default: aiocompile/repro under $XDG_CACHE_HOME, else
+                           under ~/.cache)
+AIOCOMPILE_REPRO_KEEP      bundles kept there, the oldest removed first (default: 50)
+AIOCOMPILE_REPRO_DIR_BYTES bound of that directory in bytes (default: 1 GiB)
 =========================  ============================================================
 """
 
@@ -78,6 +83,13 @@ def available_cpus() -> int:
 
 def default_workers() -> int:
     return min(available_cpus(), _MAX_DEFAULT_WORKERS)
+
+
+def default_repro_dir() -> str:
+    """``aiocompile/repro`` in the user's cache directory (``$XDG_CACHE_HOME``, else
+    ``~/.cache``)."""
+    base = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "aiocompile", "repro")
 
 
 @dataclass(frozen=True)
@@ -151,6 +163,16 @@ class SchedulerConfig:
     ``compile_many`` starts the longest compiles first. None: ``costs.json`` in
     ``cache_dir`` if there is one and it is trusted (written only if it is writable), else
     the history lasts as long as the scheduler."""
+    repro_dir: str | None = field(default_factory=default_repro_dir)
+    """Where a repro bundle (see ``aiocompile._repro``) is written for each failed compile
+    of ``torch.compile`` under ``aiocompile.torch.install()`` and of
+    ``aiocompile.torch.compile_in_background``: a directory per failure, named by the
+    error. None writes none."""
+    repro_keep: int = 50
+    """Bundles kept in ``repro_dir``; the oldest go first."""
+    repro_dir_bytes: int | None = 1024 * 1024 * 1024
+    """Bound of ``repro_dir`` in bytes; the oldest bundles go first (the newest is always
+    kept). None: no bound but ``repro_keep``."""
 
     benchmark_timeout: float | None = 60.0
     """Seconds a benchmark process may spend on one configuration (``autotune()``) before
@@ -210,6 +232,9 @@ SETTINGS: dict[str, _checks.Rule] = {
     "cost_history": _checks.FilePath(none="costs.json in cache_dir, or memory only"),
     "benchmark_timeout": _checks.BENCHMARK_TIMEOUT,
     "tuning_devices": _checks.Devices(none="every visible device"),
+    "repro_dir": _checks.SwitchablePath(none="no repro bundles"),
+    "repro_keep": _checks.Number(integer=True, at_least=1),
+    "repro_dir_bytes": _checks.Number(integer=True, above=0, unit="bytes", none="no bound but repro_keep"),
 }
 """The rule each ``SchedulerConfig`` field is checked by (see ``aiocompile._checks``)."""
 
@@ -235,5 +260,8 @@ ENVIRONMENT = (
     ("AIOCOMPILE_WORKER_NICE", "worker_nice"),
     ("AIOCOMPILE_BENCHMARK_TIMEOUT", "benchmark_timeout"),
     ("AIOCOMPILE_TUNING_DEVICES", "tuning_devices"),
+    ("AIOCOMPILE_REPRO_DIR", "repro_dir"),
+    ("AIOCOMPILE_REPRO_KEEP", "repro_keep"),
+    ("AIOCOMPILE_REPRO_DIR_BYTES", "repro_dir_bytes"),
 )
 """Each environment variable ``from_env`` reads, and the field it sets."""

@@ -59,8 +59,12 @@ class CompileError(AiocompileError):
     ``message`` is the compiler's own message, ``kernel_name`` and ``key`` say which
     kernel, ``target`` which architecture, and ``output`` holds the tail of what the
     compile printed, if anything. ``command`` is the command line that failed, where the
-    compile ran a compiler program (C++, CUDA); None otherwise.
+    compile ran a compiler program (C++, CUDA); None otherwise. ``repro`` is the directory
+    of the repro bundle written for this failure (see ``SchedulerConfig.repro_dir``), or
+    None.
     """
+
+    repro: str | None = None
 
     def __init__(
         self,
@@ -87,7 +91,8 @@ class CompileError(AiocompileError):
         if self.target:
             where.append(f"target {self.target}")
         head = f"{', '.join(where)}: " if where else ""
-        return f"{head}{self.message}"
+        tail = f" (repro bundle: {self.repro})" if self.repro else ""
+        return f"{head}{self.message}{tail}"
 
 
 class CompileTimeout(CompileError, TimeoutError):

@@ -41,6 +41,12 @@ by any scheduler given ``event_log=``, and prints a summary: requests by outcome
 per kernel with its run and stage times, a line per worker, every crash and timeout.
 ``--timeline PNG`` also draws the workers over time, a bar per attempt at a job (needs
 matplotlib: ``pip install 'aiocompile[plot]'``).
+
+``aiocompile report --repro [DIR]`` lists the repro bundles of failed compiles, newest
+first: what failed, where, the error's first line, and the command that reproduces it. DIR
+defaults to the root the environment's configuration writes them to
+(``AIOCOMPILE_REPRO_DIR``, else ``~/.cache/aiocompile/repro``). With EVENTS too, both are
+printed.
 """
 
 from __future__ import annotations
@@ -284,6 +290,31 @@ def _usage_error(message: str) -> NoReturn:
 
 
 def _report(args: argparse.Namespace) -> int:
+    if args.events is None and args.repro is None:
+        _usage_error("report needs an event log (EVENTS), --repro, or both")
+    if args.events is not None:
+        _report_events(args)
+    if args.repro is not None:
+        _report_bundles(args.repro)
+    return 0
+
+
+def _report_bundles(root: str) -> None:
+    from aiocompile._repro import format_bundles, list_bundles
+
+    if not root:
+        try:
+            root = SchedulerConfig.from_env().repro_dir or ""
+        except ValueError as exc:
+            _usage_error(str(exc))
+        if not root:
+            _usage_error("repro bundles are switched off (AIOCOMPILE_REPRO_DIR=off); name a directory")
+    if Path(root).exists() and not Path(root).is_dir():
+        _usage_error(f"not a directory: {root}")
+    print(format_bundles(list_bundles(root), root), end="")
+
+
+def _report_events(args: argparse.Namespace) -> None:
     from aiocompile._report import draw_timeline, read_events, summary_table
 
     try:
@@ -303,7 +334,8 @@ def _report(args: argparse.Namespace) -> int:
         except (ImportError, ValueError) as exc:
             _usage_error(str(exc))
         print(f"\ntimeline written to {args.timeline}")
-    return 0
+    if args.repro is not None:
+        print()
 
 
 def _read_decision_files(files: Sequence[str]) -> list[Any]:
@@ -439,8 +471,11 @@ def main(argv: list[str] | None = None) -> int:
     into = actions.add_parser("import", help="put exported decisions into a cache directory")
     into.add_argument("directory", metavar="DIR", help="a cache directory (cache_dir=)")
     into.add_argument("files", metavar="FILE", nargs="+", help="files written by export ('-': standard input)")
-    report = commands.add_parser("report", help="summarise an event log, and draw its timeline")
-    report.add_argument("events", metavar="EVENTS", help="a JSON-lines event log (event_log=, build --events)")
+    report = commands.add_parser("report", help="summarise an event log, draw its timeline, list repro bundles")
+    report.add_argument("events", metavar="EVENTS", nargs="?", default=None,
+                        help="a JSON-lines event log (event_log=, build --events)")
+    report.add_argument("--repro", metavar="DIR", nargs="?", const="", default=None,
+                        help="list the repro bundles of failed compiles in DIR (default: the configured root)")
     report.add_argument("--timeline", metavar="PNG", default=None,
                         help="also draw the workers over time into this PNG (needs matplotlib)")
     args = parser.parse_args(argv)

@@ -47,6 +47,14 @@ Only Triton kernels move: C++, CUTLASS and other kernels compile as Inductor com
 them. Installing twice raises ``RuntimeError`` (uninstall first, or use ``installed()``
 once); ``uninstall()`` when nothing is installed does nothing.
 
+Compiling in the background while serving eagerly: ``compile_in_background(model)`` (see
+``aiocompile.backends.inductor._background`` and docs/torch.md).
+
+A Triton kernel that fails to compile (or kills its workers ``max_crashes`` times) leaves a
+repro bundle (``SchedulerConfig.repro_dir``) that the ``CompileError``'s ``repro`` names;
+so does an error of Inductor's in this process (``wrap_compiler_debug`` of
+``torch._inductor.compile_fx`` is wrapped while installed, see ``_graph_repro``).
+
 Importing this module does not import torch; ``install()`` does.
 """
 
@@ -63,12 +71,30 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from aiocompile import _checks
+from aiocompile import _checks, _repro
 from aiocompile._config import SchedulerConfig
+from aiocompile._errors import CompileError
 from aiocompile._scheduler import Scheduler
+from aiocompile.backends.inductor import _bundles, _graph_repro
+from aiocompile.backends.inductor._background import (
+    BackgroundCompiled,
+    BackgroundStatus,
+    ShapeStatus,
+    compile_in_background,
+)
 from aiocompile.backends.inductor._worker import PRELOAD
 
-__all__ = ["PRELOAD", "install", "installed", "is_installed", "uninstall"]
+__all__ = [
+    "BackgroundCompiled",
+    "BackgroundStatus",
+    "PRELOAD",
+    "ShapeStatus",
+    "compile_in_background",
+    "install",
+    "installed",
+    "is_installed",
+    "uninstall",
+]
 
 # The attributes of AsyncCompile that install() replaces, with what replaces them below.
 PATCHED = ("triton", "use_process_pool", "warm_pool", "wakeup", "wait_pool_ready")
@@ -88,6 +114,8 @@ class _Installation:
     """Attribute name -> (whether it was the class's own, the raw value there)."""
     warmed: bool = False
     pid: int = field(default_factory=os.getpid)
+    graph_hook: Any = None
+    """What ``_graph_repro.patch`` replaced (Inductor's debug wrapper), for uninstall()."""
 
     def current_scheduler(self) -> Scheduler:
         """The scheduler; in a forked child, a scheduler ``install()`` made is made anew
@@ -162,6 +190,8 @@ def install(scheduler: Scheduler | None = None, *, timeout: float | None = None,
                 installation.originals[name] = (False, None)
         for name in installation.originals:
             setattr(target, name, _REPLACEMENTS[name])
+        # An Inductor error in this process leaves a repro bundle too.
+        installation.graph_hook = _graph_repro.patch(lambda: _repro.root_of(installation.scheduler.config))
         _state.current = installation
     return scheduler
 
@@ -196,6 +226,9 @@ def uninstall() -> bool:
                 setattr(target, name, raw)
             else:
                 delattr(target, name)
+        if installation.graph_hook is not None and not _graph_repro.unpatch(installation.graph_hook):
+            warnings.warn("torch._inductor.compile_fx.wrap_compiler_debug was replaced by someone else after "
+                          "aiocompile.torch.install(); left as it is", RuntimeWarning, stacklevel=2)
         _state.current = None
     if installation.owned and installation.pid == os.getpid():
         installation.scheduler.close()
@@ -320,9 +353,10 @@ def _submit(installation: _Installation, async_compile: Any, kernel_name: str, s
 
     request = inductor.build_request(kernel_name, source_code, strict=False)
     answer = installation.current_scheduler()._execute_sync(request, installation.timeout)
+    graph = _bundles.graph_context(module)  # for a repro bundle, should the kernel fail
 
     def get_result() -> Any:
-        artifact: inductor.InductorArtifact = _result(answer)
+        artifact: inductor.InductorArtifact = _result_or_bundle(answer, installation, kernel_name, source_code, graph)
         kernel = artifact.ready((compile_id, is_backward))
         if artifact.elapsed_us is not None:
             _report_compile_time(module, kernel, kernel_name, artifact.elapsed_us)
@@ -386,6 +420,23 @@ def _result(answer: cf.Future[Any]) -> Any:
     if exc is not None:
         raise exc.with_traceback(None)
     return answer.result()
+
+
+def _result_or_bundle(answer: cf.Future[Any], installation: _Installation, kernel_name: str, source_code: str,
+                      graph: Any) -> Any:
+    """``_result``, with a repro bundle written for a kernel that did not compile, once
+    however many callers share its error (the error's ``repro`` names it)."""
+    try:
+        return _result(answer)
+    except CompileError as exc:
+        root = _repro.root_of(installation.scheduler.config)
+        if root is not None and exc.repro is None:
+            try:
+                exc.repro = _bundles.kernel_failure(root, exc, kernel_name, source_code, graph)
+            except Exception as error:  # noqa: BLE001 - the compile's error is the one to raise
+                warnings.warn(f"the repro bundle of {kernel_name!r} could not be written: {error}", RuntimeWarning,
+                              stacklevel=2)
+        raise
 
 
 def _chain(answer: cf.Future[Any], convert: Callable[[Any], Any]) -> cf.Future[Any]:

@@ -100,6 +100,8 @@ KNOWN = [
     Bench("torch_compile", "bench_torch_compile.py", ("--repeat", "3"), ("--repeat", "1"), 2400, 900,
           needs="cuda"),
     Bench("autotune", "bench_autotune.py", ("--repeat", "3"), ("--repeat", "1"), 2400, 900, needs="cuda"),
+    # CPU or GPU, whichever torch sees: Inductor compiles C++ for the CPU.
+    Bench("background", "bench_background.py", ("--repeat", "3"), ("--repeat", "1"), 3600, 1800),
 ]
 
 
@@ -690,6 +692,33 @@ def render_autotune(runs: list[dict[str, Any]]) -> str:
                    "choice vs Triton's", "compiles+benchmarks after"], rows)
 
 
+def render_background(r: dict[str, Any]) -> str:
+    summary = r["summary"]
+    device = r["runs"][0]["device"] if r.get("runs") else r.get("device")
+    ms = lambda v: None if v is None else v * 1e3  # noqa: E731
+    rows = []
+    for way in ("stock", "subprocess", "background", "background_quiet", "export_thread"):
+        row = summary.get(way)
+        if row is None:
+            continue
+        rows.append([way, ms(row["idle_p50"]), ms(row["idle_p99"]), ms(row["first_call"]), ms(row["during_p99"]),
+                     row["calls_while_compiling"], row["to_compiled"], row["parent_cpu"], row["matches_eager"]])
+    text = (f"Two transformer blocks (d=256, 4 heads, batch 4 x 128) on {device}, median of {r['repeat']} fresh "
+            f"processes, a call every {r['pause'] * 1e3:.0f} ms:\n\n"
+            + _table(["way", "eager p50 ms", "eager p99 ms", "first call ms", "eager p99 while compiling ms",
+                      "calls while compiling", "to compiled s", "serving process CPU s", "outputs equal"], rows, 1)
+            + "\n")
+    ratios = summary.get("ratios")
+    if ratios:
+        text += (f"\nBackground: first call - eager p50 = {ratios['first_call_minus_idle_p50_ms']:.1f} ms "
+                 f"(target <= 10 ms); eager p99 while compiling / without = "
+                 f"{ratios['p99_while_compiling_over_idle_p99']:.2f} (target <= 1.5); time to compiled / stock = "
+                 f"{ratios['to_compiled_over_stock']:.2f} (target <= 1.3)"
+                 + (f", without traffic {ratios['quiet_to_compiled_over_stock']:.2f}"
+                    if "quiet_to_compiled_over_stock" in ratios else "") + ".\n")
+    return text
+
+
 RENDERERS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "throughput": ("Compile throughput: 64 kernels, five ways", render_throughput),
     "throughput_heavy": ("Compile throughput: the matmul-heavy set", render_throughput),
@@ -706,6 +735,7 @@ RENDERERS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "fleet": ("A fleet: shared Redis cache, Dask cluster", render_fleet),
     "torch_compile": ("torch.compile with and without aiocompile", render_torch_compile),
     "autotune": ("Autotuning's first launch: Triton against autotune()", render_autotune),
+    "background": ("Compiling in the background while serving", render_background),
 }
 
 

@@ -1,9 +1,11 @@
-"""Three small models to put under ``torch.compile``: an MLP, an attention block and a
-small conv net. ``make(name, device)`` returns the model in eval mode and its inputs.
+"""Small models to put under ``torch.compile``: an MLP, an attention block, a small conv
+net, and two transformer blocks. ``make(name, device)`` returns the model in eval mode and
+its inputs.
 
-Used by ``tests/test_inductor.py`` and ``benchmarks/bench_torch_compile.py``; each gives
-Inductor a different mix of kernels (pointwise fusions around matmuls; softmax and layer
-norm reductions; convolutions with batch norm and pooling).
+Used by ``tests/test_inductor.py``, ``benchmarks/bench_torch_compile.py`` and
+``benchmarks/bench_background.py``; each gives Inductor a different mix of kernels
+(pointwise fusions around matmuls; softmax and layer norm reductions; convolutions with
+batch norm and pooling).
 """
 
 from __future__ import annotations
@@ -62,7 +64,12 @@ class ConvNet(nn.Module):
         return self.head(F.adaptive_avg_pool2d(x, 1).flatten(1)).log_softmax(dim=-1)
 
 
-MODELS = ("mlp", "attention", "convnet")
+def transformer(dim: int = 256, heads: int = 4, blocks: int = 2) -> nn.Sequential:
+    """``blocks`` attention blocks in a row: the model a server puts in front of traffic."""
+    return nn.Sequential(*(AttentionBlock(dim, heads) for _ in range(blocks)))
+
+
+MODELS = ("mlp", "attention", "convnet", "transformer")
 
 
 def make(name: str, device: str = "cuda", seed: int = 0) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
@@ -77,6 +84,8 @@ def make(name: str, device: str = "cuda", seed: int = 0) -> tuple[nn.Module, tup
         model, shape = AttentionBlock(), (4, 128, 256)
     elif name == "convnet":
         model, shape = ConvNet(), (8, 3, 32, 32)
+    elif name == "transformer":
+        model, shape = transformer(), (4, 128, 256)
     else:
         raise ValueError(f"unknown model {name!r}; expected one of {', '.join(MODELS)}")
     inputs = (torch.randn(*shape, generator=generator).to(device),)

@@ -27,6 +27,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 # Compiles in tests must really compile: give Triton an empty cache for this session.
 os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="aiocompile-tests-triton-"))
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+# Repro bundles of failed compiles go to the default root under $XDG_CACHE_HOME: keep the
+# tests' out of the user's own cache directory.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="aiocompile-tests-cache-")
 
 try:
     import pytest_asyncio  # noqa: F401

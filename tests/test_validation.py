@@ -193,6 +193,9 @@ BAD_SETTINGS = [
     ("cache_url_entry_bytes", 0, ValueError), ("cache_url_entry_bytes", 1.5, TypeError),
     ("cache_url_timeout", 0, ValueError), ("cache_url_timeout", 61, ValueError), ("cache_url_timeout", None, TypeError),
     ("cache_url_retry", INF, ValueError), ("cache_url_retry", True, TypeError),
+    ("repro_dir", "", ValueError), ("repro_dir", 3, TypeError), ("repro_dir", False, TypeError),
+    ("repro_keep", 0, ValueError), ("repro_keep", 1.5, TypeError), ("repro_keep", None, TypeError),
+    ("repro_dir_bytes", 0, ValueError), ("repro_dir_bytes", "1", TypeError),
 ]
 
 
@@ -247,6 +250,7 @@ BAD_ENVIRONMENT = [
     ("AIOCOMPILE_BENCHMARK_TIMEOUT", "0"), ("AIOCOMPILE_TUNING_DEVICES", "0,x"), ("AIOCOMPILE_TUNING_DEVICES", "1,1"),
     ("AIOCOMPILE_CACHE_URL", "http://cache/"), ("AIOCOMPILE_CACHE_URL_TIMEOUT", "0"),
     ("AIOCOMPILE_CACHE_URL_TTL", "never"),
+    ("AIOCOMPILE_REPRO_KEEP", "0"), ("AIOCOMPILE_REPRO_DIR_BYTES", "lots"),
 ]
 
 

@@ -1,0 +1,202 @@
+"""What a worker does for a background compile: the whole of it, out of the serving process.
+
+:func:`build_package` gets the model (a :class:`~._parcel.Parcel`) and the inputs of one
+call, and goes through four stages, each timed:
+
+1. ``load``: the model unpickled, the inputs read;
+2. ``export``: ``torch.export.export`` traces the model for exactly these inputs;
+3. ``compile``: AOTInductor lowers and compiles the program into a ``.pt2`` package,
+   without the weights (``aot_inductor.package_constants_in_so=False``): the serving
+   process binds its own;
+4. ``trial``: the package is loaded here, given this copy's weights, and run once on the
+   inputs beside the model itself; what comes back says how far apart they were. A
+   package that cannot load or run fails here, in a worker, not in the server.
+
+It returns the package's bytes, the names of the constants the package needs, the values
+of those the model itself does not hold (constants made during tracing), the stage times
+and the largest difference from eager.
+
+Any stage that raises fails the job with a ``CompileError`` naming the stage, after
+writing a repro bundle (when the job carries a bundle root) whose directory the error's
+``repro`` names; the original exception is its ``__cause__``.
+
+Nothing here imports torch at module level (the parent names these functions for free).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiocompile._errors import CompileError
+from aiocompile._repro import ReproRoot
+from aiocompile.backends.inductor._parcel import Parcel, unpack
+
+STAGES = ("load", "export", "compile", "trial")
+
+# Set on every package: the serving process gives the weights itself.
+PACKAGE_CONFIGS = {"aot_inductor.package_constants_in_so": False}
+
+
+@dataclass(frozen=True)
+class ExportJob:
+    """One background compile: everything the worker needs, in plain values."""
+
+    name: str
+    """The model's name, for messages and bundle names."""
+    signature: str
+    """The inputs, readable (``f32[4, 128, 256] cpu``)."""
+    parcel: Parcel = field(repr=False)
+    inputs: bytes = field(repr=False)
+    """``torch.save((args, kwargs))``."""
+    inductor_configs: dict[str, Any]
+    device_index: int
+    """Where the package runs: the inputs' CUDA device, or -1."""
+    env: dict[str, str]
+    """Inductor's environment variables (``ENV_PREFIXES``) as the parent has them: set
+    here first, and those the parent lacks unset."""
+    repro: ReproRoot | None
+
+
+# Environment variables of Inductor's that a compile carries from the parent.
+ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_", "TORCH_LOGS")
+
+
+# What a compile imports beyond what the fork server preloads (seconds: 5.9 s for
+# torch._inductor.compile_fx and the package code on a loaded 2-CPU machine).
+_MODULES = ("torch", "torch.export", "torch._export", "torch._inductor.compile_fx", "torch._inductor.package")
+
+
+def warm_up() -> float:
+    """Import what a background compile needs in this worker; returns the seconds it
+    took (0 when already imported)."""
+    import importlib
+    import sys
+
+    started = time.perf_counter()
+    for name in _MODULES:
+        if name not in sys.modules:
+            importlib.import_module(name)
+    return time.perf_counter() - started
+
+
+def _apply_env(env: dict[str, str]) -> None:
+    for name in [name for name in os.environ if name.startswith(ENV_PREFIXES) and name not in env]:
+        del os.environ[name]
+    os.environ.update(env)
+
+
+def build_package(job: ExportJob) -> dict[str, Any]:
+    """Export, compile and try the model for one call's inputs (see the module docstring)."""
+    _apply_env(job.env)
+    import torch
+
+    stage = STAGES[0]
+    times: dict[str, float] = {}
+    model: Any = None
+    program: Any = None
+    started = time.time()
+    workdir = tempfile.mkdtemp(prefix="aiocompile-export-")
+    try:
+        clock = time.perf_counter()
+        model = unpack(job.parcel)
+        args, kwargs = torch.load(io.BytesIO(job.inputs), weights_only=False)
+        times[stage] = time.perf_counter() - clock
+
+        stage, clock = "export", time.perf_counter()
+        program = torch.export.export(model, tuple(args), dict(kwargs))
+        times[stage] = time.perf_counter() - clock
+
+        stage, clock = "compile", time.perf_counter()
+        path = os.path.join(workdir, "model.pt2")
+        configs = {**job.inductor_configs, **PACKAGE_CONFIGS}
+        torch._inductor.aoti_compile_and_package(program, package_path=path, inductor_configs=configs)
+        times[stage] = time.perf_counter() - clock
+
+        stage, clock = "trial", time.perf_counter()
+        runner = torch._inductor.aoti_load_package(path, device_index=job.device_index)
+        names = list(runner.get_constant_fqns())
+        own = model_tensors(model)
+        found = {**dict(program.state_dict), **dict(program.constants)}
+        extra = {}
+        for name in names:
+            if name not in own:
+                if name not in found:
+                    raise RuntimeError(f"the package needs a constant {name!r} that neither the model nor the "
+                                       "exported program holds")
+                extra[name] = found[name]
+        runner.load_constants({**{n: own[n] for n in names if n in own}, **extra}, check_full_update=True)
+        with torch.no_grad():
+            got = runner(*args, **kwargs)
+            expected = model(*args, **kwargs)
+        difference = max_abs_difference(got, expected)
+        times[stage] = time.perf_counter() - clock
+        with open(path, "rb") as f:
+            package = f.read()
+        constants = io.BytesIO()
+        torch.save({name: value.detach().cpu() for name, value in extra.items()}, constants)
+    except Exception as exc:
+        message = f"{stage} failed: {type(exc).__name__}: {_first_lines(exc)}"
+        error = CompileError(message, kernel_name=job.name, target=_target(job))
+        if job.repro is not None:
+            from aiocompile.backends.inductor import _bundles
+
+            try:
+                error.repro = _bundles.background_failure(job, stage, exc, model=model, program=program,
+                                                          since=started)
+            except Exception as bundle_error:  # noqa: BLE001 - the compile's error is the one to report
+                error.output = f"the repro bundle could not be written: {bundle_error}"
+        raise error from exc
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return {
+        "package": package,
+        "constants": names,
+        "extra_constants": constants.getvalue(),
+        "stages": times,
+        "max_abs_difference": difference,
+    }
+
+
+def model_tensors(model: Any) -> dict[str, Any]:
+    """Every parameter and buffer of a module by its qualified name, shared ones under
+    each of their names (a package may ask for any of them)."""
+    return {**dict(model.named_parameters(remove_duplicate=False)),
+            **dict(model.named_buffers(remove_duplicate=False))}
+
+
+def max_abs_difference(got: Any, expected: Any) -> float | None:
+    """The largest absolute difference between two outputs' tensors, leaf by leaf; None
+    when they do not have the same structure or hold no floating tensors."""
+    import torch
+    from torch.utils import _pytree as pytree
+
+    got_leaves, got_spec = pytree.tree_flatten(got)
+    expected_leaves, expected_spec = pytree.tree_flatten(expected)
+    if got_spec != expected_spec:
+        return None
+    worst: float | None = None
+    for a, b in zip(got_leaves, expected_leaves):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.shape != b.shape:
+            if a is not b and not (isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor)) and a != b:
+                return None
+            continue
+        if a.numel() == 0:
+            continue
+        difference = (a.detach().double() - b.detach().double()).abs().max().item()
+        worst = difference if worst is None else max(worst, difference)
+    return worst
+
+
+def _target(job: ExportJob) -> str:
+    return "cpu" if job.device_index < 0 else f"cuda:{job.device_index}"
+
+
+def _first_lines(exc: BaseException, limit: int = 2000) -> str:
+    text = str(exc).strip()
+    return text if len(text) <= limit else text[:limit] + " ..."

@@ -1,0 +1,125 @@
+"""Where a background compile stands: one small state machine per input signature
+(``_Entry``), and the frozen snapshots ``status()`` returns (``ShapeStatus``,
+``BackgroundStatus``).
+
+A signature is ``compiling`` from its first call until its compile ends: ``compiled``
+once the package is loaded and in use, ``failed`` otherwise; ``compiled`` becomes
+``failed`` if the compiled version ever raises at a call. ``eager`` is for a signature that
+is never compiled (``disable=True``). ``TRANSITIONS`` names every move there is; anything
+else is refused.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["STATES", "TRANSITIONS", "BackgroundStatus", "ShapeStatus"]
+
+STATES = ("compiling", "compiled", "failed", "eager")
+TRANSITIONS = frozenset({("compiling", "compiled"), ("compiling", "failed"), ("compiled", "failed")})
+
+
+@dataclass(frozen=True)
+class ShapeStatus:
+    """Where one input signature stands."""
+
+    signature: str
+    """The inputs, readable: ``f32[4, 128, 256] cpu`` per argument."""
+    state: str
+    """``compiling``, ``compiled``, ``failed`` or ``eager`` (never compiled: see ``error``)."""
+    error: str | None = None
+    """Why it failed (or why it stays eager): the error's type and message."""
+    repro: str | None = None
+    """The repro bundle's directory, for a failed compile that wrote one."""
+    seconds: float | None = None
+    """From the first call with this signature to compiled (or failed)."""
+    stages: tuple[tuple[str, float], ...] = ()
+    """The worker's stages (load, export, compile, trial) and their seconds."""
+    max_abs_difference: float | None = None
+    """The largest difference between the compiled and the eager output in the worker's
+    trial run."""
+    eager_calls: int = 0
+    compiled_calls: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"signature": self.signature, "state": self.state, "error": self.error, "repro": self.repro,
+                "seconds": self.seconds, "stages": dict(self.stages),
+                "max_abs_difference": self.max_abs_difference, "eager_calls": self.eager_calls,
+                "compiled_calls": self.compiled_calls}
+
+
+@dataclass(frozen=True)
+class BackgroundStatus:
+    """A snapshot of every signature a :class:`BackgroundCompiled` has met."""
+
+    model: str
+    shapes: tuple[ShapeStatus, ...] = ()
+    eager_calls: int = 0
+    """Calls answered eagerly that belong to no signature here: inputs that could not be
+    keyed, or signatures met beyond ``max_signatures``."""
+
+    def _with(self, state: str) -> tuple[str, ...]:
+        return tuple(shape.signature for shape in self.shapes if shape.state == state)
+
+    @property
+    def compiled(self) -> tuple[str, ...]:
+        return self._with("compiled")
+
+    @property
+    def compiling(self) -> tuple[str, ...]:
+        return self._with("compiling")
+
+    @property
+    def failed(self) -> tuple[str, ...]:
+        return self._with("failed")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "eager_calls": self.eager_calls,
+                "compiled": list(self.compiled), "compiling": list(self.compiling), "failed": list(self.failed),
+                "shapes": [shape.to_dict() for shape in self.shapes]}
+
+
+@dataclass(eq=False)
+class _Entry:
+    """One signature's life (see the module docstring)."""
+
+    text: str
+    state: str = "compiling"
+    error: BaseException | None = None
+    runner: Any = None
+    constants: Mapping[str, Any] | None = None
+    """What the loaded package reads its weights from: kept alive here."""
+    started: float = field(default_factory=time.monotonic)
+    seconds: float | None = None
+    stages: tuple[tuple[str, float], ...] = ()
+    difference: float | None = None
+    eager_calls: int = 0
+    compiled_calls: int = 0
+    done: cf.Future[None] = field(default_factory=cf.Future)
+    """Resolved when the entry leaves ``compiling``."""
+
+    def move(self, state: str, error: BaseException | None = None) -> bool:
+        """Go to ``state`` if that is a transition there is; returns whether it moved."""
+        if (self.state, state) not in TRANSITIONS:
+            return False
+        self.state = state
+        if error is not None:
+            self.error = error
+        if self.seconds is None:
+            self.seconds = time.monotonic() - self.started
+        if not self.done.done():
+            self.done.set_result(None)
+        return True
+
+    def snapshot(self) -> ShapeStatus:
+        error = self.error
+        return ShapeStatus(
+            signature=self.text, state=self.state,
+            error=None if error is None else f"{type(error).__name__}: {error}",
+            repro=getattr(error, "repro", None), seconds=self.seconds, stages=self.stages,
+            max_abs_difference=self.difference, eager_calls=self.eager_calls, compiled_calls=self.compiled_calls,
+        )

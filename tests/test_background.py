@@ -1,0 +1,387 @@
+"""``aiocompile.torch.compile_in_background``: eager calls while a worker compiles, the
+switch to the compiled version, and every way a compile can fail leaving eager serving
+with the error and a repro bundle whose script fails the same way.
+
+Everything runs on the CPU: Inductor compiles C++ for CPU models, AOTInductor included.
+Failures are real and injected through Inductor's own settings: a model ``torch.export``
+cannot trace, a C++ compiler (``cpp.cxx``) that fails, one that kills the worker running
+it, and one that waits for the test's word (to prove a compile is under way while calls
+are answered).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import subprocess_env, wait_until
+
+import aiocompile
+
+torch = pytest.importorskip("torch")
+
+import background_models  # noqa: E402  (needs torch)
+
+import aiocompile.torch as aiotorch  # noqa: E402
+from aiocompile.backends.inductor._states import TRANSITIONS  # noqa: E402
+
+TIMEOUT = 600
+# The module's scheduler starts its fork server (torch imported) in whichever test uses it
+# first: seconds on a busy 2-CPU machine.
+pytestmark = pytest.mark.timeout(TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def repro_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("repro")
+
+
+@pytest.fixture(scope="module")
+def sched(repro_root):
+    """Workers that start with torch imported; a job that kills one fails at once."""
+    from aiocompile._config import TRITON_PRELOAD
+
+    config = aiocompile.SchedulerConfig(workers=2, preload=(TRITON_PRELOAD, aiotorch.PRELOAD), max_crashes=1,
+                                        repro_dir=str(repro_root))
+    scheduler = aiocompile.Scheduler(config=config)
+    yield scheduler
+    scheduler.close(grace=0)
+
+
+@pytest.fixture
+def fresh_inductor(tmp_path, monkeypatch):
+    """An empty Inductor cache for this test (workers get it with each compile)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+
+
+def compiler(tmp_path: Path, name: str, body: str) -> str:
+    """A C++ compiler for Inductor's ``cpp.cxx``: a shell script named like g++ (Inductor
+    picks its flags by the name)."""
+    path = tmp_path / name
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return str(path)
+
+
+def run_repro(bundle: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, os.path.join(bundle, "repro.py")], capture_output=True, text=True,
+                          env=subprocess_env(), timeout=TIMEOUT, cwd="/")
+
+
+def bundle_manifest(bundle: str) -> dict:
+    return json.loads(Path(bundle, "bundle.json").read_text())
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    (dict(fullgraf=True), TypeError, "fullgraf"),
+    (dict(mode="reduce-overhead"), ValueError, "CUDA graphs"),
+    (dict(mode=3), TypeError, "mode"),
+    (dict(backend="eager"), ValueError, "inductor"),
+    (dict(dynamic=True), ValueError, "dynamic"),
+    (dict(dynamic="yes"), TypeError, "dynamic"),
+    (dict(options={"no_such_setting": 1}), ValueError, "no_such_setting"),
+    (dict(options=[("max_autotune", True)]), TypeError, "options"),
+    (dict(options={"max_autotune": True}, mode="max-autotune"), ValueError, "not both"),
+    (dict(strict="yes"), TypeError, "strict"),
+    (dict(timeout=-1), ValueError, "timeout"),
+    (dict(scheduler="default"), TypeError, "scheduler"),
+])
+def test_bad_options_are_refused_at_once(kwargs, error, match):
+    model, _ = background_models.make_mlp()
+    with pytest.raises(error, match=match):
+        aiotorch.compile_in_background(model, **kwargs)
+
+
+def test_a_model_must_be_a_module():
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        aiotorch.compile_in_background(lambda x: x)
+
+
+def test_mode_becomes_inductors_settings_without_cuda_graphs(sched):
+    model, _ = background_models.make_mlp()
+    compiled = aiotorch.compile_in_background(model, mode="max-autotune", scheduler=sched)
+    assert compiled._configs["max_autotune"] is True
+    assert not any("cudagraph" in name for name in compiled._configs)
+
+
+def test_the_state_machine_allows_only_its_transitions():
+    assert TRANSITIONS == {("compiling", "compiled"), ("compiling", "failed"), ("compiled", "failed")}
+
+
+# -- compiling while serving -------------------------------------------------------------------
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.usefixtures("fresh_inductor")
+def test_calls_are_answered_eagerly_while_the_compile_runs_then_compiled(sched, tmp_path):
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    cxx = compiler(tmp_path, "gate-g++", f'''
+: > "{gate}/started"
+while [ ! -e "{gate}/release" ]; do sleep 0.05; done
+exec g++ "$@"
+''')
+    model, x = background_models.make_mlp()
+    with torch.no_grad():
+        expected = model(x)
+    compiled = aiotorch.compile_in_background(model, options={"cpp.cxx": (None, cxx)}, scheduler=sched)
+    try:
+        with torch.no_grad():
+            first = compiled(x)
+        torch.testing.assert_close(first, expected, rtol=0, atol=0)
+        (shape,) = compiled.status().shapes
+        assert (shape.signature, shape.state, shape.eager_calls) == ("f32[4, 16] cpu", "compiling", 1)
+
+        # The worker is inside Inductor's C++ compile, held there: every call meanwhile is
+        # answered at once, eagerly, and the signature is still compiling.
+        assert wait_until(lambda: (gate / "started").exists(), timeout=TIMEOUT)
+        with torch.no_grad():
+            for _ in range(20):
+                torch.testing.assert_close(compiled(x), expected, rtol=0, atol=0)
+        status = compiled.status()
+        assert status.compiling == ("f32[4, 16] cpu",) and status.compiled == ()
+        assert status.shapes[0].eager_calls == 21 and status.shapes[0].compiled_calls == 0
+    finally:
+        (gate / "release").touch()
+
+    shape = asyncio.run(compiled.ready(x))
+    assert shape.state == "compiled" and shape.error is None
+    assert [stage for stage, _ in shape.stages] == ["load", "export", "compile", "trial"]
+    assert shape.max_abs_difference is not None and shape.max_abs_difference < 1e-4
+    assert shape.seconds is not None and shape.seconds > 0
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(compiled(x), expected, rtol=1e-4, atol=1e-5)
+    status = compiled.status()
+    assert status.compiled == ("f32[4, 16] cpu",) and status.shapes[0].compiled_calls == 3
+    # A call that records autograd history is eager: the compiled version is for inference.
+    out = compiled(x)
+    assert out.requires_grad and compiled.status().shapes[0].eager_calls == 22
+    # The compiled version reads the model's own weights: changed in place, it follows.
+    with torch.no_grad():
+        model.down.bias.add_(1.0)
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+    assert compiled.status().shapes[0].compiled_calls == 4
+
+    # Another shape, another dtype, the model in training mode: other signatures, each
+    # with a compile of its own.
+    keys = {compiled._key((x,), {}), compiled._key((torch.randn(2, 16),), {}),
+            compiled._key((x.double(),), {}), compiled._key((x.t().contiguous().t(),), {})}
+    model.train()
+    keys.add(compiled._key((x,), {}))
+    model.eval()
+    assert len(keys) == 5
+
+    record = next(r for r in sched.records() if r.name == "MLP(f32[4, 16] cpu)")
+    assert (record.backend, record.outcome, record.target) == ("aoti", "compiled", "cpu")
+    assert dict(record.stages).keys() == {"load", "export", "compile", "trial"}
+    json.dumps(compiled.status().to_dict())
+
+
+async def test_ready_shares_the_compile_a_call_started_and_the_failure_is_recorded(sched):
+    model = background_models.DataDependent()
+    x = torch.ones(3)
+    compiled = aiotorch.compile_in_background(model, scheduler=sched)
+    torch.testing.assert_close(compiled(x), x)  # eager, and the compile starts
+    shape = await compiled.ready(x)
+    assert shape.state == "failed"
+    assert shape.error.startswith("CompileError") and "export failed" in shape.error
+    assert shape.repro is not None and Path(shape.repro, "repro.py").is_file()
+    torch.testing.assert_close(compiled(x), x)
+    torch.testing.assert_close(compiled(-x), x)  # the other branch: -(-x)
+    (failed,) = compiled.status().shapes
+    assert failed.state == "failed" and failed.eager_calls == 3  # -x is the same signature
+
+    strict = aiotorch.compile_in_background(model, scheduler=sched, strict=True)
+    with pytest.raises(aiocompile.CompileError, match="export failed") as info:
+        await strict.ready(x)
+    assert info.value.repro and Path(info.value.repro).is_dir() and info.value.repro in str(info.value)
+
+
+async def test_a_model_that_will_not_pickle_stays_eager_and_strict_raises(sched):
+    model = background_models.HoldsALock().eval()
+    x = torch.randn(2, 16)
+    compiled = aiotorch.compile_in_background(model, scheduler=sched)
+    shape = await compiled.ready(x)
+    assert shape.state == "failed" and "cannot be compiled in a worker" in shape.error and "lock" in shape.error
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+    strict = aiotorch.compile_in_background(model, scheduler=sched, strict=True)
+    with pytest.raises(aiocompile.CompileError, match="cannot be compiled in a worker"):
+        await strict.ready(x)
+
+
+async def test_inputs_that_cannot_be_keyed_are_answered_eagerly(sched):
+    model, x = background_models.make_mlp()
+    compiled = aiotorch.compile_in_background(model, scheduler=sched, strict=True)
+    parameter = torch.nn.Parameter(x.clone(), requires_grad=False)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(parameter), model(parameter))
+    status = compiled.status()
+    assert status.shapes == () and status.eager_calls == 1
+    with pytest.raises(aiocompile.CompileError, match="cannot be keyed"):
+        await compiled.ready(parameter)
+
+
+async def test_signatures_beyond_the_bound_are_served_eagerly_and_start_nothing(sched):
+    model = background_models.HoldsALock().eval()  # fails before any worker: cheap to try
+    compiled = aiotorch.compile_in_background(model, scheduler=sched, max_signatures=1)
+    with torch.no_grad():
+        compiled(torch.randn(2, 16))
+        assert compiled.state(torch.randn(3, 16)) == "eager"
+        for rows in (3, 4, 5):
+            torch.testing.assert_close(compiled(torch.ones(rows, 16)), model(torch.ones(rows, 16)))
+    status = compiled.status()
+    assert [shape.signature for shape in status.shapes] == ["f32[2, 16] cpu"] and status.eager_calls == 3
+    shape = await compiled.ready(torch.randn(6, 16))
+    assert shape.state == "eager" and "max_signatures=1" in shape.error
+    with pytest.raises(ValueError, match="max_signatures"):
+        aiotorch.compile_in_background(model, scheduler=sched, max_signatures=0)
+
+
+def test_disable_keeps_every_call_eager(sched):
+    model, x = background_models.make_mlp()
+    compiled = aiotorch.compile_in_background(model, scheduler=sched, disable=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+    shape = asyncio.run(compiled.ready(x))
+    assert shape.state == "eager" and "disable=True" in shape.error
+    assert not [r for r in sched.records() if r.backend == "aoti" and r.name.startswith("MLP(f32[4, 16]")
+                and r.outcome != "compiled"]
+
+
+# -- failures and their bundles -------------------------------------------------------------------
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_an_export_failure_bundle_reproduces_it(sched):
+    model = background_models.DataDependent()
+    x = torch.ones(5)
+    compiled = aiotorch.compile_in_background(model, scheduler=sched)
+    shape = asyncio.run(compiled.ready(x))
+    assert shape.state == "failed"
+    bundle = Path(shape.repro)
+    manifest = bundle_manifest(str(bundle))
+    assert (manifest["kind"], manifest["name"], manifest["stage"]) == ("background", "DataDependent", "export")
+    assert manifest["signature"] == "f32[5] cpu" and manifest["versions"]["torch"] == torch.__version__
+    assert {"bundle.json", "error.txt", "repro.py", "model.pkl", "inputs.pt", "inputs.txt", "model.txt"} <= \
+        set(manifest["files"])
+    assert "float32[5] stride (1) cpu" in (bundle / "inputs.txt").read_text()
+    error = (bundle / "error.txt").read_text()
+    assert "Traceback" in error and manifest["error_type"] in error
+
+    proc = run_repro(str(bundle))
+    assert proc.returncode != 0
+    assert_same_failure(proc, manifest)
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.usefixtures("fresh_inductor")
+def test_an_inductor_error_leaves_eager_serving_and_its_bundle_fails_the_same_way(sched, tmp_path):
+    cxx = compiler(tmp_path, "broken-g++", 'echo "broken-g++: this compiler compiles nothing" >&2\nexit 1\n')
+    model, x = background_models.make_mlp()
+    compiled = aiotorch.compile_in_background(model, options={"cpp.cxx": (None, cxx)}, scheduler=sched)
+    shape = asyncio.run(compiled.ready(x))
+    assert shape.state == "failed" and "compile failed" in shape.error
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+    bundle = Path(shape.repro)
+    manifest = bundle_manifest(str(bundle))
+    assert manifest["stage"] == "compile" and manifest["error_type"] == "InductorError"
+    assert "broken-g++" in manifest["inductor_configs"]["cpp.cxx"]
+    graph = (bundle / "graph.py").read_text()
+    assert "torch.ops.aten" in graph and "class GraphModule" in graph
+    assert "f32[4, 16]" in graph
+
+    proc = run_repro(str(bundle))
+    assert proc.returncode != 0
+    assert_same_failure(proc, manifest)
+    assert "InvalidCxxCompiler" in proc.stderr and "broken-g++" in proc.stderr
+    assert "InvalidCxxCompiler" in (bundle / "error.txt").read_text()
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.usefixtures("fresh_inductor")
+def test_a_worker_killed_mid_compile_leaves_eager_serving_with_a_bundle(sched, tmp_path):
+    # The compiler kills the process that runs it: the worker, in the middle of Inductor's
+    # compile. The scheduler fails the job at once (max_crashes=1).
+    cxx = compiler(tmp_path, "killer-g++", "kill -9 $PPID\nexit 1\n")
+    model, x = background_models.make_mlp()
+    compiled = aiotorch.compile_in_background(model, options={"cpp.cxx": (None, cxx)}, scheduler=sched)
+    shape = asyncio.run(compiled.ready(x))
+    assert shape.state == "failed" and shape.error.startswith("WorkerCrashedError")
+    assert "SIGKILL" in shape.error or "-9" in shape.error
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+    # Written by the parent, the worker being gone: the model and inputs, and the script.
+    manifest = bundle_manifest(shape.repro)
+    assert manifest["stage"].startswith("unknown") and manifest["error_type"] == "WorkerCrashedError"
+    assert {"model.pkl", "inputs.pt", "repro.py"} <= set(manifest["files"])
+    assert wait_until(lambda: sched.statistics().worker_crashes >= 1)
+
+    proc = run_repro(shape.repro)
+    assert proc.returncode == -9, (proc.returncode, proc.stderr[-2000:])
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.usefixtures("fresh_inductor")
+def test_a_compile_past_its_timeout_leaves_eager_serving_with_a_bundle(sched, tmp_path):
+    # A compiler that never returns: the compile runs past its timeout, its worker (and the
+    # compiler with it) is killed.
+    cxx = compiler(tmp_path, "stuck-g++", "while :; do sleep 1; done\n")
+    model, x = background_models.make_mlp()
+    compiled = aiotorch.compile_in_background(model, options={"cpp.cxx": (None, cxx)}, scheduler=sched, timeout=5)
+    shape = asyncio.run(compiled.ready(x))
+    assert shape.state == "failed" and shape.error.startswith("CompileTimeout"), shape.error
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+    manifest = bundle_manifest(shape.repro)
+    assert manifest["stage"] == "unknown (the worker timed out)" and manifest["error_type"] == "CompileTimeout"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.usefixtures("fresh_inductor")
+def test_on_a_gpu_a_model_run_eagerly_first_is_served_compiled(sched):
+    """The serving process has run the model on the GPU (CUDA initialised, kernels
+    loaded) before the package is loaded into it."""
+    model, x = background_models.make_mlp()
+    model, x = model.cuda(), x.cuda()
+    with torch.no_grad():
+        expected = model(x)
+    compiled = aiotorch.compile_in_background(model, scheduler=sched)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), expected)
+    shape = asyncio.run(compiled.ready(x))
+    assert shape.state == "compiled", shape.error
+    assert shape.signature == f"f32[4, 16] {x.device}"
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), expected, rtol=1e-3, atol=1e-3)
+    assert compiled.status().shapes[0].compiled_calls == 1
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_no_bundle_is_written_when_bundles_are_off():
+    config = aiocompile.SchedulerConfig(workers=1, preload=(aiotorch.PRELOAD,), repro_dir=None)
+    own = aiocompile.Scheduler(config=config)
+    try:
+        compiled = aiotorch.compile_in_background(background_models.DataDependent(), scheduler=own)
+        shape = asyncio.run(compiled.ready(torch.ones(2)))
+        assert shape.state == "failed" and "export failed" in shape.error and shape.repro is None
+    finally:
+        own.close(grace=0)
+
+
+def assert_same_failure(proc: subprocess.CompletedProcess, manifest: dict) -> None:
+    """The repro script died of the error the bundle records: its type, and its
+    message's first line."""
+    assert f"{manifest['error_type']}: " in proc.stderr, proc.stderr[-3000:]
+    assert manifest["error"].strip().splitlines()[0] in proc.stderr, proc.stderr[-3000:]
