@@ -47,7 +47,10 @@ back exactly what was there):
 
 ``install()`` with no scheduler makes one of its own, configured from the environment
 (``SchedulerConfig.from_env()``), whose fork server imports torch before forking
-(``PRELOAD``), so that every worker starts with torch loaded; ``uninstall()`` closes it.
+(``PRELOAD``), so that every worker starts with torch loaded, where Inductor may compile
+Triton kernels (a torch built for a GPU); with a CPU build of torch it preloads nothing,
+since the workers build C++ kernels without torch. ``uninstall()`` closes it. Its workers
+run at the program's priority, as Inductor's own compiles do (``_own_config``).
 A scheduler of your own serves too; give its configuration ``PRELOAD`` as well, or each of
 its workers imports torch (seconds) on its first kernel.
 
@@ -74,7 +77,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from aiocompile import _checks
-from aiocompile._config import SchedulerConfig
+from aiocompile._config import TRITON_PRELOAD, SchedulerConfig, named_in_env
 from aiocompile._scheduler import Scheduler
 from aiocompile.backends.inductor._worker import PRELOAD
 
@@ -178,11 +181,47 @@ def install(scheduler: Scheduler | None = None, *, timeout: float | None = None,
 
 
 def _own_scheduler() -> Scheduler:
-    config = SchedulerConfig.from_env()
-    scheduler = Scheduler(config=config.with_changes(preload=(*config.preload, PRELOAD)))
-    # The fork server imports torch now, while the program goes on to torch.compile.
+    scheduler = Scheduler(config=_own_config())
+    # The fork server preloads now, while the program goes on to torch.compile.
     scheduler._prepare_pool()
     return scheduler
+
+
+def _own_config() -> SchedulerConfig:
+    """The environment's configuration, with two defaults of this drop-in's own.
+
+    Preload: torch and Triton (the import, Triton's key, a throw-away compile per vendor)
+    only where Inductor may compile Triton kernels (``_triton_kernels_possible``). A CPU
+    build of torch compiles only C++ kernels, which the workers build without torch: its
+    fork server preloads nothing and is ready at once, instead of spending seconds of a
+    CPU (2.4 s of import alone on a 2-CPU machine) beside ``torch.compile`` and ahead of
+    its first build.
+
+    Worker priority: the program's (``worker_nice=0``) unless ``AIOCOMPILE_WORKER_NICE``
+    says otherwise. Inductor's own compile threads and processes run at the program's
+    priority, and the thread that called ``torch.compile`` waits for every compile: at a
+    lower priority they would lose to any other work on the machine.
+    """
+    config = SchedulerConfig.from_env()
+    if _triton_kernels_possible():
+        preload: tuple[str, ...] = (*config.preload, PRELOAD)
+    else:
+        preload = tuple(entry for entry in config.preload if entry != TRITON_PRELOAD)
+    changes: dict[str, Any] = {"preload": preload}
+    if "worker_nice" not in named_in_env():
+        changes["worker_nice"] = 0
+    return config.with_changes(**changes)
+
+
+def _triton_kernels_possible() -> bool:
+    """Whether Inductor may compile Triton kernels in this program: with a torch built for
+    a GPU (CUDA, ROCm, XPU), or with its Triton CPU backend. Asked of the build, not of
+    the devices, which would initialise a GPU driver in this process."""
+    import torch
+    from torch._inductor import config as inductor_config
+
+    gpu_build = any(getattr(torch.version, name, None) for name in ("cuda", "hip", "xpu"))
+    return gpu_build or getattr(inductor_config, "cpu_backend", "cpp") == "triton"
 
 
 def uninstall() -> bool:
@@ -382,12 +421,19 @@ def _warm(installation: _Installation) -> None:
         if installation.warmed:
             return
         installation.warmed = True
-    from aiocompile.backends.inductor import _worker as _inductor_worker
-
     try:
-        scheduler._warm_workers(_inductor_worker.warm_up)
+        scheduler._warm_workers(_warm_up_function())
     except Exception:  # a closed scheduler, a pool that cannot start: the compile will say
         pass
+
+
+def _warm_up_function() -> Callable[[], float]:
+    """What readies a worker: importing Inductor's Triton runtime where Triton kernels may
+    come; else nothing (C++ builds need no torch in the worker), only starting it."""
+    from aiocompile.backends.inductor import _native_worker
+    from aiocompile.backends.inductor import _worker as _inductor_worker
+
+    return _inductor_worker.warm_up if _triton_kernels_possible() else _native_worker.ready
 
 
 def _submit(installation: _Installation, async_compile: Any, kernel_name: str, source_code: str,

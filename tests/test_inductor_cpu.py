@@ -64,10 +64,9 @@ def fresh_inductor(tmp_path, monkeypatch):
 
 
 def torch_scheduler(**kwargs):
-    """A scheduler whose workers start with torch imported (as ``install()`` makes one)."""
-    from aiocompile.torch import PRELOAD
-
-    return aiocompile.Scheduler(config=aiocompile.SchedulerConfig(workers=2, preload=(PRELOAD,)), **kwargs)
+    """A scheduler as ``install()`` makes one for a CPU build of torch: nothing preloaded,
+    since the workers build C++ kernels without torch."""
+    return aiocompile.Scheduler(config=aiocompile.SchedulerConfig(workers=2, preload=()), **kwargs)
 
 
 def compile_and_compare(name):
@@ -145,6 +144,9 @@ def test_torch_compile_on_the_cpu_equals_eager_with_its_kernels_built_in_workers
         # The libraries are Inductor's own, where Inductor puts them.
         libraries = list(fresh_inductor.rglob("*.main.so"))
         assert len(libraries) == len(records)
+        # ... built by workers that never loaded torch.
+        assert workers <= set(sched.worker_pids())
+        assert not [pid for pid in workers if "libtorch" in Path(f"/proc/{pid}/maps").read_text()]
         assert AsyncCompile.pool.cache_info().currsize == 0, "Inductor's compile threads never started"
     finally:
         sched.close()
@@ -277,6 +279,22 @@ def test_cpp_and_cpp_pybinding_return_what_inductor_returns_built_in_a_worker(fr
         sched.close()
 
 
+def test_installs_own_scheduler_preloads_nothing_here_and_runs_at_the_programs_priority(monkeypatch):
+    """A CPU build of torch compiles no Triton kernel and its C++ builds need no torch in
+    the worker: nothing to preload. Workers run at the program's priority, as Inductor's
+    own compile threads do, unless the environment says otherwise."""
+    from aiocompile.torch import _own_config, _triton_kernels_possible
+
+    assert not torch.version.cuda and not torch.version.hip, "a CPU build of torch"
+    assert not _triton_kernels_possible()
+    monkeypatch.delenv("AIOCOMPILE_WORKER_NICE", raising=False)
+    config = _own_config()
+    assert (config.preload, config.worker_nice) == ((), 0)
+    assert aiocompile.SchedulerConfig().worker_nice != 0
+    monkeypatch.setenv("AIOCOMPILE_WORKER_NICE", "7")
+    assert _own_config().worker_nice == 7
+
+
 def test_one_build_per_key_keyed_as_inductor_keys_it(fresh_inductor, tmp_path, monkeypatch):
     from torch._inductor.codecache import CppPythonBindingsCodeCache
 
@@ -311,6 +329,35 @@ def test_one_build_per_key_keyed_as_inductor_keys_it(fresh_inductor, tmp_path, m
         assert [r.outcome for r in sched.records()] == ["compiled", "joined", "cache_hit"]
     finally:
         sched.close()
+
+
+def test_a_build_of_another_shape_runs_as_inductors_own_callable_in_a_worker(fresh_inductor, monkeypatch):
+    """Builders the command path does not take (here: made so) are built by Inductor's
+    own callable, unpickled in a worker, which imports torch for it."""
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    from aiocompile.backends.inductor import _native, _native_worker
+
+    builds = []
+    argtypes = ["const float*", "float*", "int64_t"]
+    load = CppPythonBindingsCodeCache.load_pybinding_async(argtypes, ADD_ONE % "7.0f", submit_fn=builds.append)
+    (build,) = builds
+    assert _native.cpp_request(build).fn is _native_worker.build_commands
+    monkeypatch.setattr(_native, "_steps", lambda builders: None)
+    request = _native.cpp_request(build)
+    assert request.fn is _native_worker.build_native and request.args[0] is build
+    sched = torch_scheduler()
+    try:
+        built = sched._execute_sync(request, 120).result(timeout=120)
+        assert not built.cached and all(os.path.exists(path) for path in built.outputs)
+        (record,) = sched.records()
+        assert record.worker_pid not in (None, os.getpid()) and record.outcome == "compiled"
+    finally:
+        sched.close()
+    x = torch.arange(8, dtype=torch.float32)
+    out = torch.empty_like(x)
+    load()(x, out, x.numel())  # Inductor finds the library built and loads it
+    torch.testing.assert_close(out, x + 7)
 
 
 CUDA_PROBE = 'extern "C" __global__ void aiocompile_probe(float* x) { x[threadIdx.x] += 1.0f; }\n'

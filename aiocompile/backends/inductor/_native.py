@@ -7,12 +7,15 @@ calling thread: this picks the vector ISA and the precompiled header); it hands
 the library is already on disk; and whoever asks for the kernel waits for that, then
 loads the library (``cdll`` or a Python extension module) in its own thread.
 
-:func:`cpp_request` turns the second step into a request: the very callable Inductor
-would have run in its thread runs in a worker (``_worker.build_native``), so the library
-is the one Inductor would have built, in the place it would have put it. The first and
-third steps stay where Inductor runs them. :func:`cuda_request` does the same for
-``AsyncCompile.cuda``: ``CUDACodeCache.compile`` in a worker, ``CUDACodeCache.load`` in
-the parent.
+:func:`cpp_request` turns the second step into a request: the command lines of
+Inductor's ``CppBuilder``s run in a worker as ``CppBuilder.build`` runs them
+(``_native_worker.build_commands``, which needs no torch), under Inductor's lock, so the
+library is the one Inductor would have built, in the place it would have put it. A build
+of another shape (a builder of another class, a remote build) runs as the very callable
+Inductor would have run (``_native_worker.build_native``, torch imported in the worker).
+The first and third steps stay where Inductor runs them. :func:`cuda_request` does the
+same for ``AsyncCompile.cuda``: ``CUDACodeCache.compile`` in a worker,
+``CUDACodeCache.load`` in the parent.
 
 Keys: Inductor's own key for the source (the hash its files are named after: the source
 with its compile command), with the commands themselves (where the outputs go, which
@@ -32,7 +35,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from aiocompile.backends import Request
-from aiocompile.backends.inductor import _worker as _inductor_worker
+from aiocompile.backends.inductor import _native_worker
+from aiocompile.backends.inductor._native_worker import BuildStep
 
 __all__ = ["BUILD_ENV_NAMES", "InductorBuild", "cpp_request", "cuda_request"]
 
@@ -115,23 +119,51 @@ def _cpp_parts(build: Callable[[], Any]) -> tuple[str | None, tuple[Any, ...]]:
     return lock_path, tuple(builders)
 
 
+def _steps(builders: tuple[Any, ...]) -> tuple[BuildStep, ...] | None:
+    """The builders as the command lines ``CppBuilder.build`` would run, each in its
+    scratch directory; None unless every one is a plain ``CppBuilder`` building locally
+    (not a subclass with a build of its own, not a remote build)."""
+    from torch._inductor import cpp_builder
+
+    base = getattr(cpp_builder, "CppBuilder", None)
+    scratch_name = getattr(cpp_builder, "_BUILD_TEMP_DIR", None)
+    if base is None or not isinstance(scratch_name, str) or not builders:
+        return None
+    steps = []
+    for builder in builders:
+        output_dir, name = getattr(builder, "_output_dir", None), getattr(builder, "_name", None)
+        if (type(builder).build is not base.build or getattr(builder, "_use_relative_path", True)
+                or not isinstance(output_dir, str) or not output_dir or not isinstance(name, str)):
+            return None
+        steps.append((builder.get_command_line(), output_dir, os.path.join(output_dir, f"{name}_{scratch_name}"),
+                      str(builder.get_target_file_path())))
+    return tuple(steps)
+
+
 def cpp_request(build: Callable[[], Any]) -> Request:
     """The request for one C++ build Inductor would have run in a compile thread (what
-    ``CppCodeCache.load_async`` hands its ``submit_fn``)."""
+    ``CppCodeCache.load_async`` hands its ``submit_fn``): its command lines, run without
+    torch in the worker (``_native_worker.build_commands``), or else the callable itself."""
     lock_path, builders = _cpp_parts(build)
     outputs = tuple(str(b.get_target_file_path()) for b in builders)
     env = _environment()
+    pid = os.getpid()  # marks the builds this process has under way
     if lock_path is None or not builders:
         # A shape this module does not know: still built in a worker, but neither keyed
         # nor shared.
-        key = None
         name = getattr(getattr(build, "func", build), "__name__", "cpp")
-    else:
-        name = os.path.basename(lock_path)[: -len(".lock")]
-        commands = tuple(b.get_command_line() for b in builders)
-        sources = _written(getattr(builders[0], "_orig_source_paths", None))
-        key = _key("inductor-cpp", name, commands, sources, sorted(env.items()))
-    return _request("inductor-cpp", name, key, "cpu", build, lock_path, outputs, env)
+        args: tuple[Any, ...] = (build, lock_path, outputs, pid, env, name, None, "cpu")
+        return _request("inductor-cpp", name, None, "cpu", _native_worker.build_native, args)
+    name = os.path.basename(lock_path)[: -len(".lock")]
+    commands = tuple(b.get_command_line() for b in builders)
+    sources = _written(getattr(builders[0], "_orig_source_paths", None))
+    key = _key("inductor-cpp", name, commands, sources, sorted(env.items()))
+    steps = _steps(builders)
+    if steps is None:
+        args = (build, lock_path, outputs, pid, env, name, key, "cpu")
+        return _request("inductor-cpp", name, key, "cpu", _native_worker.build_native, args)
+    args = (lock_path, steps, pid, env, name, key, "cpu")
+    return _request("inductor-cpp", name, key, "cpu", _native_worker.build_commands, args)
 
 
 def cuda_request(source_code: str, dst_file_ext: str, aot_compile: bool) -> Request:
@@ -154,12 +186,13 @@ def cuda_request(source_code: str, dst_file_ext: str, aot_compile: bool) -> Requ
     env = _environment(_CUDA_ENV_NAMES)
     key = _key("inductor-cuda", inductor_key, tuple(outputs), aot_compile, _written([input_path]),
                sorted(settings.items(), key=lambda kv: kv[0]), sorted(env.items()))
-    build = functools.partial(_inductor_worker.build_cuda, source_code, dst_file_ext, aot_compile, settings)
-    return _request("inductor-cuda", inductor_key, key, "cuda", build, lock_path, tuple(outputs), env)
+    build = functools.partial(_native_worker.build_cuda, source_code, dst_file_ext, aot_compile, settings)
+    args = (build, lock_path, tuple(outputs), os.getpid(), env, inductor_key, key, "cuda")
+    return _request("inductor-cuda", inductor_key, key, "cuda", _native_worker.build_native, args)
 
 
-def _request(backend: str, name: str, key: str | None, target: str, build: Callable[[], Any],
-             lock_path: str | None, outputs: tuple[str, ...], env: Mapping[str, str | None]) -> Request:
+def _request(backend: str, name: str, key: str | None, target: str, fn: Callable[..., Any],
+             args: tuple[Any, ...]) -> Request:
     def finish(answer: Mapping[str, Any]) -> InductorBuild:
         return InductorBuild(name, key, tuple(answer["outputs"]), int(answer["size"]), bool(answer["cached"]))
 
@@ -168,9 +201,8 @@ def _request(backend: str, name: str, key: str | None, target: str, build: Calla
         key=key,
         name=name,
         target=target,
-        fn=_inductor_worker.build_native,
-        # This process's pid marks the builds it has under way (see ``build_native``).
-        args=(build, lock_path, outputs, os.getpid(), dict(env), name, key, target),
+        fn=fn,
+        args=args,
         finish=finish,
         encode=None,  # the files are Inductor's, in its own cache directory
         size=lambda result: sum(len(path) for path in result.outputs),  # the library is on disk, not here

@@ -8,13 +8,12 @@ it on their first Inductor job otherwise.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import os
 import time
-from collections.abc import Iterator, Mapping
-from typing import Any, Callable
+from collections.abc import Mapping
+from typing import Any
 
 from aiocompile._errors import CompileError
 from aiocompile.backends.triton._worker import StageTimes
@@ -166,102 +165,3 @@ def _format_error(exc: BaseException) -> str:
     text = str(exc).strip()
     name = type(exc).__name__
     return f"{name}: {text}" if text else name
-
-
-# -- Inductor's native builds (C++, CUDA) ------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _build_environment(env: Mapping[str, str | None]) -> Iterator[None]:
-    """The parent's values of the variables a build reads (None: unset), for one job."""
-    saved = {name: os.environ.get(name) for name in env}
-    try:
-        for name, value in env.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-def _file_lock(path: str) -> Any:
-    """Inductor's lock for a build, as its own build takes it."""
-    from torch._inductor.codecache import LOCK_TIMEOUT
-    from torch.utils._filelock import FileLock
-
-    return FileLock(path, timeout=LOCK_TIMEOUT)
-
-
-def build_native(
-    build: Callable[[], Any],
-    lock_path: str | None,
-    outputs: tuple[str, ...],
-    owner: int,
-    env: Mapping[str, str | None],
-    name: str,
-    key: str | None,
-    target: str | None,
-) -> dict[str, Any]:
-    """Run one of Inductor's own builds (``build``: what Inductor hands its own compile
-    threads, such as ``_worker_compile_cpp`` with its ``CppBuilder``s) and report what it
-    wrote. The files are where Inductor would have put them; the parent loads them.
-
-    Inductor's build skips every output that already exists. A build killed in the middle
-    (its worker died, or its timeout killed it) may have left an output half written,
-    which the retry would then take for finished. So while a build runs, a marker file of
-    this scheduler (``owner``: the parent's pid) stands beside Inductor's lock, and a build
-    that finds its own marker from an earlier attempt deletes the outputs first. All of it
-    under Inductor's lock for the source, as its own build takes it.
-    """
-    started = time.perf_counter()
-    with _build_environment(env):
-        marker = f"{lock_path}.aiocompile-{owner}" if lock_path else None
-        cached = False
-        if marker is not None and lock_path is not None:
-            with _file_lock(lock_path):
-                if os.path.exists(marker):
-                    for path in outputs:
-                        with contextlib.suppress(FileNotFoundError):
-                            os.unlink(path)
-                cached = bool(outputs) and all(os.path.exists(path) for path in outputs)
-                if not cached:
-                    with open(marker, "w") as f:
-                        f.write(f"{os.getpid()}\n")
-        try:
-            build()
-        except Exception as exc:
-            from aiocompile.backends.inductor._build_errors import build_error
-
-            raise build_error(exc, name=name, key=key, target=target) from exc
-        finally:
-            if marker is not None and not cached:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(marker)
-    size = 0
-    for path in outputs:
-        with contextlib.suppress(OSError):
-            size += os.stat(path).st_size
-    return {"outputs": outputs, "cached": cached, "size": size, "seconds": time.perf_counter() - started}
-
-
-def build_cuda(source_code: str, dst_file_ext: str, aot_compile: bool, settings: Mapping[str, Any]) -> None:
-    """What ``AsyncCompile.cuda`` does in Inductor's compile thread, short of loading:
-    ``CUDACodeCache.compile`` for the source (its object file first, for AOT), under the
-    Inductor settings the parent compiles with (``settings``: the ``cuda.``/``cutlass.``
-    ones, which make the nvcc command)."""
-    from torch._inductor import config
-    from torch._inductor.codecache import CUDACodeCache
-
-    # Inductor's in-memory record of what this process compiled would answer for files
-    # a retry may have just deleted; each job goes by the files alone.
-    CUDACodeCache.cache_clear()
-    with config.patch(dict(settings)):
-        if aot_compile:
-            CUDACodeCache.compile(source_code, "o")
-        CUDACodeCache.compile(source_code, dst_file_ext)
