@@ -52,7 +52,7 @@ Triton kernels (a torch built for a GPU); with a CPU build of torch it preloads 
 since the workers build C++ kernels without torch. ``uninstall()`` closes it. Its workers
 run at the program's priority, as Inductor's own compiles do (``_own_config``).
 A scheduler of your own serves too; give its configuration ``PRELOAD`` as well, or each of
-its workers imports torch (seconds) on its first kernel.
+its workers imports torch (seconds) on its first Triton kernel.
 
 A C++ or CUDA kernel that does not compile raises an error that is both a
 ``CompileError`` and Inductor's own ``CppCompileError`` (``CUDACompileError``), with the
@@ -144,13 +144,17 @@ def _async_compile_module() -> Any:
 def install(scheduler: Scheduler | None = None, *, timeout: float | None = None, warm: bool = True) -> Scheduler:
     """Make Inductor's compiles (Triton kernels, C++ and CUDA builds) run in ``scheduler``
     and return it; with None, in a scheduler of its own (configured from the environment,
-    its workers forked with torch already imported), which starts loading at once and
-    which ``uninstall()`` closes.
+    its workers forked with torch already imported where Triton kernels may come), which
+    starts loading at once and which ``uninstall()`` closes.
 
     ``timeout`` is the per-kernel compile timeout in seconds (None: the scheduler's).
-    With ``warm`` (the default), the first ``torch.compile`` starts every worker, while
-    Inductor traces and generates code, as Inductor does with its own pool. Raises
-    ``RuntimeError`` if already installed, ``ImportError`` without torch.
+    With ``warm`` (the default), every worker is started ahead of the first compile:
+    where Triton kernels may come, by the first ``torch.compile`` on a GPU, while
+    Inductor traces and generates code (each worker imports Inductor's Triton runtime),
+    as Inductor does with its own pool; with a CPU build of torch, whose workers have
+    nothing to import, at once (Inductor starts no pool for a model on the CPU, so
+    nothing would). Raises ``RuntimeError`` if already installed, ``ImportError``
+    without torch.
     """
     if scheduler is not None and not isinstance(scheduler, Scheduler):
         raise TypeError(f"scheduler must be an aiocompile.Scheduler or None, got {type(scheduler).__name__}")
@@ -177,6 +181,8 @@ def install(scheduler: Scheduler | None = None, *, timeout: float | None = None,
         for name in installation.originals:
             setattr(target, name, _REPLACEMENTS[name])
         _state.current = installation
+    if warm and not _triton_kernels_possible():
+        _warm(installation)
     return scheduler
 
 

@@ -279,6 +279,21 @@ def test_cpp_and_cpp_pybinding_return_what_inductor_returns_built_in_a_worker(fr
         sched.close()
 
 
+def test_install_starts_the_workers_at_once_where_they_have_nothing_to_import():
+    """Inductor starts no pool for a model on the CPU, so no hook of its would: warm,
+    install() starts every worker itself; not warm, the first build does."""
+    import aiocompile.torch as aiotorch
+
+    sched = torch_scheduler()
+    try:
+        with aiotorch.installed(sched, warm=False):
+            assert sched.worker_pids() == []
+        with aiotorch.installed(sched):
+            assert wait_until(lambda: len(sched.worker_pids()) == sched.config.workers, timeout=120)
+    finally:
+        sched.close()
+
+
 def test_installs_own_scheduler_preloads_nothing_here_and_runs_at_the_programs_priority(monkeypatch):
     """A CPU build of torch compiles no Triton kernel and its C++ builds need no torch in
     the worker: nothing to preload. Workers run at the program's priority, as Inductor's
