@@ -17,7 +17,7 @@ benchmarks again and keeps the others' results from the existing JSON file. ``--
 rewrites the markdown and charts from the JSON file without running anything (with
 ``--slug``, another machine's: a report made where matplotlib is missing gets its charts).
 Benchmarks that need what the machine lacks are skipped, with the reason: torch_compile
-needs torch with a CUDA GPU.
+needs torch (it measures on the GPU where torch sees one, else on the CPU).
 
     python benchmarks/run.py [--quick] [--out docs/benchmarks] [--slug NAME] [--only throughput,dispatch]
         [--render]
@@ -57,7 +57,7 @@ class Bench:
     quick_args: tuple[str, ...] = ()
     timeout: float = 600.0
     quick_timeout: float = 300.0
-    needs: str | None = None  # "cuda": torch with a CUDA GPU
+    needs: str | None = None  # "cuda": torch with a CUDA GPU; "torch": torch
     quick_flag_if_offered: bool = False  # pass --quick when the script's --help offers it
 
 
@@ -81,7 +81,7 @@ KNOWN = [
     Bench("build", "bench_build.py", (), (), 900, 300),
     Bench("serving", "bench_serving.py", (), (), 1200, 400, quick_flag_if_offered=True),
     Bench("torch_compile", "bench_torch_compile.py", ("--repeat", "3"), ("--repeat", "1"), 2400, 900,
-          needs="cuda"),
+          needs="torch"),
 ]
 
 
@@ -282,6 +282,9 @@ def run_one(bench: Bench, quick: bool, machine: dict[str, Any]) -> dict[str, Any
     entry: dict[str, Any] = {"script": f"benchmarks/{bench.script}"}
     if bench.needs == "cuda" and not machine["cuda"]:
         entry.update(status="skipped", reason="needs torch with a CUDA GPU")
+        return entry
+    if bench.needs == "torch" and not machine["torch"]:
+        entry.update(status="skipped", reason="needs torch")
         return entry
     args = list(bench.quick_args if quick else bench.args)
     if quick and bench.quick_flag_if_offered and _offers_quick(bench.script):
@@ -582,17 +585,18 @@ def render_build(r: dict[str, Any]) -> str:
 
 
 def render_torch_compile(runs: list[dict[str, Any]]) -> str:
-    groups: dict[tuple[str, str], dict[str, list[float]]] = {}
+    groups: dict[tuple[str, str, str], dict[str, list[float]]] = {}
     for run in runs:
-        groups.setdefault((run["scenario"], run["model"]), {}).setdefault(run["mode"], []).append(run["seconds"])
+        group = (run.get("device_kind", "cuda"), run["scenario"], run["model"])
+        groups.setdefault(group, {}).setdefault(run["mode"], []).append(run["seconds"])
     rows = []
-    for (scenario, model), modes in groups.items():
+    for (device, scenario, model), modes in groups.items():
         stock = sorted(modes.get("stock", []))
         ours = sorted(modes.get("aiocompile", []))
         med = lambda v: v[len(v) // 2] if v else None  # noqa: E731
-        rows.append([scenario, model, med(stock), med(ours),
+        rows.append([device, scenario, model, med(stock), med(ours),
                      med(ours) / med(stock) if stock and ours else None])  # type: ignore[operator]
-    return _table(["scenario", "model", "stock Inductor s", "with aiocompile s", "ratio"], rows)
+    return _table(["device", "scenario", "model", "stock Inductor s", "with aiocompile s", "ratio"], rows)
 
 
 RENDERERS: dict[str, tuple[str, Callable[[Any], str]]] = {
