@@ -204,6 +204,13 @@ class SchedulerConfig:
         return cls(**changes)
 
 
+def named_in_env(environ: Mapping[str, str] = os.environ) -> frozenset[str]:
+    """The settings the environment chooses (their variables set and not blank), for a
+    caller whose own defaults differ from ``SchedulerConfig``'s where the environment is
+    silent."""
+    return frozenset(name for variable, name in ENVIRONMENT if environ.get(variable, "").strip())
+
+
 SETTINGS: dict[str, _checks.Rule] = {
     "workers": _checks.WORKERS,
     "timeout": _checks.JOB_TIMEOUT,

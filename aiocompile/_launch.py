@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Protocol
 
-from aiocompile._worker import kill_group
+from aiocompile._worker import kill_group, kill_leftovers
 
 _OUTPUT_TAIL = 8192
 
@@ -386,6 +386,8 @@ class SpawnLauncher(_DirectChildren):
         proc = self._procs.get(worker.pid)
         if proc is None:
             return None
+        if proc.returncode is None:  # not reaped yet: its pid is still its own
+            kill_leftovers(proc.pid)
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -449,6 +451,7 @@ class ForkLauncher(_DirectChildren):
     def wait_exit(self, worker: WorkerProcess, timeout: float) -> int | None:
         if worker.pid not in self._pids:
             return None
+        kill_leftovers(worker.pid)  # not reaped yet: its pid is still its own
         deadline = time.monotonic() + timeout
         while True:
             pid, status = os.waitpid(worker.pid, os.WNOHANG)

@@ -410,6 +410,18 @@ def kill_group(pid: int, signum: int = signal.SIGKILL) -> None:
         pass
 
 
+def kill_leftovers(pid: int) -> None:
+    """Kill what is left of dead worker ``pid``'s process group: the compilers it was
+    running when it died (an OOM kill, a segfault, a SIGKILL from outside), which would
+    otherwise run on and write the very files the job's retry is writing. Only for a
+    worker whose pid cannot have been reused: not yet reaped, or reaped just now by the
+    caller (a group that still has members keeps its id from being handed out)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:  # no one left in the group
+        pass
+
+
 def start(job_fd: int, alive_fd: int, output_fd: int) -> NoReturn:
     """Become a worker on the given descriptors (after fork, or in a fresh interpreter)."""
     lead_own_group()

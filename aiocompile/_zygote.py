@@ -194,6 +194,8 @@ class _Zygote:
         os._exit(72)
 
     def reap(self) -> None:
+        from aiocompile._worker import kill_leftovers
+
         while self.children:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -202,6 +204,8 @@ class _Zygote:
             if pid == 0:
                 return
             self.children.discard(pid)
+            # Before the parent hears of the exit, and so before the job can run again.
+            kill_leftovers(pid)
             try:
                 self.send(("exit", pid, os.waitstatus_to_exitcode(status)))
             except OSError:

@@ -1,5 +1,5 @@
-"""``torch.compile`` with aiocompile underneath: Inductor's Triton compiles run in an
-aiocompile pool.
+"""``torch.compile`` with aiocompile underneath: Inductor's Triton compiles and its C++
+and CUDA builds run in an aiocompile pool.
 
 ::
 
@@ -7,16 +7,17 @@ aiocompile pool.
 
     sched = aiocompile.torch.install()  # or: with aiocompile.torch.installed() as sched: ...
     model = torch.compile(model)
-    model(x)                            # its Triton kernels compiled by aiocompile's workers
+    model(x)                            # its kernels compiled by aiocompile's workers
     sched.statistics()                  # ... and counted there
     aiocompile.torch.uninstall()
 
 Nothing else changes for the program: Inductor generates the same kernels and gets the
 same kernel objects back (see ``aiocompile.backends.inductor``). What it gains:
 
-- a worker that dies in a compile (a segfault in LLVM or ptxas, an OOM kill) costs a
-  retry of that kernel on a fresh worker, not the whole ``torch.compile``; a kernel that
-  kills ``max_crashes`` workers fails it with ``WorkerCrashedError`` naming the kernel;
+- a worker that dies in a compile (a segfault in LLVM, ptxas or cc1plus, an OOM kill)
+  costs a retry of that kernel on a fresh worker, not the whole ``torch.compile``; a
+  kernel that kills ``max_crashes`` workers fails it with ``WorkerCrashedError`` naming
+  the kernel;
 - a per-kernel ``timeout`` (``install(timeout=...)``, else the scheduler's): a compile
   that runs past it fails with ``CompileTimeout`` and only its worker is killed;
 - one compile per kernel source across graphs and threads, and every compile in
@@ -30,6 +31,13 @@ back exactly what was there):
   one compile thread, the kernel itself, compiled in the pool all the same); a kernel
   Inductor already holds (its ``CompiledTritonKernels``, filled from its caches) is
   answered as Inductor would; ``TRITON_INTERPRET=1`` keeps Inductor's own path;
+- ``cpp``, ``cpp_pybinding`` (the C++ kernels of a model on the CPU): Inductor writes
+  the source and makes its build commands, as it does; the build it would have handed to
+  a compile thread (``_worker_compile_cpp`` with its ``CppBuilder``s) runs in a worker
+  instead, writing the library where Inductor would have; Inductor then loads it in the
+  thread that asks for the kernel, as it does (``aiocompile.backends.inductor._native``);
+- ``cuda`` (CUTLASS kernels): ``CUDACodeCache.compile`` (nvcc) in a worker, under this
+  process's ``cuda.`` and ``cutlass.`` settings; the library is loaded here;
 - ``use_process_pool``: true whenever Inductor would compile in parallel, so that
   Inductor starts compiles early, during code generation; Inductor's own compile pool is
   never started;
@@ -39,13 +47,18 @@ back exactly what was there):
 
 ``install()`` with no scheduler makes one of its own, configured from the environment
 (``SchedulerConfig.from_env()``), whose fork server imports torch before forking
-(``PRELOAD``), so that every worker starts with torch loaded; ``uninstall()`` closes it.
+(``PRELOAD``), so that every worker starts with torch loaded, where Inductor may compile
+Triton kernels (a torch built for a GPU); with a CPU build of torch it preloads nothing,
+since the workers build C++ kernels without torch. ``uninstall()`` closes it. Its workers
+run at the program's priority, as Inductor's own compiles do (``_own_config``).
 A scheduler of your own serves too; give its configuration ``PRELOAD`` as well, or each of
-its workers imports torch (seconds) on its first kernel.
+its workers imports torch (seconds) on its first Triton kernel.
 
-Only Triton kernels move: C++, CUTLASS and other kernels compile as Inductor compiles
-them. Installing twice raises ``RuntimeError`` (uninstall first, or use ``installed()``
-once); ``uninstall()`` when nothing is installed does nothing.
+A C++ or CUDA kernel that does not compile raises an error that is both a
+``CompileError`` and Inductor's own ``CppCompileError`` (``CUDACompileError``), with the
+command and the compiler's output. ROCm, XPU, Halide and other kernels compile as
+Inductor compiles them. Installing twice raises ``RuntimeError`` (uninstall first, or use
+``installed()`` once); ``uninstall()`` when nothing is installed does nothing.
 
 Compiling in the background while serving eagerly: ``compile_in_background(model)`` (see
 ``aiocompile.backends.inductor._background`` and docs/torch.md).
@@ -72,7 +85,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from aiocompile import _checks, _repro
-from aiocompile._config import SchedulerConfig
+from aiocompile._config import TRITON_PRELOAD, SchedulerConfig, named_in_env
 from aiocompile._errors import CompileError
 from aiocompile._scheduler import Scheduler
 from aiocompile.backends.inductor import _bundles, _graph_repro
@@ -97,7 +110,7 @@ __all__ = [
 ]
 
 # The attributes of AsyncCompile that install() replaces, with what replaces them below.
-PATCHED = ("triton", "use_process_pool", "warm_pool", "wakeup", "wait_pool_ready")
+PATCHED = ("triton", "cpp", "cpp_pybinding", "cuda", "use_process_pool", "warm_pool", "wakeup", "wait_pool_ready")
 
 
 @dataclass(eq=False)
@@ -157,14 +170,19 @@ def _async_compile_module() -> Any:
 
 
 def install(scheduler: Scheduler | None = None, *, timeout: float | None = None, warm: bool = True) -> Scheduler:
-    """Make Inductor's Triton compiles run in ``scheduler`` and return it; with None, in
-    a scheduler of its own (configured from the environment, its workers forked with torch
-    already imported), which starts loading at once and which ``uninstall()`` closes.
+    """Make Inductor's compiles (Triton kernels, C++ and CUDA builds) run in ``scheduler``
+    and return it; with None, in a scheduler of its own (configured from the environment,
+    its workers forked with torch already imported where Triton kernels may come), which
+    starts loading at once and which ``uninstall()`` closes.
 
     ``timeout`` is the per-kernel compile timeout in seconds (None: the scheduler's).
-    With ``warm`` (the default), the first ``torch.compile`` starts every worker, while
-    Inductor traces and generates code, as Inductor does with its own pool. Raises
-    ``RuntimeError`` if already installed, ``ImportError`` without torch.
+    With ``warm`` (the default), every worker is started ahead of the first compile:
+    where Triton kernels may come, by the first ``torch.compile`` on a GPU, while
+    Inductor traces and generates code (each worker imports Inductor's Triton runtime),
+    as Inductor does with its own pool; with a CPU build of torch, whose workers have
+    nothing to import, at once (Inductor starts no pool for a model on the CPU, so
+    nothing would). Raises ``RuntimeError`` if already installed, ``ImportError``
+    without torch.
     """
     if scheduler is not None and not isinstance(scheduler, Scheduler):
         raise TypeError(f"scheduler must be an aiocompile.Scheduler or None, got {type(scheduler).__name__}")
@@ -193,15 +211,53 @@ def install(scheduler: Scheduler | None = None, *, timeout: float | None = None,
         # An Inductor error in this process leaves a repro bundle too.
         installation.graph_hook = _graph_repro.patch(lambda: _repro.root_of(installation.scheduler.config))
         _state.current = installation
+    if warm and not _triton_kernels_possible():
+        _warm(installation)
     return scheduler
 
 
 def _own_scheduler() -> Scheduler:
-    config = SchedulerConfig.from_env()
-    scheduler = Scheduler(config=config.with_changes(preload=(*config.preload, PRELOAD)))
-    # The fork server imports torch now, while the program goes on to torch.compile.
+    scheduler = Scheduler(config=_own_config())
+    # The fork server preloads now, while the program goes on to torch.compile.
     scheduler._prepare_pool()
     return scheduler
+
+
+def _own_config() -> SchedulerConfig:
+    """The environment's configuration, with two defaults of this drop-in's own.
+
+    Preload: torch and Triton (the import, Triton's key, a throw-away compile per vendor)
+    only where Inductor may compile Triton kernels (``_triton_kernels_possible``). A CPU
+    build of torch compiles only C++ kernels, which the workers build without torch: its
+    fork server preloads nothing and is ready at once, instead of spending seconds of a
+    CPU (2.4 s of import alone on a 2-CPU machine) beside ``torch.compile`` and ahead of
+    its first build.
+
+    Worker priority: the program's (``worker_nice=0``) unless ``AIOCOMPILE_WORKER_NICE``
+    says otherwise. Inductor's own compile threads and processes run at the program's
+    priority, and the thread that called ``torch.compile`` waits for every compile: at a
+    lower priority they would lose to any other work on the machine.
+    """
+    config = SchedulerConfig.from_env()
+    if _triton_kernels_possible():
+        preload: tuple[str, ...] = (*config.preload, PRELOAD)
+    else:
+        preload = tuple(entry for entry in config.preload if entry != TRITON_PRELOAD)
+    changes: dict[str, Any] = {"preload": preload}
+    if "worker_nice" not in named_in_env():
+        changes["worker_nice"] = 0
+    return config.with_changes(**changes)
+
+
+def _triton_kernels_possible() -> bool:
+    """Whether Inductor may compile Triton kernels in this program: with a torch built for
+    a GPU (CUDA, ROCm, XPU), or with its Triton CPU backend. Asked of the build, not of
+    the devices, which would initialise a GPU driver in this process."""
+    import torch
+    from torch._inductor import config as inductor_config
+
+    gpu_build = any(getattr(torch.version, name, None) for name in ("cuda", "hip", "xpu"))
+    return gpu_build or getattr(inductor_config, "cpu_backend", "cpp") == "triton"
 
 
 def uninstall() -> bool:
@@ -269,6 +325,93 @@ def _triton(self: Any, kernel_name: str, source_code: str, device_str: str = "cu
     return _submit(installation, self, kernel_name, source_code, device_str)
 
 
+def _cpp(self: Any, source_code: str) -> Any:
+    installation = _active(type(self), "cpp")
+    if installation is None:
+        return type(self).cpp(self, source_code)
+    from torch._inductor.codecache import CppCodeCache
+
+    module = _async_compile_module()
+    _log_kernel(module, "CPP Kernel:\n%s", source_code)
+    submit = _NativeSubmit(installation)
+    get_result = CppCodeCache.load_async(source_code, submit_fn=submit)
+    if not _threads(module):
+        return get_result().kernel
+    return _lambda_future(module, lambda: get_result().kernel, submit.future)
+
+
+def _cpp_pybinding(self: Any, argtypes: list[str], source_code: str) -> Any:
+    installation = _active(type(self), "cpp_pybinding")
+    if installation is None:
+        return type(self).cpp_pybinding(self, argtypes, source_code)
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    module = _async_compile_module()
+    _log_kernel(module, "CPP+Bindings Kernel:\n%s", source_code)
+    submit = _NativeSubmit(installation)
+    get_result = CppPythonBindingsCodeCache.load_pybinding_async(argtypes, source_code, submit_fn=submit)
+    if not _threads(module):
+        return get_result()
+    return _lambda_future(module, get_result, submit.future)
+
+
+def _cuda(self: Any, source_code: str, dst_file_ext: str, aot_compile: bool = False) -> Any:
+    installation = _active(type(self), "cuda")
+    if installation is None:
+        return type(self).cuda(self, source_code, dst_file_ext, aot_compile)
+    from torch._inductor.codecache import CUDACodeCache
+
+    from aiocompile.backends.inductor import _native
+
+    module = _async_compile_module()
+    _log_kernel(module, "CUDA Kernel:\n%s", source_code)
+    request = _native.cuda_request(source_code, dst_file_ext, aot_compile)
+    answer = installation.current_scheduler()._execute_sync(request, installation.timeout)
+
+    def load() -> Any:
+        # What Inductor's compile thread does once the build is done: the compile finds
+        # its files and compiles nothing; the library is loaded here.
+        _result(answer)
+        if aot_compile:
+            output_path, *_ = CUDACodeCache.compile(source_code, "o")
+            CUDACodeCache.aot_kernels_o.append(output_path)
+        return CUDACodeCache.load(source_code, dst_file_ext)[0]
+
+    if not _threads(module):
+        return load()
+    return _lambda_future(module, load, answer)
+
+
+class _NativeSubmit:
+    """The ``submit_fn`` Inductor's ``CppCodeCache.load_async`` hands its build to: a
+    request to the scheduler instead of a compile thread. Inductor waits on the future it
+    returns (``future.result()``), then loads the library itself, in the thread that asks
+    for the kernel. Inductor calls it only when the library is not on disk yet."""
+
+    def __init__(self, installation: _Installation) -> None:
+        self.installation = installation
+        self.future: cf.Future[Any] | None = None
+
+    def __call__(self, build: Callable[[], Any]) -> cf.Future[Any]:
+        from aiocompile.backends.inductor import _native
+
+        request = _native.cpp_request(build)
+        self.future = self.installation.current_scheduler()._execute_sync(request, self.installation.timeout)
+        return self.future
+
+
+def _threads(module: Any) -> bool:
+    """Whether Inductor compiles with threads (its ``wait()`` resolves futures) rather
+    than one kernel after another in the caller."""
+    return bool(module.get_compile_threads() > 1)
+
+
+def _log_kernel(module: Any, message: str, source_code: str) -> None:
+    code_log = getattr(module, "kernel_code_log", None)
+    if code_log is not None:
+        code_log.info(message, source_code)
+
+
 def _use_process_pool(cls: Any) -> bool:
     installation = _active(cls, "use_process_pool")
     if installation is None:
@@ -288,6 +431,9 @@ def _no_op(cls: type, *args: Any, **kwargs: Any) -> None:
 
 _REPLACEMENTS: dict[str, Any] = {
     "triton": _triton,
+    "cpp": _cpp,
+    "cpp_pybinding": _cpp_pybinding,
+    "cuda": _cuda,
     "use_process_pool": classmethod(_use_process_pool),
     "warm_pool": classmethod(_warm_pool),
     "wakeup": classmethod(_no_op),
@@ -314,12 +460,19 @@ def _warm(installation: _Installation) -> None:
         if installation.warmed:
             return
         installation.warmed = True
-    from aiocompile.backends.inductor import _worker as _inductor_worker
-
     try:
-        scheduler._warm_workers(_inductor_worker.warm_up)
+        scheduler._warm_workers(_warm_up_function())
     except Exception:  # a closed scheduler, a pool that cannot start: the compile will say
         pass
+
+
+def _warm_up_function() -> Callable[[], float]:
+    """What readies a worker: importing Inductor's Triton runtime where Triton kernels may
+    come; else nothing (C++ builds need no torch in the worker), only starting it."""
+    from aiocompile.backends.inductor import _native_worker
+    from aiocompile.backends.inductor import _worker as _inductor_worker
+
+    return _inductor_worker.warm_up if _triton_kernels_possible() else _native_worker.ready
 
 
 def _submit(installation: _Installation, async_compile: Any, kernel_name: str, source_code: str,
@@ -404,7 +557,7 @@ def _held_by_inductor(module: Any, kernel_name: str, source_code: str) -> Any:
     return held
 
 
-def _lambda_future(module: Any, result_fn: Callable[[], Any], future: cf.Future[Any]) -> Any:
+def _lambda_future(module: Any, result_fn: Callable[[], Any], future: cf.Future[Any] | None) -> Any:
     lambda_future = module.LambdaFuture
     try:
         return lambda_future(result_fn, future=future)

@@ -17,7 +17,7 @@ benchmarks again and keeps the others' results from the existing JSON file. ``--
 rewrites the markdown and charts from the JSON file without running anything (with
 ``--slug``, another machine's: a report made where matplotlib is missing gets its charts).
 Benchmarks that need what the machine lacks are skipped, with the reason: torch_compile
-needs torch with a CUDA GPU.
+needs torch (it measures on the GPU where torch sees one, else on the CPU).
 
     python benchmarks/run.py [--quick] [--out docs/benchmarks] [--slug NAME] [--only throughput,dispatch]
         [--render]
@@ -57,7 +57,7 @@ class Bench:
     quick_args: tuple[str, ...] = ()
     timeout: float = 600.0
     quick_timeout: float = 300.0
-    needs: str | None = None  # "cuda": torch with a CUDA GPU; "c++": a C++ compiler on PATH
+    needs: str | None = None  # "cuda": torch with a CUDA GPU; "torch": torch; "c++": a C++ compiler on PATH
     quick_flag_if_offered: bool = False  # pass --quick when the script's --help offers it
 
 
@@ -98,7 +98,7 @@ KNOWN = [
     # 32 units at -O2 take about 80 s one after another on 2 CPUs: four ways, two rounds.
     Bench("native", "bench_native.py", ("--repeat", "2"), ("--repeat", "1"), 1800, 900, needs="c++"),
     Bench("torch_compile", "bench_torch_compile.py", ("--repeat", "3"), ("--repeat", "1"), 2400, 900,
-          needs="cuda"),
+          needs="torch"),
     Bench("autotune", "bench_autotune.py", ("--repeat", "3"), ("--repeat", "1"), 2400, 900, needs="cuda"),
     # CPU or GPU, whichever torch sees: Inductor compiles C++ for the CPU.
     Bench("background", "bench_background.py", ("--repeat", "3"), ("--repeat", "1"), 3600, 1800),
@@ -305,6 +305,8 @@ def run_one(bench: Bench, quick: bool, machine: dict[str, Any]) -> dict[str, Any
         return entry
     if bench.needs == "c++" and not any(shutil.which(name) for name in ("c++", "g++", "clang++")):
         entry.update(status="skipped", reason="needs a C++ compiler (c++, g++ or clang++ on PATH)")
+    if bench.needs == "torch" and not machine["torch"]:
+        entry.update(status="skipped", reason="needs torch")
         return entry
     args = list(bench.quick_args if quick else bench.args)
     if quick and bench.quick_flag_if_offered and _offers_quick(bench.script):
@@ -660,17 +662,18 @@ def render_fleet(r: dict[str, Any]) -> str:
 
 
 def render_torch_compile(runs: list[dict[str, Any]]) -> str:
-    groups: dict[tuple[str, str], dict[str, list[float]]] = {}
+    groups: dict[tuple[str, str, str], dict[str, list[float]]] = {}
     for run in runs:
-        groups.setdefault((run["scenario"], run["model"]), {}).setdefault(run["mode"], []).append(run["seconds"])
+        group = (run.get("device_kind", "cuda"), run["scenario"], run["model"])
+        groups.setdefault(group, {}).setdefault(run["mode"], []).append(run["seconds"])
     rows = []
-    for (scenario, model), modes in groups.items():
+    for (device, scenario, model), modes in groups.items():
         stock = sorted(modes.get("stock", []))
         ours = sorted(modes.get("aiocompile", []))
         med = lambda v: v[len(v) // 2] if v else None  # noqa: E731
-        rows.append([scenario, model, med(stock), med(ours),
+        rows.append([device, scenario, model, med(stock), med(ours),
                      med(ours) / med(stock) if stock and ours else None])  # type: ignore[operator]
-    return _table(["scenario", "model", "stock Inductor s", "with aiocompile s", "ratio"], rows)
+    return _table(["device", "scenario", "model", "stock Inductor s", "with aiocompile s", "ratio"], rows)
 
 
 def render_autotune(runs: list[dict[str, Any]]) -> str:

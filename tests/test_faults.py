@@ -393,3 +393,31 @@ async def test_a_killed_job_takes_the_processes_it_started_with_it(how, start_me
             assert await sched.run(jobs.echo, "after") == "after"
     finally:
         await close_and_check(sched)
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn", "fork"])
+async def test_a_worker_that_dies_takes_the_processes_it_started_with_it(start_method, tmp_path):
+    """A worker killed from outside in the middle of its job (an OOM kill, say) leaves no
+    compiler of its own running: its process group goes with it, before the job could run
+    again and write the same files."""
+    pids_file = tmp_path / "pids"
+    config = NO_PRELOAD.with_changes(workers=1, max_crashes=1, start_method=start_method)
+    sched = aiocompile.Scheduler(config=config)
+    try:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as group:
+
+                async def kill_the_worker_once_its_tree_runs():
+                    while not pids_file.exists() or len(pids_file.read_text().split()) < 2:
+                        await anyio.sleep(0.01)
+                    (worker,) = sched.worker_pids()
+                    os.kill(worker, signal.SIGKILL)  # the worker alone, not its group
+
+                group.start_soon(kill_the_worker_once_its_tree_runs)
+                with pytest.raises(aiocompile.WorkerCrashedError):
+                    await sched.run(jobs.start_tree_then_hang, str(pids_file))
+            tree = [int(pid) for pid in pids_file.read_text().split()]
+            assert wait_until(lambda: not alive(tree), 10), f"outlived their worker: {alive(tree)}"
+            assert await sched.run(jobs.echo, "after") == "after"
+    finally:
+        await close_and_check(sched)

@@ -349,11 +349,13 @@ def test_install_checks_its_arguments(async_compile):
     assert not aiotorch.is_installed()
 
 
-def test_install_without_a_scheduler_makes_one_whose_workers_start_with_torch(async_compile):
-    """The fork server imports torch before forking, single-threaded, and every worker
-    starts with Inductor's runtime loaded; uninstall() closes that scheduler."""
+def test_install_without_a_scheduler_makes_one_whose_workers_start_with_torch(async_compile, monkeypatch):
+    """Where Inductor may compile Triton kernels (a torch built for a GPU), the fork
+    server imports torch before forking, single-threaded, and every worker starts with
+    Inductor's runtime loaded; uninstall() closes that scheduler."""
     import aiocompile.torch as aiotorch
 
+    monkeypatch.setattr(aiotorch, "_triton_kernels_possible", lambda: True)
     sched = aiotorch.install(warm=False)
     try:
         assert isinstance(sched, aiocompile.Scheduler) and sched is not aiocompile.default_scheduler()
@@ -366,6 +368,22 @@ def test_install_without_a_scheduler_makes_one_whose_workers_start_with_torch(as
     finally:
         aiotorch.uninstall()
     assert sched.closed
+
+
+def test_install_for_a_cpu_build_of_torch_preloads_nothing(async_compile, monkeypatch):
+    """Where only C++ kernels can come, which workers build without torch, the fork
+    server imports neither torch nor Triton."""
+    import aiocompile.torch as aiotorch
+
+    monkeypatch.setattr(aiotorch, "_triton_kernels_possible", lambda: False)
+    sched = aiotorch.install(warm=False)
+    try:
+        assert sched.config.preload == ()
+        request = python_request(jobs.loaded_modules, ["torch", "triton"])
+        loaded, _ = sched._execute_sync(request, None).result(timeout=120)
+        assert loaded == [False, False]
+    finally:
+        aiotorch.uninstall()
 
 
 FORK = """
