@@ -427,7 +427,7 @@ def _print_summary(rows: list[Any], failures: list[Any], wall: float, stats: Any
     compiled = [kernel for _, _, kernel, cached in rows if not cached]
     total = sum(kernel.compile_time for kernel in compiled)
     cached_note = f" ({len(rows) - len(compiled)} of them from the cache)" if len(compiled) < len(rows) else ""
-    print(f"\n{len(rows)} built{cached_note}, {len(failures)} failed in {wall:.2f} s wall {where}; "
+    print(f"\n{len(rows)} built{cached_note}, {len(failures)} failed in {wall:.2f} s wall {running}; "
           f"sum of compile times {total:.2f} s ({total / wall if wall else 0:.1f}x parallel)")
     q, r = stats.queue_wait, stats.run_time
     print(f"queue wait p50 {q.p50 * 1000:.0f} ms, p95 {q.p95 * 1000:.0f} ms; "

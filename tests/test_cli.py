@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -284,6 +285,7 @@ def test_a_build_of_cpp_sources_alone_needs_no_target(tmp_path):
     proc = _aiocompile("build", str(kernel_set), "--out", str(out), "--no-progress", "-j", "1")
     assert proc.returncode == 0, proc.stderr
     assert "building 1 kernels for this machine" in proc.stderr and "1 built, 0 failed" in proc.stdout
+    assert re.search(r"1 built, 0 failed in [0-9.]+ s wall with 1 workers;", proc.stdout), proc.stdout
     # A Triton kernel, or a CUDA source without an arch, is built per target: then one is needed.
     kernel_set.write_text("KERNELS = [{'label': 'k', 'kind': 'cuda', 'source': '__global__ void k() {}'}]\n")
     proc = _aiocompile("build", str(kernel_set), "--out", str(out), "--no-progress")
