@@ -33,6 +33,7 @@ import glob
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -45,8 +46,17 @@ MODES = ("stock", "aiocompile")
 
 def child(mode: str, name: str, scenario: str, device: str) -> None:
     inductor_dir = tempfile.mkdtemp(prefix="bench-inductor-")
+    triton_dir = tempfile.mkdtemp(prefix="bench-triton-")
+    try:
+        measure_in_child(mode, name, scenario, device, inductor_dir, triton_dir)
+    finally:
+        for path in (inductor_dir, triton_dir):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def measure_in_child(mode: str, name: str, scenario: str, device: str, inductor_dir: str, triton_dir: str) -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_dir
-    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-triton-")
+    os.environ["TRITON_CACHE_DIR"] = triton_dir
     os.environ["TORCHINDUCTOR_FX_GRAPH_CACHE"] = "0"
     import importlib.util
 

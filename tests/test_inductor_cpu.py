@@ -102,6 +102,10 @@ STALL_ONCE = """if mkdir "{state}/taken" 2>/dev/null; then
         exec sleep 300
     fi"""
 
+# Every kernel build hangs where the compiler would run, and says which process it is.
+STALL = """echo "$$" > "{state}/stalled.tmp" && mv "{state}/stalled.tmp" "{state}/stalled"
+        exec sleep 300"""
+
 # Every kernel build is given a header that does not exist: the real compiler fails.
 BREAK = """exec {real} "$@" -include /nonexistent/aiocompile-injected.h"""
 
@@ -308,6 +312,29 @@ def test_installs_own_scheduler_preloads_nothing_here_and_runs_at_the_programs_p
     assert aiocompile.SchedulerConfig().worker_nice != 0
     monkeypatch.setenv("AIOCOMPILE_WORKER_NICE", "7")
     assert _own_config().worker_nice == 7
+
+
+def test_a_build_past_its_timeout_fails_as_compile_timeout_and_leaves_no_compiler(fresh_inductor, tmp_path,
+                                                                                  monkeypatch):
+    from torch._inductor import config
+    from torch._inductor.async_compile import AsyncCompile
+
+    import aiocompile.torch as aiotorch
+
+    state = gxx_in_front(tmp_path, monkeypatch, "stalled", STALL)
+    sched = torch_scheduler()
+    try:
+        # Long enough for the compiler to start on a loaded machine; it then hangs for good.
+        with aiotorch.installed(sched, timeout=5, warm=False), config.patch(compile_threads=2):
+            future = AsyncCompile().cpp_pybinding(["const float*", "float*", "int64_t"], ADD_ONE % "8.0f")
+            with pytest.raises(aiocompile.CompileTimeout) as timed_out:
+                future.result()
+        compiler = int((state / "stalled").read_text())
+        assert wait_until(lambda: not alive([compiler])), "the compiler went with its worker"
+        (record,) = cpp_records(sched)
+        assert record.outcome == "timeout" and timed_out.value.kernel_name == record.name
+    finally:
+        sched.close()
 
 
 def test_one_build_per_key_keyed_as_inductor_keys_it(fresh_inductor, tmp_path, monkeypatch):
