@@ -23,6 +23,13 @@ def key_of(payload: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def record_details(answer: dict[str, Any]) -> dict[str, Any]:
+    """What a compiler run's answer adds to its timing record: the compiler's stage times
+    (nvcc's ``--time`` phases; one ``compile`` stage for g++), and no compiler cache."""
+    stages: Sequence[tuple[str, float]] = answer.get("stages", ())
+    return {"stages": tuple((str(s), float(t)) for s, t in stages), "compiler_cache_hit": None}
+
+
 def keyed_headers(index: HeaderIndex, compiler_argv: Sequence[str], source: str, suffix: str) -> Scan:
     """The headers a source's key covers: a scan of its include lines; where the scan
     meets an include it cannot follow, also those the compiler's ``-MM`` names."""

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from aiocompile import _checks
 from aiocompile.backends import Request
 from aiocompile.backends._native import _compiler
-from aiocompile.backends._native._backend import NativeBackend, key_of, keyed_headers
+from aiocompile.backends._native._backend import NativeBackend, key_of, keyed_headers, record_details
 from aiocompile.backends._native._compiler import Compiler
 from aiocompile.backends._native._headers import absolute_paths
 from aiocompile.backends.cpp import _worker as _cpp_worker
@@ -129,7 +128,7 @@ def request(spec: CppSpec) -> Request:
         encode=NativeLibrary.to_bytes,
         decode=NativeLibrary.from_bytes,
         size=_size,
-        details=_details,
+        details=record_details,
     )
 
 
@@ -149,6 +148,3 @@ def _size(library: NativeLibrary) -> int:
     return library.size
 
 
-def _details(answer: dict[str, Any]) -> dict[str, Any]:
-    stages: Sequence[tuple[str, float]] = answer.get("stages", ())
-    return {"stages": tuple((str(s), float(t)) for s, t in stages), "compiler_cache_hit": None}

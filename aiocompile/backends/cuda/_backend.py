@@ -26,14 +26,14 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from aiocompile import _checks
 from aiocompile.backends import Request
 from aiocompile.backends._native import _compiler
-from aiocompile.backends._native._backend import NativeBackend, key_of, keyed_headers
+from aiocompile.backends._native._backend import NativeBackend, key_of, keyed_headers, record_details
 from aiocompile.backends._native._compiler import Compiler
 from aiocompile.backends._native._headers import absolute_paths
 from aiocompile.backends.cuda import _worker as _cuda_worker
@@ -199,7 +199,7 @@ def request(spec: CudaSpec) -> Request:
         encode=CudaBinary.to_bytes,
         decode=CudaBinary.from_bytes,
         size=_size,
-        details=_details,
+        details=record_details,
     )
 
 
@@ -217,6 +217,3 @@ def _size(binary: CudaBinary) -> int:
     return binary.size
 
 
-def _details(answer: dict[str, Any]) -> dict[str, Any]:
-    stages: Sequence[tuple[str, float]] = answer.get("stages", ())
-    return {"stages": tuple((str(s), float(t)) for s, t in stages), "compiler_cache_hit": None}
