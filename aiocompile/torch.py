@@ -42,8 +42,8 @@ back exactly what was there):
   Inductor starts compiles early, during code generation; Inductor's own compile pool is
   never started;
 - ``warm_pool``, ``wakeup``, ``wait_pool_ready``: Inductor's pool warm-up; instead, the
-  first ``torch.compile`` starts every aiocompile worker (``warm=False``: workers start
-  on demand).
+  first ``torch.compile`` of a graph on a GPU (``wakeup``) starts every aiocompile worker
+  (``warm=False``: workers start on demand).
 
 ``install()`` with no scheduler makes one of its own, configured from the environment
 (``SchedulerConfig.from_env()``), whose fork server imports torch before forking
@@ -436,7 +436,9 @@ _REPLACEMENTS: dict[str, Any] = {
     "cuda": _cuda,
     "use_process_pool": classmethod(_use_process_pool),
     "warm_pool": classmethod(_warm_pool),
-    "wakeup": classmethod(_no_op),
+    # torch.compile's own backend calls wakeup() alone, for a graph with GPU inputs;
+    # warm_pool() only where dynamo looks its "inductor" backend up by name.
+    "wakeup": classmethod(_warm_pool),
     "wait_pool_ready": classmethod(_no_op),
 }
 

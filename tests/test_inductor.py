@@ -478,6 +478,29 @@ def test_installed_inductor_never_starts_its_own_pool(async_compile):
         sched.close()
 
 
+@pytest.mark.parametrize("hook", ["wakeup", "warm_pool"])
+def test_inductors_warm_up_hooks_start_every_worker_once_installed_warm(async_compile, monkeypatch, hook):
+    """torch.compile calls wakeup() for a graph with GPU inputs (warm_pool() only where
+    dynamo looks its backend up by name): either starts the workers, where Triton kernels
+    may come (install() itself starts them otherwise)."""
+    from torch._inductor import config
+
+    import aiocompile.torch as aiotorch
+
+    monkeypatch.setattr(aiotorch, "_triton_kernels_possible", lambda: True)
+    from aiocompile.backends.inductor import _native_worker
+
+    monkeypatch.setattr(aiotorch, "_warm_up_function", lambda: _native_worker.ready)  # no torch to import
+    sched = aiocompile.Scheduler(config=NO_PRELOAD)
+    try:
+        with aiotorch.installed(sched), config.patch(compile_threads=4):
+            assert sched.worker_pids() == []
+            getattr(async_compile, hook)()
+            assert wait_until(lambda: len(sched.worker_pids()) == 2, timeout=60)
+    finally:
+        sched.close()
+
+
 @pytest.mark.skipif(HAS_CUDA, reason="with a GPU the kernel compiles: the gpu tests cover that")
 def test_a_real_inductor_kernel_goes_through_the_installed_path_to_a_worker(async_compile, tmp_path, monkeypatch):
     """The whole synchronous path on a real kernel: Inductor's ``triton()`` call, the
