@@ -349,8 +349,9 @@ def test_a_compile_past_its_timeout_leaves_eager_serving_with_a_bundle(sched, tm
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.xfail(strict=True, reason="on the H100 host (torch 2.11) the export worker dies with SIGSEGV on a "
-                   "CUDA model: the compile fails and eager keeps serving (docs/torch.md, Limits)")
+@pytest.mark.xfail(strict=True, reason="on the H100 host (torch 2.11) aoti_load_package of any CUDA package dies "
+                   "with SIGSEGV, torch alone included: the worker's trial load crashes, the compile fails and "
+                   "eager keeps serving (docs/torch.md, Limits)")
 @pytest.mark.usefixtures("fresh_inductor")
 def test_on_a_gpu_a_model_run_eagerly_first_is_served_compiled(sched):
     """The serving process has run the model on the GPU (CUDA initialised, kernels
