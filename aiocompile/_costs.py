@@ -89,6 +89,12 @@ def terms(features: Features) -> list[float]:
             dot * (float(get("stages", _DOT_CENTRE["stages"])) - _DOT_CENTRE["stages"])]
 
 
+def source_features(source: str) -> tuple[tuple[str, float], ...]:
+    """The features of a compile known by its source alone (C++, CUDA, an Inductor
+    kernel's module): log2 of the source's size in bytes, the model's ``source`` term."""
+    return (("source", math.log2(max(len(source.encode("utf-8", errors="surrogatepass")), 1))),)
+
+
 class _Sums:
     """Sums over a set of measured compiles: their count, the sum of their log times and
     of their terms. The mean residual of a model over them is then one dot product."""

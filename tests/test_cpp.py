@@ -296,3 +296,24 @@ async def test_the_module_level_function_uses_the_default_scheduler():
         lib = await aiocompile.compile_cpp(ADD, flags=("-O2",))
     assert lib.symbol("add")(20, 22) == 42
     assert any(r.key == lib.key for r in aiocompile.default_scheduler().records())
+
+
+async def test_with_no_history_a_batch_starts_the_largest_source_first(tmp_path):
+    # Three sources of different sizes, each unique to this run (no cache to answer them):
+    # with nothing measured, the cost model has only their sizes to go by.
+    tag = uuid.uuid4().hex
+    sources = [f'extern "C" int f{size}_{tag}(void) {{ return {size}; }}\n' + "// padding\n" * size
+               for size in (10, 400, 50)]
+    specs = [{"kind": "cpp", "source": source, "flags": ["-O1"]} for source in sources]
+    config = aiocompile.SchedulerConfig(workers=1, preload=(), cost_history=str(tmp_path / "costs.json"))
+    started = []
+    async with aiocompile.Scheduler(config=config) as sched:
+        unsubscribe = sched.subscribe(lambda event: started.append(event.key) if getattr(event, "event", None)
+                                      == "job_started" and not event.warm_up else None)
+        try:
+            with anyio.fail_after(120):
+                libraries = await sched.compile_many(specs)
+        finally:
+            unsubscribe()
+    keys = [library.key for library in libraries]
+    assert started == [keys[1], keys[2], keys[0]]

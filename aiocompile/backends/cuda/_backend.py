@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiocompile import _checks
+from aiocompile._costs import source_features
 from aiocompile.backends import Request
 from aiocompile.backends._native import _compiler
 from aiocompile.backends._native._backend import NativeBackend, key_of, keyed_headers, record_details
@@ -200,6 +201,7 @@ def request(spec: CudaSpec) -> Request:
         decode=CudaBinary.from_bytes,
         size=_size,
         details=record_details,
+        features=source_features(spec.source),
     )
 
 

@@ -33,13 +33,13 @@ import ast
 import functools
 import hashlib
 import inspect
-import math
 import os
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from aiocompile._costs import source_features
 from aiocompile.backends import BackendContext, Request
 from aiocompile.backends.inductor import _worker as _inductor_worker
 from aiocompile.backends.triton._backend import KEY_ENV_NAMES
@@ -490,12 +490,6 @@ def build_request(
         details=_details,
         features=source_features(source_code),
     )
-
-
-def source_features(source: str) -> tuple[tuple[str, float], ...]:
-    """What predicts a compile's cost from its source alone (see ``_costs``): log2 of its
-    size in bytes."""
-    return (("source", math.log2(max(len(source.encode()), 1))),)
 
 
 def _details(answer: Mapping[str, Any]) -> dict[str, Any]:
