@@ -17,6 +17,7 @@ What can go wrong, and what it costs:
 - it kills the process (a segfault): ``crashed``, with the exit status and the end of the
   process's output; replaced;
 - it runs past its deadline (a hang): ``timeout``; the process is killed and replaced;
+- the process dies while idle: noticed within a second, and replaced at once;
 - the process dies or cannot be reached before the configuration was sent (while
   starting, or while taking the tensors): not the configuration's fault, so it is sent
   again to a fresh process, once; a process that cannot start fails the configuration
@@ -51,6 +52,8 @@ START_TIMEOUT = 180.0
 """Seconds a benchmark process may take to start (importing torch and Triton, creating its
 device's context) on a machine busy compiling."""
 _FAILED_STARTS = 2
+_IDLE_CHECK_SECONDS = 1.0
+"""How often a device's thread looks whether its idle process is still alive."""
 _FAST_FAIL_SECONDS = 30.0
 
 
@@ -70,6 +73,8 @@ class Outcome:
     started_at: float
     """Wall-clock (``time.time()``) when it was sent to the process (or given up)."""
     finished_at: float
+    phases: dict[str, float] | None = None
+    """Where the process's time went (``seconds`` in all, ``load_s``, ``bench_s``), when ``ok``."""
 
     @property
     def ok(self) -> bool:
@@ -84,6 +89,8 @@ class Session:
     def __init__(self, inputs: Inputs) -> None:
         self.id = next(self._ids)
         self.inputs = inputs
+        self.sent: dict[int, tuple[float, float]] = {}
+        """Device -> (wall-clock start, seconds) of sending the tensors there (for profiles)."""
 
 
 class Timing:
@@ -178,6 +185,9 @@ class BenchPool:
         self._closed = False
         self.started = 0
         self.lost = 0
+        self.starts: collections.deque[dict[str, Any]] = collections.deque(maxlen=32)
+        """The latest processes' starts: device, pid, wall-clock launch and ready times,
+        and the process's own account of its start (for profiles)."""
 
     @property
     def devices(self) -> list[int]:
@@ -289,7 +299,12 @@ class BenchPool:
                         # Nothing to do yet: start the process meanwhile (and after one
                         # was lost, its replacement), so that no configuration waits for it.
                         return _WARM
-                    self._lock.wait()
+                    idle = slot.process is not None and slot.process.state is State.IDLE
+                    if idle and slot.process is not None and slot.process.popen.poll() is not None:
+                        # It died waiting (killed, out of memory): replaced now, not when
+                        # a configuration finds it gone.
+                        return _REPLACE
+                    self._lock.wait(_IDLE_CHECK_SECONDS if idle else None)
 
     def _drive(self, slot: _Slot) -> None:
         try:
@@ -302,6 +317,10 @@ class BenchPool:
                     continue
                 if task is _OFFER:
                     self._send_offers(slot)
+                    continue
+                if task is _REPLACE:
+                    if slot.process is not None:
+                        self._ended(slot, slot.process, "died while idle")
                     continue
                 try:
                     outcome = self._run(slot, task)
@@ -341,6 +360,7 @@ class BenchPool:
             return process
         if slot.failed_starts >= _FAILED_STARTS and time.monotonic() - slot.failed_at < _FAST_FAIL_SECONDS:
             return slot.last_failure
+        launched_at = time.time()
         try:
             process = launch(slot.device, self.timing.env(slot.device))
         except OSError as exc:
@@ -361,6 +381,8 @@ class BenchPool:
             process.ready(str(message[2]))
             slot.failed_starts = 0
             self.started += 1
+            self.starts.append({"device": slot.device, "pid": process.pid, "launched_at": launched_at,
+                                "ready_at": time.time(), **(message[3] if len(message) > 3 else {})})
             self._event("started", slot.device, process.pid, process.device_name)
             return process
         if message is None:
@@ -439,7 +461,8 @@ class BenchPool:
                 return self._outcome(task, process, "timeout", None,
                                      f"timed out: still running after {self.timeout:g} s (the benchmark process was "
                                      "killed)", started)
-            _, _, status, timings, reason = message
+            status, timings, reason = message[2:5]
+            phases = message[5] if len(message) > 5 else None
             if status == "need_inputs":
                 process.answered()
                 process.sessions.discard(task.session.id)
@@ -452,7 +475,8 @@ class BenchPool:
                                      f"{reason} (the device was left unusable; its benchmark process was replaced)",
                                      started)
             process.answered()
-            return self._outcome(task, process, status, None if timings is None else tuple(timings), reason, started)
+            return self._outcome(task, process, status, None if timings is None else tuple(timings), reason, started,
+                                 phases)
 
     def _crashed(self, slot: _Slot, task: _Task, process: BenchProcess, started: float) -> Outcome:
         _, code = self._ended(slot, process, None if self._closed else "crashed")
@@ -487,8 +511,10 @@ class BenchPool:
     def _send_inputs(self, process: BenchProcess, session: Session) -> str | None:
         """Send a tuning's tensors; None once they are there, or why they could not be
         built (raises ``Lost`` if the process died meanwhile)."""
+        sending, began = time.time(), time.perf_counter()
         process.send(("inputs", session.id, session.inputs))
         message = process.receive(time.monotonic() + self.start_timeout)
+        session.sent[process.device] = (sending, time.perf_counter() - began)
         if message is None:
             process.kill()
             raise Lost("the benchmark process did not take the tensors in time")
@@ -498,13 +524,14 @@ class BenchPool:
         return None
 
     def _outcome(self, task: _Task, process: BenchProcess, status: str, timings: tuple[float, ...] | None,
-                 reason: str | None, started: float) -> Outcome:
+                 reason: str | None, started: float, phases: dict[str, float] | None = None) -> Outcome:
         return Outcome(status, timings, reason, process.device, process.device_name, process.pid, task.attempts,
-                       started, time.time())
+                       started, time.time(), phases)
 
 
 _WARM: Any = object()
 _OFFER: Any = object()
+_REPLACE: Any = object()
 
 
 def _given_up(task: _Task, device: int, status: str, reason: str, started: float | None = None) -> Outcome:
