@@ -104,6 +104,11 @@ class Timing:
     def count(self) -> int:
         raise NotImplementedError
 
+    def count_early(self) -> int:
+        """The device count, asked without what ``count`` may need to import (for
+        starting the processes while the program is still starting)."""
+        return self.count()
+
     def device_name(self, device: int) -> str:
         raise NotImplementedError
 
@@ -124,6 +129,23 @@ class GpuTiming(Timing):
         except ImportError:
             return 0
         return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+
+    def count_early(self) -> int:
+        """Asked of the CUDA driver itself (``CUDA_VISIBLE_DEVICES`` applies): importing
+        torch takes seconds, and the program may be importing it in another thread
+        right now; 0 where there is no driver or no device."""
+        import ctypes
+
+        try:
+            libcuda = ctypes.CDLL("libcuda.so.1")
+            if libcuda.cuInit(0) != 0:
+                return 0
+            count = ctypes.c_int(0)
+            if libcuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
+                return 0
+        except (OSError, AttributeError):
+            return 0
+        return int(count.value)
 
     def device_name(self, device: int) -> str:
         import torch

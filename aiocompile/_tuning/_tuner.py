@@ -39,6 +39,7 @@ from aiocompile._metrics import BenchmarkRecord
 from aiocompile._tuning import _plan
 from aiocompile._tuning._benchpool import BenchPool, GpuTiming, Outcome, Session, Timing
 from aiocompile._tuning._decisions import SUBDIRECTORY, Decision, Decisions
+from aiocompile._tuning._inputs import Inputs
 from aiocompile._tuning._task import BenchTask
 
 if TYPE_CHECKING:
@@ -115,9 +116,10 @@ class Tuner:
 
     # -- devices -------------------------------------------------------------------------
 
-    def devices(self) -> list[int]:
-        """The devices benchmark processes may use (blocking: may ask torch)."""
-        count = self.timing.count()
+    def devices(self, count: int | None = None) -> list[int]:
+        """The devices benchmark processes may use, of ``count`` visible (blocking: may
+        ask torch)."""
+        count = self.timing.count() if count is None else count
         wanted = self._sched.config.tuning_devices
         if wanted is None:
             return list(range(count))
@@ -154,13 +156,13 @@ class Tuner:
             raise RuntimeError(f"autotune(): no device among tuning_devices {allowed} is a {name} like device {target}")
         return target, same, name
 
-    def pool(self) -> BenchPool:
+    def pool(self, devices: list[int] | None = None) -> BenchPool:
         with self._lock:
             if self._closed:
                 raise SchedulerClosed("the scheduler is closed")
             if self._pool is None:
-                self._pool = BenchPool(self.timing, self.devices(), timeout=self._sched.config.benchmark_timeout,
-                                       on_process=self._on_process)
+                self._pool = BenchPool(self.timing, self.devices() if devices is None else devices,
+                                       timeout=self._sched.config.benchmark_timeout, on_process=self._on_process)
             return self._pool
 
     def _on_process(self, what: str, device: int, pid: int, detail: str | None) -> None:
@@ -181,9 +183,10 @@ class Tuner:
 
         def start() -> None:
             try:
-                devices = self.devices()
+                # Counted without torch: the program may be importing it right now.
+                devices = self.devices(self.timing.count_early())
                 if devices:
-                    self.pool().start(frozenset(devices))
+                    self.pool(devices).start(frozenset(devices))
             except SchedulerClosed:
                 pass
             except Exception:
@@ -237,7 +240,10 @@ class Tuner:
             found, source = self.decisions.remembered(decision_key), "memory"
             if found is None:
                 found, source = await _threads.LOADS.run(lambda: self._load_or_start(decision_key, devices)), "disk"
-            await _threads.LOADS.run(plan.expand)
+            # The first configuration specialised (and the others checked) here: what the
+            # launch would raise is raised before anything compiles. The others are
+            # specialised by the tuning, each compiling as soon as it is.
+            await _threads.LOADS.run(lambda: _check_and_expand_first(plan))
             profile["expanded_at"] = time.time()
             if found is not None and plan.config_for(found.config) is None:  # pragma: no cover - keyed by them
                 self.decisions.forget(decision_key)
@@ -326,22 +332,35 @@ class Tuner:
             # This process loads the chosen binary at the end: its own one-time set-up of
             # loading (Triton's driver) is paid now, beside the compiles, not then.
             _threads.LOADS.submit(_prime_parent_loading)
-        rows: dict[int, dict[str, Any]] = {planned.index: {"label": planned.label} for planned in plan.configs}
-        profile["configs"] = [rows[planned.index] for planned in plan.configs]
-        bar = sched._progress(2 * len(plan.configs), progress, description=f"tuning {plan.name}")
+        rows: dict[int, dict[str, Any]] = {index: {"label": _plan.describe(config)}
+                                           for index, config in enumerate(plan.pruned)}
+        profile["configs"] = [rows[index] for index in range(len(plan.pruned))]
+        bar = sched._progress(2 * len(plan.pruned), progress, description=f"tuning {plan.name}")
         compiles: dict[cf.Future[Any], _plan.ConfigPlan] = {}
         failed: dict[int, tuple[str, str]] = {}
-        for planned in plan.configs:
+        reading: cf.Future[Inputs] | None = None
+        tensors = 0
+        # Each configuration compiles as soon as it is specialised, the first at once.
+        for planned in plan.expanding():
             request = sched._triton._prepare_now({"kernel": plan.chain.jit, **_request_item(planned.spec.request())},
                                                  None)
             compiles[sched._execute_sync(request, timeout)] = planned
+            rows[planned.index]["compile_submitted_at"] = time.time()
+            if reading is None:
+                # The launch's tensors are known once one configuration is specialised
+                # (they are the launch's arguments): read beside the others.
+                tensors = len(plan.collector)
+                reading = _threads.LOADS.submit(plan.read_inputs)
         benches: dict[cf.Future[Outcome], tuple[_plan.ConfigPlan, Any]] = {}
         outcomes: dict[int, Outcome | None] = {}
         session: Session | None = None
         try:
             # The tensors, read while the configurations compile, go to the processes
             # ahead of the first configuration.
-            session = Session(plan.read_inputs())
+            inputs = plan.read_inputs() if reading is None else reading.result()
+            if len(plan.collector) != tensors:  # pragma: no cover - a configuration's own tensor: read them all again
+                inputs = plan.read_inputs()
+            session = Session(inputs)
             profile["inputs_read_at"] = time.time()
             profile["inputs_sent"] = session.sent
             pool.offer(session, devices)
@@ -470,6 +489,11 @@ class Tuner:
         timings = () if decision is None else tuple(ConfigTiming(*row) for row in decision.timings)
         return AutotuneResult(chosen.config, kernel, plan.key, source, timings, plan.device, device_name,
                               None if decision is None else decision.key)
+
+
+def _check_and_expand_first(plan: _plan.TuningPlan) -> None:
+    plan.check()
+    next(plan.expanding(), None)
 
 
 def _prime_parent_loading() -> None:
