@@ -508,3 +508,40 @@ async def test_a_tuning_leaves_a_profile_of_its_steps():
         assert row["seconds"] >= 0
     assert list(profile["inputs_sent"]) == [0]
     assert len(starts) == 1 and starts[0]["launched_at"] <= starts[0]["opening_at"] <= starts[0]["ready_at"]
+
+
+async def test_the_tensors_reach_a_process_while_it_starts(tmp_path, monkeypatch):
+    import threading
+
+    gate = tmp_path / "started"
+    monkeypatch.setenv("STAND_IN_START_GATE", str(gate))
+    kernel = tk.tuned([tk.config(64, mode=si.SUM), tk.config(128, cost=2)])
+    async with tuning_scheduler() as sched:
+        pool = sched._tuner.pool()
+        offered = threading.Event()
+        real_offer = pool.offer
+
+        def offer(session, devices):
+            real_offer(session, devices)
+            offered.set()
+
+        pool.offer = offer
+        async with anyio.create_task_group() as group:
+            results = []
+
+            async def tune():
+                results.append(await sched.autotune(kernel, x, out, 4096, 2.0, grid=tk.grid))
+
+            group.start_soon(tune)
+            # The tuning offers its tensors while the process is still starting ...
+            assert await anyio.to_thread.run_sync(lambda: offered.wait(120))
+            assert pool.ready() == set()
+            gate.touch()  # ... and only then may it be ready.
+        profile = sched._tuner.last_profile
+        start = pool.starts[0]
+        records = by_config(sched)
+    sending, _ = profile["inputs_sent"][0]
+    assert sending < start["ready_at"]  # sent before it was ready, not after
+    best = results[0]
+    assert [t.time_ms for t in best.timings] == [float(x.sum()), 0.002]  # they arrived whole
+    assert all(r.attempt == 1 for r in records.values())

@@ -23,7 +23,9 @@ from __future__ import annotations
 import collections
 import importlib
 import os
+import queue
 import sys
+import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -55,6 +57,21 @@ def serve(conn: Connection, began: float | None = None) -> NoReturn:
     for path in reversed(sys_path):
         if path not in sys.path:
             sys.path.insert(0, path)
+    # Messages are read as they come, by a thread of their own: a tuning's tensors may be
+    # sent while this process is still starting (importing torch takes seconds), and are
+    # then here, unpickled, when it is ready.
+    inbox: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
+
+    def pump() -> None:
+        while True:
+            try:
+                received = conn.recv()
+            except (EOFError, OSError):
+                inbox.put(None)
+                return
+            inbox.put(received)
+
+    threading.Thread(target=pump, name="aiocompile-bench-inbox", daemon=True).start()
     opening = time.time()
     try:
         timer = _import(entry)()
@@ -68,9 +85,8 @@ def serve(conn: Connection, began: float | None = None) -> NoReturn:
     conn.send(("ready", os.getpid(), str(name), startup))
     sessions: collections.OrderedDict[int, Any] = collections.OrderedDict()
     while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
+        message = inbox.get()
+        if message is None:  # the parent closed its end
             os._exit(0)
         kind = message[0]
         if kind == "stop":

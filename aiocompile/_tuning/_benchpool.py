@@ -54,6 +54,8 @@ device's context) on a machine busy compiling."""
 _FAILED_STARTS = 2
 _IDLE_CHECK_SECONDS = 1.0
 """How often a device's thread looks whether its idle process is still alive."""
+_EARLY_POLL_SECONDS = 0.05
+"""How often a starting process's thread looks for tensors to send it ahead."""
 _FAST_FAIL_SECONDS = 30.0
 
 
@@ -396,7 +398,23 @@ class BenchPool:
             return "the scheduler was closed"
         try:
             process.send(("init", list(sys.path), self.timing.timer, slot.device))
-            message = process.receive(time.monotonic() + self.start_timeout)
+            deadline = time.monotonic() + self.start_timeout
+            early: dict[Session, tuple[float, float]] = {}
+            while True:
+                # A tuning's tensors offered meanwhile go at once: the process takes
+                # them while it starts, and builds them as soon as it is ready.
+                self._send_early(slot, process, early)
+                message = process.receive(min(deadline, time.monotonic() + _EARLY_POLL_SECONDS))
+                if message is not None or time.monotonic() >= deadline:
+                    break
+            if message is not None and message[0] == "ready":
+                for session, (sending, began) in early.items():
+                    answer = process.receive(deadline)
+                    if answer is None:
+                        raise Lost("the benchmark process did not take the tensors in time")
+                    if answer[0] == "inputs_ok":
+                        process.sessions.add(session.id)
+                        session.sent[slot.device] = (sending, time.perf_counter() - began)
         except Lost:
             message = ("lost",)
         if message is not None and message[0] == "ready":
@@ -422,6 +440,16 @@ class BenchPool:
             why = f"{describe_exit(code)} while starting"
         return self._start_failed(slot, f"the benchmark process for device {slot.device} {why}" +
                                   (f"\n{tail}" if tail and (message is None or message[0] != 'start_failed') else ""))
+
+    def _send_early(self, slot: _Slot, process: BenchProcess, early: dict[Session, tuple[float, float]]) -> None:
+        """Send the tensors offered to a starting process (their answers are read once
+        it is ready)."""
+        with self._lock:
+            offers = [session for session in slot.offers if session.id not in slot.drops and session not in early]
+            slot.offers.clear()
+        for session in offers:
+            early[session] = (time.time(), time.perf_counter())
+            process.send(("inputs", session.id, session.inputs))
 
     def _start_failed(self, slot: _Slot, reason: str) -> str:
         slot.failed_starts += 1

@@ -25,6 +25,7 @@ One call goes through these steps:
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import logging
 import os
 import sys
@@ -328,10 +329,11 @@ class Tuner:
         profile["tune_at"] = time.time()
         pool = self.pool()
         pool.start(devices)  # the processes start while the configurations compile
+        loading: cf.Future[None] | None = None
         if self.timing.loads_in_parent:
             # This process loads the chosen binary at the end: its own one-time set-up of
             # loading (Triton's driver) is paid now, beside the compiles, not then.
-            _threads.LOADS.submit(_prime_parent_loading)
+            loading = _threads.LOADS.submit(_prime_parent_loading)
         rows: dict[int, dict[str, Any]] = {index: {"label": _plan.describe(config)}
                                            for index, config in enumerate(plan.pruned)}
         profile["configs"] = [rows[index] for index in range(len(plan.pruned))]
@@ -385,6 +387,13 @@ class Tuner:
                         continue
                     bar.finished(planned.label, ok=True)
                     ready[planned.index] = future.result()
+                    if loading is not None:
+                        # The kernel's launcher (which Triton up to 3.6 builds with the C
+                        # compiler, the same for every configuration) built here and kept in
+                        # Triton's cache while a benchmark process may still be starting:
+                        # its first configuration then finds it there.
+                        _threads.LOADS.submit(functools.partial(_build_launcher, loading, future.result()))
+                        loading = None
                 while following in ready:
                     compiled = ready.pop(following)
                     if compiled is not None:
@@ -489,6 +498,19 @@ class Tuner:
         timings = () if decision is None else tuple(ConfigTiming(*row) for row in decision.timings)
         return AutotuneResult(chosen.config, kernel, plan.key, source, timings, plan.device, device_name,
                               None if decision is None else decision.key)
+
+
+def _build_launcher(loading: cf.Future[None], kernel: Any) -> None:
+    try:
+        loading.result()
+        from triton.runtime import driver
+
+        from aiocompile.backends.triton._kernel import rebuild_compiled_kernel
+
+        compiled = rebuild_compiled_kernel(kernel)  # as a benchmark process rebuilds it
+        driver.active.launcher_cls(compiled.src, compiled.metadata)
+    except Exception:  # built again where it is needed
+        _log.debug("the launcher was not built ahead", exc_info=True)
 
 
 def _check_and_expand_first(plan: _plan.TuningPlan) -> None:
