@@ -99,6 +99,8 @@ def _profile(raw: dict[str, Any], starts: list[dict[str, Any]], wall: float, lau
         "resolved": at(raw.get("resolved_at")), "planned": at(raw.get("planned_at")),
         "expanded": at(raw.get("expanded_at")), "tune": at(raw.get("tune_at")),
         "inputs_read": at(raw.get("inputs_read_at")),
+        "first_submitted": at(min((c["compile_submitted_at"] for c in configs if "compile_submitted_at" in c),
+                                  default=None)),
         "first_compiled": at(min(compiled, default=None)), "compiles_done": at(compile_end),
         "first_timed": at(timed[0]["bench_started_at"]) if timed else None,
         "last_timed": at(timed[-1]["bench_finished_at"]) if timed else None,
@@ -238,7 +240,8 @@ def _profile_line(run: dict[str, Any], triton_run: dict[str, Any] | None) -> str
     if sent:
         parts.append(f"tensors sent {t(sent[0][0])} ({sent[0][1]:.3f} s)")
     waits = p.get("waits") or []
-    parts.append(f"compiled {t(p['first_compiled'])}..{t(p['compiles_done'])}")
+    parts.append(f"first compile sent {t(p.get('first_submitted'))}, compiled {t(p['first_compiled'])}.."
+                 f"{t(p['compiles_done'])}")
     parts.append(f"timed {t(p['first_timed'])}..{t(p['last_timed'])} (busy {t(p['process_busy_s'])} s, loading "
                  f"{t(p['load_s'])} s of which the first {t(p['first_load_s'])} s, GPU waiting {sum(waits):.2f} s "
                  f"between configurations)")

@@ -226,6 +226,9 @@ class Tuner:
         _plan.chain_of(kernel)  # not an autotuned kernel: TypeError, before anything else
         current = self.timing.current_device()  # the caller's, read in the caller's thread
         profile: dict[str, Any] = {"called_at": time.time()}
+        # The first compile's key needs Triton hashed (once per process, about 0.4 s):
+        # hashed now, beside the plan, rather than after it.
+        _threads.KEYS.submit(sched._triton.warm_triton_key)
         target, devices, device_name = await _threads.LOADS.run(lambda: self._resolve_and_start(device, current))
         profile["resolved_at"] = time.time()
         plan = await _threads.LOADS.run(lambda: _plan.prepare(kernel, args, kwargs, grid, target))
