@@ -545,3 +545,28 @@ async def test_the_tensors_reach_a_process_while_it_starts(tmp_path, monkeypatch
     best = results[0]
     assert [t.time_ms for t in best.timings] == [float(x.sum()), 0.002]  # they arrived whole
     assert all(r.attempt == 1 for r in records.values())
+
+
+async def test_large_tensors_travel_through_shared_memory_gone_after_the_tuning():
+    from aiocompile._tuning._inputs import SHARE_ABOVE, SharedInputs
+
+    n = 1 << 19  # 2 MiB of float32: above SHARE_ABOVE
+    big, big_out = torch.arange(n, dtype=torch.float32), torch.empty(n)
+    assert big.numel() * 4 > SHARE_ABOVE
+    kernel = tk.tuned([tk.config(64, mode=si.SUM), tk.config(128, cost=2)])
+    sessions = []
+    async with tuning_scheduler() as sched:
+        pool = sched._tuner.pool()
+        real_offer = pool.offer
+
+        def offer(session, devices):
+            sessions.append(session)
+            real_offer(session, devices)
+
+        pool.offer = offer
+        best = await sched.autotune(kernel, big, big_out, n, 2.0, grid=tk.grid)
+    assert [t.time_ms for t in best.timings] == [float(big.sum()), 0.002]  # the values arrived whole
+    wire = sessions[0].wire()
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm here: the tensors went through the pipe")
+    assert isinstance(wire, SharedInputs) and not os.path.exists(wire.path)  # removed when the tuning ended

@@ -31,6 +31,8 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any, NoReturn
 
+from aiocompile._tuning._inputs import SharedInputs
+
 # A tuning's tensors are kept for the next few configurations; older ones are dropped
 # (the parent sends them again if asked: "need_inputs").
 _SESSIONS_KEPT = 2
@@ -97,6 +99,8 @@ def serve(conn: Connection, began: float | None = None) -> NoReturn:
         if kind == "inputs":
             _, session, inputs = message
             try:
+                if isinstance(inputs, SharedInputs):
+                    inputs = inputs.open()
                 sessions[session] = timer.load_inputs(inputs)
             except BaseException as exc:
                 conn.send(("inputs_failed", session, _reason(exc)))

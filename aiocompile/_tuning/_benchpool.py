@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from aiocompile._tuning._benchproc import BenchProcess, Lost, State, describe_exit, launch
-from aiocompile._tuning._inputs import Inputs
+from aiocompile._tuning._inputs import Inputs, SharedInputs, share, unshare
 from aiocompile._tuning._task import BenchTask
 
 _log = logging.getLogger("aiocompile")
@@ -91,8 +91,28 @@ class Session:
     def __init__(self, inputs: Inputs) -> None:
         self.id = next(self._ids)
         self.inputs = inputs
+        self._lock = threading.Lock()
+        self._wire: Inputs | SharedInputs | None = None
+        self._closed = False
         self.sent: dict[int, tuple[float, float]] = {}
         """Device -> (wall-clock start, seconds) of sending the tensors there (for profiles)."""
+
+    def wire(self) -> Inputs | SharedInputs:
+        """The tensors as they are sent: written to shared memory once, for every
+        process (``share``)."""
+        with self._lock:
+            if self._wire is None:
+                self._wire = self.inputs if self._closed else share(self.inputs)
+            return self._wire
+
+    def close(self) -> None:
+        """The tuning is over: its shared memory goes (a process that has mapped it
+        keeps what it mapped)."""
+        with self._lock:
+            self._closed = True
+            wire = self._wire
+        if isinstance(wire, SharedInputs):
+            unshare(wire.path)
 
 
 class Timing:
@@ -259,6 +279,7 @@ class BenchPool:
         with self._lock:
             for slot in self._slots.values():
                 slot.drops.append(session.id)
+        session.close()
 
     def ready(self) -> set[int]:
         """The devices whose process is up and idle."""
@@ -449,7 +470,7 @@ class BenchPool:
             slot.offers.clear()
         for session in offers:
             early[session] = (time.time(), time.perf_counter())
-            process.send(("inputs", session.id, session.inputs))
+            process.send(("inputs", session.id, session.wire()))
 
     def _start_failed(self, slot: _Slot, reason: str) -> str:
         slot.failed_starts += 1
@@ -562,7 +583,7 @@ class BenchPool:
         """Send a tuning's tensors; None once they are there, or why they could not be
         built (raises ``Lost`` if the process died meanwhile)."""
         sending, began = time.time(), time.perf_counter()
-        process.send(("inputs", session.id, session.inputs))
+        process.send(("inputs", session.id, session.wire()))
         message = process.receive(time.monotonic() + self.start_timeout)
         session.sent[process.device] = (sending, time.perf_counter() - began)
         if message is None:
