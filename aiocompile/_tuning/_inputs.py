@@ -90,7 +90,10 @@ def share(inputs: Inputs) -> Inputs | SharedInputs:
     large and there is some, else as they are."""
     if inputs.nbytes <= SHARE_ABOVE or not os.path.isdir(_SHARED_DIRECTORY):
         return inputs
-    fd, path = tempfile.mkstemp(prefix="aiocompile-inputs-", dir=_SHARED_DIRECTORY)  # private to this user
+    try:
+        fd, path = tempfile.mkstemp(prefix="aiocompile-inputs-", dir=_SHARED_DIRECTORY)  # private to this user
+    except OSError:  # not writable here: through the pipe
+        return inputs
     spans = []
     try:
         with os.fdopen(fd, "wb") as f:
