@@ -44,6 +44,9 @@ AIOCOMPILE_BENCHMARK_TIMEOUT
                            (``autotune()``) before it counts as hung (default: 60)
 AIOCOMPILE_TUNING_DEVICES  the devices given a benchmark process, comma-separated
                            (default: every visible device)
+AIOCOMPILE_BENCHMARK_AT_START
+                           1: start the benchmark processes with the scheduler, not at
+                           the first ``autotune()`` (default: 0)
 AIOCOMPILE_REPRO_DIR       where a repro bundle is written for each failed compile, or
                            off (default: aiocompile/repro under $XDG_CACHE_HOME, else
                            under ~/.cache)
@@ -180,6 +183,13 @@ class SchedulerConfig:
     tuning_devices: tuple[int, ...] | None = None
     """The devices ``autotune()`` benchmarks on, one process each; None: every visible
     device."""
+    benchmark_at_start: bool = False
+    """Start the benchmark processes ``autotune()`` times configurations in when the
+    scheduler starts (``async with``, or the default scheduler's first use) rather than
+    at the first tuning, so that a process's start (torch, Triton, the device's context:
+    seconds) overlaps the program's own start-up instead of the first tuning. Each one
+    holds a CUDA context on its device (a few hundred MiB) whether anything is tuned or
+    not, so it is off unless asked for. On a machine without a GPU it starts nothing."""
 
     def __post_init__(self) -> None:
         for name, rule in SETTINGS.items():
@@ -239,6 +249,7 @@ SETTINGS: dict[str, _checks.Rule] = {
     "cost_history": _checks.FilePath(none="costs.json in cache_dir, or memory only"),
     "benchmark_timeout": _checks.BENCHMARK_TIMEOUT,
     "tuning_devices": _checks.Devices(none="every visible device"),
+    "benchmark_at_start": _checks.Flag(),
     "repro_dir": _checks.SwitchablePath(none="no repro bundles"),
     "repro_keep": _checks.Number(integer=True, at_least=1),
     "repro_dir_bytes": _checks.Number(integer=True, above=0, unit="bytes", none="no bound but repro_keep"),
@@ -267,6 +278,7 @@ ENVIRONMENT = (
     ("AIOCOMPILE_WORKER_NICE", "worker_nice"),
     ("AIOCOMPILE_BENCHMARK_TIMEOUT", "benchmark_timeout"),
     ("AIOCOMPILE_TUNING_DEVICES", "tuning_devices"),
+    ("AIOCOMPILE_BENCHMARK_AT_START", "benchmark_at_start"),
     ("AIOCOMPILE_REPRO_DIR", "repro_dir"),
     ("AIOCOMPILE_REPRO_KEEP", "repro_keep"),
     ("AIOCOMPILE_REPRO_DIR_BYTES", "repro_dir_bytes"),

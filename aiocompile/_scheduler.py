@@ -179,6 +179,7 @@ class Scheduler:
         self._pool.start()
         if not self._async_preloaded:
             self._async_preloaded = _threads.preload_for_current_loop()
+        self._start_benchmark_if_asked()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -507,6 +508,12 @@ class Scheduler:
         tuner = self._tuning()
         return await tuner.autotune(kernel, args, kwargs, grid=grid, device=device, timeout=timeout,
                                     progress=progress)
+
+    def _start_benchmark_if_asked(self) -> None:
+        """With ``benchmark_at_start``: the benchmark processes start now, in the
+        background (asking torch for the devices may take seconds)."""
+        if self.config.benchmark_at_start and not self.closed:
+            self._tuning().start_soon()
 
     def _tuning(self) -> Tuner:
         self._check_open()

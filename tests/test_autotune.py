@@ -16,6 +16,7 @@ import tuning_stand_in as si
 from conftest import ROOT, alive, subprocess_env, wait_until
 
 import aiocompile
+from aiocompile._tuning._plan import describe
 from aiocompile._tuning._tuner import Tuner
 
 torch = pytest.importorskip("torch", reason="launch arguments are torch tensors")
@@ -435,3 +436,137 @@ async def test_each_benchmark_is_a_record_in_every_sink(tmp_path):
     assert ok.finished_at >= ok.started_at and ok.attempt == 1
     # The compiles are ordinary requests, recorded as such.
     assert sum(1 for e in seen if e.event == "request" and e.outcome == "compiled") == 2
+
+
+# -- benchmark processes started with the scheduler -------------------------------------------------
+
+
+async def test_benchmark_at_start_starts_the_processes_with_the_scheduler():
+    kernel = tk.tuned([tk.config(64, cost=6), tk.config(128, cost=2)])
+    sched = tuning_scheduler(devices=2, config=aiocompile.SchedulerConfig(benchmark_at_start=True))
+    async with sched:
+        pool = sched._tuner.pool()
+        # Up before anything is tuned or compiled.
+        assert await anyio.to_thread.run_sync(lambda: wait_until(lambda: pool.ready() == {0, 1}, timeout=120))
+        started = pool.processes()
+        assert sched.statistics().submitted == 0
+        best = await sched.autotune(kernel, x, out, 4096, 2.0, grid=tk.grid)
+        stats = sched.statistics()
+        records = sched._metrics.benchmark_records
+    assert best.config.kwargs["BLOCK"] == 128
+    # The tuning used them: none started for it.
+    assert stats.benchmark_processes_started == 2 and {r.pid for r in records} <= set(started.values())
+    assert not alive(started.values())
+
+
+async def test_a_benchmark_process_that_dies_before_use_is_replaced_at_once():
+    import signal
+
+    kernel = tk.tuned([tk.config(64, cost=6), tk.config(128, cost=2)])
+    sched = tuning_scheduler(config=aiocompile.SchedulerConfig(benchmark_at_start=True))
+    async with sched:
+        pool = sched._tuner.pool()
+        assert await anyio.to_thread.run_sync(lambda: wait_until(lambda: pool.ready() == {0}, timeout=120))
+        first = pool.processes()[0]
+        os.kill(first, signal.SIGKILL)
+        # Noticed while idle and replaced without waiting for a configuration to find it gone.
+        assert await anyio.to_thread.run_sync(
+            lambda: wait_until(lambda: pool.ready() == {0} and pool.processes()[0] != first, timeout=120))
+        second = pool.processes()[0]
+        stats = sched.statistics()
+        assert (stats.benchmark_processes_started, stats.benchmark_processes_lost) == (2, 1)
+        best = await sched.autotune(kernel, x, out, 4096, 2.0, grid=tk.grid)
+        records = sched._metrics.benchmark_records
+        stats = sched.statistics()
+    assert best.config.kwargs["BLOCK"] == 128
+    # No configuration paid for the death: each timed once, in the replacement.
+    assert {r.pid for r in records} == {second} and all(r.attempt == 1 for r in records)
+    assert stats.benchmark_processes_started == 2
+
+
+async def test_benchmark_at_start_starts_nothing_without_a_gpu():
+    sched = tuning_scheduler(devices=0, config=aiocompile.SchedulerConfig(benchmark_at_start=True))
+    async with sched:
+        starting = sched._tuner.starting
+        assert starting is not None
+        await anyio.to_thread.run_sync(lambda: starting.result(timeout=60))
+        assert sched._tuner._pool is None
+
+
+async def test_a_tuning_leaves_a_profile_of_its_steps():
+    kernel = tk.tuned([tk.config(64, cost=6), tk.config(128, cost=2)])
+    async with tuning_scheduler() as sched:
+        await sched.autotune(kernel, x, out, 4096, 2.0, grid=tk.grid)
+        profile = sched._tuner.last_profile
+        starts = list(sched._tuner.pool().starts)
+    steps = ["called_at", "resolved_at", "planned_at", "expanded_at", "tune_at", "inputs_read_at", "decided_at",
+             "primed_at"]
+    assert [profile[step] for step in steps] == sorted(profile[step] for step in steps)
+    assert [row["label"] for row in profile["configs"]] == [describe(c) for c in kernel.configs]
+    for row in profile["configs"]:
+        assert row["compiled_at"] <= row["submitted_at"] <= row["bench_started_at"] <= row["bench_finished_at"]
+        assert row["seconds"] >= 0
+    assert list(profile["inputs_sent"]) == [0]
+    assert len(starts) == 1 and starts[0]["launched_at"] <= starts[0]["opening_at"] <= starts[0]["ready_at"]
+
+
+async def test_the_tensors_reach_a_process_while_it_starts(tmp_path, monkeypatch):
+    import threading
+
+    gate = tmp_path / "started"
+    monkeypatch.setenv("STAND_IN_START_GATE", str(gate))
+    kernel = tk.tuned([tk.config(64, mode=si.SUM), tk.config(128, cost=2)])
+    async with tuning_scheduler() as sched:
+        pool = sched._tuner.pool()
+        offered = threading.Event()
+        real_offer = pool.offer
+
+        def offer(session, devices):
+            real_offer(session, devices)
+            offered.set()
+
+        pool.offer = offer
+        async with anyio.create_task_group() as group:
+            results = []
+
+            async def tune():
+                results.append(await sched.autotune(kernel, x, out, 4096, 2.0, grid=tk.grid))
+
+            group.start_soon(tune)
+            # The tuning offers its tensors while the process is still starting ...
+            assert await anyio.to_thread.run_sync(lambda: offered.wait(120))
+            assert pool.ready() == set()
+            gate.touch()  # ... and only then may it be ready.
+        profile = sched._tuner.last_profile
+        start = pool.starts[0]
+        records = by_config(sched)
+    sending, _ = profile["inputs_sent"][0]
+    assert sending < start["ready_at"]  # sent before it was ready, not after
+    best = results[0]
+    assert [t.time_ms for t in best.timings] == [float(x.sum()), 0.002]  # they arrived whole
+    assert all(r.attempt == 1 for r in records.values())
+
+
+async def test_large_tensors_travel_through_shared_memory_gone_after_the_tuning():
+    from aiocompile._tuning._inputs import SHARE_ABOVE, SharedInputs
+
+    n = 1 << 19  # 2 MiB of float32: above SHARE_ABOVE
+    big, big_out = torch.arange(n, dtype=torch.float32), torch.empty(n)
+    assert big.numel() * 4 > SHARE_ABOVE
+    kernel = tk.tuned([tk.config(64, mode=si.SUM), tk.config(128, cost=2)])
+    sessions = []
+    async with tuning_scheduler() as sched:
+        pool = sched._tuner.pool()
+        real_offer = pool.offer
+
+        def offer(session, devices):
+            sessions.append(session)
+            real_offer(session, devices)
+
+        pool.offer = offer
+        best = await sched.autotune(kernel, big, big_out, n, 2.0, grid=tk.grid)
+    assert [t.time_ms for t in best.timings] == [float(big.sum()), 0.002]  # the values arrived whole
+    wire = sessions[0].wire()
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm here: the tensors went through the pipe")
+    assert isinstance(wire, SharedInputs) and not os.path.exists(wire.path)  # removed when the tuning ended

@@ -139,3 +139,34 @@ def test_reset_to_zero_kernels_tune_and_launch_correctly():
         torch.cuda.synchronize()
     assert (watch.compiles, watch.benchmarks) == ([], [])
     torch.testing.assert_close(total, x.sum().reshape(1), rtol=1e-4, atol=1e-2)
+
+
+def test_benchmark_at_start_has_the_process_up_before_the_first_tuning():
+    import time
+
+    kernel = gk.tuned()
+    a, b, c = matrices()
+
+    async def tune():
+        config = aiocompile.SchedulerConfig(benchmark_at_start=True)
+        async with aiocompile.Scheduler(workers=4, config=config) as sched:
+            pool = sched._tuning().pool()
+            deadline = time.monotonic() + 180
+            while pool.ready() != set(pool.devices) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            up = pool.processes()
+            submitted = sched.statistics().submitted
+            best = await sched.autotune(kernel, *gk.launch_args(a, b, c), grid=gk.grid)
+            return up, submitted, best, sched.statistics(), list(pool.starts), sched._tuning().last_profile
+
+    up, submitted, best, stats, starts, profile = asyncio.run(tune())
+    assert set(up) == {torch.cuda.current_device()} and submitted == 0
+    assert stats.benchmark_processes_started == 1 and best.source == "tuned"
+    # The real timer's start, step by step: torch, the context, Triton's driver beside it.
+    start = starts[0]
+    assert start["launched_at"] <= start["opening_at"] <= start["ready_at"]
+    assert start["import_torch_s"] > 0 and start["context_s"] > 0 and start["triton_driver_s"] > 0
+    assert all(row["load_s"] >= 0 and row["bench_s"] > 0 for row in profile["configs"])
+    kernel[gk.grid](*gk.launch_args(a, b, c))
+    torch.cuda.synchronize()
+    torch.testing.assert_close(c, a @ b, atol=1e-2, rtol=1e-2)

@@ -137,8 +137,10 @@ def test_config_from_env():
     env = {"AIOCOMPILE_WORKERS": "3", "AIOCOMPILE_TIMEOUT": "7.5", "AIOCOMPILE_MAX_CRASHES": "4",
            "AIOCOMPILE_START_METHOD": "spawn", "AIOCOMPILE_CANCEL_RUNNING": "kill",
            "AIOCOMPILE_MAX_WORKER_RSS": "1000000000", "AIOCOMPILE_IDLE_TIMEOUT": "30",
-           "AIOCOMPILE_BENCHMARK_TIMEOUT": "12", "AIOCOMPILE_TUNING_DEVICES": "2, 0"}
+           "AIOCOMPILE_BENCHMARK_TIMEOUT": "12", "AIOCOMPILE_TUNING_DEVICES": "2, 0",
+           "AIOCOMPILE_BENCHMARK_AT_START": "1"}
     config = aiocompile.SchedulerConfig.from_env(env)
+    assert config.benchmark_at_start is True and aiocompile.SchedulerConfig().benchmark_at_start is False
     assert (config.workers, config.timeout, config.max_crashes, config.start_method) == (3, 7.5, 4, "spawn")
     assert (config.benchmark_timeout, config.tuning_devices) == (12.0, (2, 0))
     assert (config.cancel_running, config.max_worker_rss, config.idle_timeout) == ("kill", 10**9, 30.0)
@@ -187,6 +189,7 @@ BAD_SETTINGS = [
     ("benchmark_timeout", "60", TypeError),
     ("tuning_devices", (), ValueError), ("tuning_devices", (0, 0), ValueError), ("tuning_devices", (-1,), ValueError),
     ("tuning_devices", 0, TypeError), ("tuning_devices", (True,), TypeError), ("tuning_devices", "0,1", TypeError),
+    ("benchmark_at_start", 1, TypeError), ("benchmark_at_start", None, TypeError),
     ("cache_url", "http://:s3cret@cache/", ValueError), ("cache_url", "redis://:s3cret@", ValueError),
     ("cache_url", b"redis://:s3cret@cache", TypeError),
     ("cache_url_ttl", 0, ValueError), ("cache_url_ttl", "60", TypeError),
@@ -248,6 +251,7 @@ BAD_ENVIRONMENT = [
     ("AIOCOMPILE_MAX_WORKER_RSS", "0"), ("AIOCOMPILE_CACHE_DIR_BYTES", "-1"), ("AIOCOMPILE_WORKER_NICE", "20"),
     ("AIOCOMPILE_METRICS", "maybe"), ("AIOCOMPILE_START_METHOD", "thread"), ("AIOCOMPILE_CANCEL_RUNNING", "maybe"),
     ("AIOCOMPILE_BENCHMARK_TIMEOUT", "0"), ("AIOCOMPILE_TUNING_DEVICES", "0,x"), ("AIOCOMPILE_TUNING_DEVICES", "1,1"),
+    ("AIOCOMPILE_BENCHMARK_AT_START", "sometimes"),
     ("AIOCOMPILE_CACHE_URL", "http://cache/"), ("AIOCOMPILE_CACHE_URL_TIMEOUT", "0"),
     ("AIOCOMPILE_CACHE_URL_TTL", "never"),
     ("AIOCOMPILE_REPRO_KEEP", "0"), ("AIOCOMPILE_REPRO_DIR_BYTES", "lots"),

@@ -11,6 +11,7 @@
   barrier through files: it fails unless configurations run side by side), 6 answers the
   sum of the first tensor argument as its time (the tensors really travelled), 7 answers
   ``COST`` after sleeping 50 ms (time enough for other processes to take the rest).
+  With ``STAND_IN_START_GATE`` set, a process's start waits until that file exists.
 """
 
 from __future__ import annotations
@@ -78,6 +79,11 @@ class StandInTimer:
         if os.environ.get("STAND_IN_FAIL_START"):
             raise RuntimeError("no device answers here")
         assert os.environ["STAND_IN_DEVICE"] == str(device)
+        gate = os.environ.get("STAND_IN_START_GATE")
+        if gate:  # a slow start (importing torch), over when the test says so
+            deadline = time.monotonic() + 120
+            while not os.path.exists(gate) and time.monotonic() < deadline:
+                time.sleep(0.01)
         self.device = device
         return "Stand-in GPU"
 

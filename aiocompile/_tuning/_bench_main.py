@@ -23,10 +23,15 @@ from __future__ import annotations
 import collections
 import importlib
 import os
+import queue
 import sys
+import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any, NoReturn
+
+from aiocompile._tuning._inputs import SharedInputs
 
 # A tuning's tensors are kept for the next few configurations; older ones are dropped
 # (the parent sends them again if asked: "need_inputs").
@@ -47,25 +52,43 @@ def _reason(exc: BaseException) -> str:
     return text if text.startswith(name) else f"{name}: {text}"
 
 
-def serve(conn: Connection) -> NoReturn:
+def serve(conn: Connection, began: float | None = None) -> NoReturn:
     message = conn.recv()
     assert message[0] == "init"
     _, sys_path, entry, device = message
     for path in reversed(sys_path):
         if path not in sys.path:
             sys.path.insert(0, path)
+    # Messages are read as they come, by a thread of their own: a tuning's tensors may be
+    # sent while this process is still starting (importing torch takes seconds), and are
+    # then here, unpickled, when it is ready.
+    inbox: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
+
+    def pump() -> None:
+        while True:
+            try:
+                received = conn.recv()
+            except (EOFError, OSError):
+                inbox.put(None)
+                return
+            inbox.put(received)
+
+    threading.Thread(target=pump, name="aiocompile-bench-inbox", daemon=True).start()
+    opening = time.time()
     try:
         timer = _import(entry)()
         name = timer.open(device)
     except BaseException as exc:
         conn.send(("start_failed", f"{_reason(exc)}\n{traceback.format_exc()}"))
         os._exit(3)
-    conn.send(("ready", os.getpid(), str(name)))
+    # Where the start went (wall-clock times, and the timer's own steps), for profiles.
+    startup = {"began_at": began, "opening_at": opening, "ready_at": time.time(),
+               **dict(getattr(timer, "startup", None) or {})}
+    conn.send(("ready", os.getpid(), str(name), startup))
     sessions: collections.OrderedDict[int, Any] = collections.OrderedDict()
     while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
+        message = inbox.get()
+        if message is None:  # the parent closed its end
             os._exit(0)
         kind = message[0]
         if kind == "stop":
@@ -76,6 +99,8 @@ def serve(conn: Connection) -> NoReturn:
         if kind == "inputs":
             _, session, inputs = message
             try:
+                if isinstance(inputs, SharedInputs):
+                    inputs = inputs.open()
                 sessions[session] = timer.load_inputs(inputs)
             except BaseException as exc:
                 conn.send(("inputs_failed", session, _reason(exc)))
@@ -91,6 +116,7 @@ def serve(conn: Connection) -> NoReturn:
                 conn.send(("result", task_id, "need_inputs", None, None))
                 continue
             sessions.move_to_end(session)
+            took = time.perf_counter()
             try:
                 timings = timer.time(task, sessions[session])
             except BaseException as exc:
@@ -100,7 +126,8 @@ def serve(conn: Connection) -> NoReturn:
                     continue
                 conn.send(("result", task_id, "fault", None, reason))
                 os._exit(4)
-            conn.send(("result", task_id, "ok", [float(t) for t in timings], None))
+            phases = {"seconds": time.perf_counter() - took, **dict(getattr(timer, "last_phases", None) or {})}
+            conn.send(("result", task_id, "ok", [float(t) for t in timings], None, phases))
 
 
 def _healthy(timer: Any) -> bool:
@@ -119,6 +146,7 @@ def _exit_if_broken(timer: Any, conn: Connection) -> None:
 def main() -> NoReturn:  # pragma: no cover - runs in a fresh interpreter
     from aiocompile._worker import die_with_parent
 
+    began = time.time()
     sock_fd, alive_fd = int(sys.argv[1]), int(sys.argv[2])
     die_with_parent(alive_fd)
-    serve(Connection(sock_fd))
+    serve(Connection(sock_fd), began)

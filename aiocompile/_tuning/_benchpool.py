@@ -17,6 +17,7 @@ What can go wrong, and what it costs:
 - it kills the process (a segfault): ``crashed``, with the exit status and the end of the
   process's output; replaced;
 - it runs past its deadline (a hang): ``timeout``; the process is killed and replaced;
+- the process dies while idle: noticed within a second, and replaced at once;
 - the process dies or cannot be reached before the configuration was sent (while
   starting, or while taking the tensors): not the configuration's fault, so it is sent
   again to a fresh process, once; a process that cannot start fails the configuration
@@ -42,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from aiocompile._tuning._benchproc import BenchProcess, Lost, State, describe_exit, launch
-from aiocompile._tuning._inputs import Inputs
+from aiocompile._tuning._inputs import Inputs, SharedInputs, share, unshare
 from aiocompile._tuning._task import BenchTask
 
 _log = logging.getLogger("aiocompile")
@@ -51,6 +52,10 @@ START_TIMEOUT = 180.0
 """Seconds a benchmark process may take to start (importing torch and Triton, creating its
 device's context) on a machine busy compiling."""
 _FAILED_STARTS = 2
+_IDLE_CHECK_SECONDS = 1.0
+"""How often a device's thread looks whether its idle process is still alive."""
+_EARLY_POLL_SECONDS = 0.05
+"""How often a starting process's thread looks for tensors to send it ahead."""
 _FAST_FAIL_SECONDS = 30.0
 
 
@@ -70,6 +75,8 @@ class Outcome:
     started_at: float
     """Wall-clock (``time.time()``) when it was sent to the process (or given up)."""
     finished_at: float
+    phases: dict[str, float] | None = None
+    """Where the process's time went (``seconds`` in all, ``load_s``, ``bench_s``), when ``ok``."""
 
     @property
     def ok(self) -> bool:
@@ -84,6 +91,28 @@ class Session:
     def __init__(self, inputs: Inputs) -> None:
         self.id = next(self._ids)
         self.inputs = inputs
+        self._lock = threading.Lock()
+        self._wire: Inputs | SharedInputs | None = None
+        self._closed = False
+        self.sent: dict[int, tuple[float, float]] = {}
+        """Device -> (wall-clock start, seconds) of sending the tensors there (for profiles)."""
+
+    def wire(self) -> Inputs | SharedInputs:
+        """The tensors as they are sent: written to shared memory once, for every
+        process (``share``)."""
+        with self._lock:
+            if self._wire is None:
+                self._wire = self.inputs if self._closed else share(self.inputs)
+            return self._wire
+
+    def close(self) -> None:
+        """The tuning is over: its shared memory goes (a process that has mapped it
+        keeps what it mapped)."""
+        with self._lock:
+            self._closed = True
+            wire = self._wire
+        if isinstance(wire, SharedInputs):
+            unshare(wire.path)
 
 
 class Timing:
@@ -96,6 +125,11 @@ class Timing:
 
     def count(self) -> int:
         raise NotImplementedError
+
+    def count_early(self) -> int:
+        """The device count, asked without what ``count`` may need to import (for
+        starting the processes while the program is still starting)."""
+        return self.count()
 
     def device_name(self, device: int) -> str:
         raise NotImplementedError
@@ -117,6 +151,23 @@ class GpuTiming(Timing):
         except ImportError:
             return 0
         return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+
+    def count_early(self) -> int:
+        """Asked of the CUDA driver itself (``CUDA_VISIBLE_DEVICES`` applies): importing
+        torch takes seconds, and the program may be importing it in another thread
+        right now; 0 where there is no driver or no device."""
+        import ctypes
+
+        try:
+            libcuda = ctypes.CDLL("libcuda.so.1")
+            if libcuda.cuInit(0) != 0:
+                return 0
+            count = ctypes.c_int(0)
+            if libcuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
+                return 0
+        except (OSError, AttributeError):
+            return 0
+        return int(count.value)
 
     def device_name(self, device: int) -> str:
         import torch
@@ -178,6 +229,9 @@ class BenchPool:
         self._closed = False
         self.started = 0
         self.lost = 0
+        self.starts: collections.deque[dict[str, Any]] = collections.deque(maxlen=32)
+        """The latest processes' starts: device, pid, wall-clock launch and ready times,
+        and the process's own account of its start (for profiles)."""
 
     @property
     def devices(self) -> list[int]:
@@ -225,6 +279,7 @@ class BenchPool:
         with self._lock:
             for slot in self._slots.values():
                 slot.drops.append(session.id)
+        session.close()
 
     def ready(self) -> set[int]:
         """The devices whose process is up and idle."""
@@ -289,7 +344,12 @@ class BenchPool:
                         # Nothing to do yet: start the process meanwhile (and after one
                         # was lost, its replacement), so that no configuration waits for it.
                         return _WARM
-                    self._lock.wait()
+                    idle = slot.process is not None and slot.process.state is State.IDLE
+                    if idle and slot.process is not None and slot.process.popen.poll() is not None:
+                        # It died waiting (killed, out of memory): replaced now, not when
+                        # a configuration finds it gone.
+                        return _REPLACE
+                    self._lock.wait(_IDLE_CHECK_SECONDS if idle else None)
 
     def _drive(self, slot: _Slot) -> None:
         try:
@@ -302,6 +362,10 @@ class BenchPool:
                     continue
                 if task is _OFFER:
                     self._send_offers(slot)
+                    continue
+                if task is _REPLACE:
+                    if slot.process is not None:
+                        self._ended(slot, slot.process, "died while idle")
                     continue
                 try:
                     outcome = self._run(slot, task)
@@ -341,6 +405,7 @@ class BenchPool:
             return process
         if slot.failed_starts >= _FAILED_STARTS and time.monotonic() - slot.failed_at < _FAST_FAIL_SECONDS:
             return slot.last_failure
+        launched_at = time.time()
         try:
             process = launch(slot.device, self.timing.env(slot.device))
         except OSError as exc:
@@ -354,13 +419,31 @@ class BenchPool:
             return "the scheduler was closed"
         try:
             process.send(("init", list(sys.path), self.timing.timer, slot.device))
-            message = process.receive(time.monotonic() + self.start_timeout)
+            deadline = time.monotonic() + self.start_timeout
+            early: dict[Session, tuple[float, float]] = {}
+            while True:
+                # A tuning's tensors offered meanwhile go at once: the process takes
+                # them while it starts, and builds them as soon as it is ready.
+                self._send_early(slot, process, early)
+                message = process.receive(min(deadline, time.monotonic() + _EARLY_POLL_SECONDS))
+                if message is not None or time.monotonic() >= deadline:
+                    break
+            if message is not None and message[0] == "ready":
+                for session, (sending, began) in early.items():
+                    answer = process.receive(deadline)
+                    if answer is None:
+                        raise Lost("the benchmark process did not take the tensors in time")
+                    if answer[0] == "inputs_ok":
+                        process.sessions.add(session.id)
+                        session.sent[slot.device] = (sending, time.perf_counter() - began)
         except Lost:
             message = ("lost",)
         if message is not None and message[0] == "ready":
             process.ready(str(message[2]))
             slot.failed_starts = 0
             self.started += 1
+            self.starts.append({"device": slot.device, "pid": process.pid, "launched_at": launched_at,
+                                "ready_at": time.time(), **(message[3] if len(message) > 3 else {})})
             self._event("started", slot.device, process.pid, process.device_name)
             return process
         if message is None:
@@ -378,6 +461,16 @@ class BenchPool:
             why = f"{describe_exit(code)} while starting"
         return self._start_failed(slot, f"the benchmark process for device {slot.device} {why}" +
                                   (f"\n{tail}" if tail and (message is None or message[0] != 'start_failed') else ""))
+
+    def _send_early(self, slot: _Slot, process: BenchProcess, early: dict[Session, tuple[float, float]]) -> None:
+        """Send the tensors offered to a starting process (their answers are read once
+        it is ready)."""
+        with self._lock:
+            offers = [session for session in slot.offers if session.id not in slot.drops and session not in early]
+            slot.offers.clear()
+        for session in offers:
+            early[session] = (time.time(), time.perf_counter())
+            process.send(("inputs", session.id, session.wire()))
 
     def _start_failed(self, slot: _Slot, reason: str) -> str:
         slot.failed_starts += 1
@@ -439,7 +532,8 @@ class BenchPool:
                 return self._outcome(task, process, "timeout", None,
                                      f"timed out: still running after {self.timeout:g} s (the benchmark process was "
                                      "killed)", started)
-            _, _, status, timings, reason = message
+            status, timings, reason = message[2:5]
+            phases = message[5] if len(message) > 5 else None
             if status == "need_inputs":
                 process.answered()
                 process.sessions.discard(task.session.id)
@@ -452,7 +546,8 @@ class BenchPool:
                                      f"{reason} (the device was left unusable; its benchmark process was replaced)",
                                      started)
             process.answered()
-            return self._outcome(task, process, status, None if timings is None else tuple(timings), reason, started)
+            return self._outcome(task, process, status, None if timings is None else tuple(timings), reason, started,
+                                 phases)
 
     def _crashed(self, slot: _Slot, task: _Task, process: BenchProcess, started: float) -> Outcome:
         _, code = self._ended(slot, process, None if self._closed else "crashed")
@@ -487,8 +582,10 @@ class BenchPool:
     def _send_inputs(self, process: BenchProcess, session: Session) -> str | None:
         """Send a tuning's tensors; None once they are there, or why they could not be
         built (raises ``Lost`` if the process died meanwhile)."""
-        process.send(("inputs", session.id, session.inputs))
+        sending, began = time.time(), time.perf_counter()
+        process.send(("inputs", session.id, session.wire()))
         message = process.receive(time.monotonic() + self.start_timeout)
+        session.sent[process.device] = (sending, time.perf_counter() - began)
         if message is None:
             process.kill()
             raise Lost("the benchmark process did not take the tensors in time")
@@ -498,13 +595,14 @@ class BenchPool:
         return None
 
     def _outcome(self, task: _Task, process: BenchProcess, status: str, timings: tuple[float, ...] | None,
-                 reason: str | None, started: float) -> Outcome:
+                 reason: str | None, started: float, phases: dict[str, float] | None = None) -> Outcome:
         return Outcome(status, timings, reason, process.device, process.device_name, process.pid, task.attempts,
-                       started, time.time())
+                       started, time.time(), phases)
 
 
 _WARM: Any = object()
 _OFFER: Any = object()
+_REPLACE: Any = object()
 
 
 def _given_up(task: _Task, device: int, status: str, reason: str, started: float | None = None) -> Outcome:

@@ -12,6 +12,8 @@ quantiles it asks for (0.5, 0.2, 0.8). The launch is the compiled kernel's own, 
 from __future__ import annotations
 
 import pickle
+import threading
+import time
 from typing import Any
 
 from aiocompile._tuning._inputs import Inputs, rebuild, resolve
@@ -26,18 +28,52 @@ class TritonTimer:
     def __init__(self) -> None:
         self._torch: Any = None
         self._kernels: dict[bytes, Any] = {}
+        self.startup: dict[str, float] = {}
+        """Seconds each step of ``open`` took (for profiles)."""
+        self.last_phases: dict[str, float] = {}
+        """Seconds the last configuration spent loading (0 when loaded before) and timing."""
 
     def open(self, device: int) -> str:
+        began = time.perf_counter()
         import torch
-        from triton.runtime import driver
 
+        imported = time.perf_counter()
         if not torch.cuda.is_available():
             raise RuntimeError("this benchmark process sees no CUDA device")
+        # Triton's driver (its modules, and its C helper, which the C compiler builds
+        # where Triton's cache lacks it) is set up in a thread while this one creates the
+        # device's context: one waits on the compiler, the other on the GPU's driver.
+        failed: list[BaseException] = []
+        driver_time: list[float] = []
+
+        def driver_up() -> None:
+            started = time.perf_counter()
+            try:
+                from triton.runtime import driver
+
+                driver.active.utils  # noqa: B018 - built on first use
+            except BaseException as exc:  # raised again below, in the caller's thread
+                failed.append(exc)
+            driver_time.append(time.perf_counter() - started)
+
+        helper = threading.Thread(target=driver_up, name="aiocompile-triton-driver", daemon=True)
+        helper.start()
         torch.cuda.set_device(0)
         torch.zeros(1, device="cuda")  # the context, now rather than in the first timing
+        context = time.perf_counter()
+        helper.join()
+        if failed:
+            raise failed[0]
+        from triton.runtime import driver
+
+        joined = time.perf_counter()
         driver.active.get_current_stream(0)
         self._torch = torch
-        return str(torch.cuda.get_device_name(0))
+        name = str(torch.cuda.get_device_name(0))
+        self.startup = {"import_torch_s": imported - began, "context_s": context - imported,
+                        "triton_driver_s": driver_time[0] if driver_time else 0.0,
+                        "driver_wait_s": joined - context, "open_s": time.perf_counter() - began}
+        return name
 
     def load_inputs(self, inputs: Inputs) -> list[Any]:
         tensors = rebuild(inputs, "cuda")
@@ -65,7 +101,9 @@ class TritonTimer:
     def time(self, task: BenchTask, tensors: list[Any]) -> list[float]:
         from triton.runtime import driver
 
+        began = time.perf_counter()
         compiled = self._compiled(task)
+        loaded = time.perf_counter()
         args = [resolve(ref, tensors) for ref in task.args]
         nargs = {name: resolve(ref, tensors) for name, ref in task.hook_args}
         hooks = task.hooks
@@ -91,6 +129,7 @@ class TritonTimer:
 
         timings = _benchmarker(hooks.timing)(kernel_call, quantiles=_QUANTILES)
         self._torch.cuda.synchronize()  # a fault shows here, against this configuration
+        self.last_phases = {"load_s": loaded - began, "bench_s": time.perf_counter() - loaded}
         return [float(t) for t in timings]
 
 

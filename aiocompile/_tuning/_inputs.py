@@ -19,8 +19,11 @@ the compiled kernel ignores, or a value a hook is given that cannot be sent).
 from __future__ import annotations
 
 import ctypes
+import mmap
+import os
 import pickle
 import sys
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,12 +50,69 @@ class Inputs:
     """The bytes of each storage the launch reads or writes (the part its tensors cover),
     and each tensor as a view of them."""
 
-    buffers: tuple[bytes, ...]
+    buffers: tuple[Any, ...]
+    """Each storage's bytes: ``bytes``, or in a benchmark process views of shared memory."""
     views: tuple[View, ...]
 
     @property
     def nbytes(self) -> int:
         return sum(len(buffer) for buffer in self.buffers)
+
+
+SHARE_ABOVE = 1 << 20
+"""Inputs of more bytes than this go through shared memory rather than the pipe."""
+_SHARED_DIRECTORY = "/dev/shm"
+
+
+@dataclass(frozen=True)
+class SharedInputs:
+    """``Inputs`` whose bytes wait in a file of shared memory (``/dev/shm``), written
+    once by the parent and mapped by each benchmark process: a tuning's tensors (often
+    hundreds of MiB) are not pickled, sent through a pipe and unpickled for each."""
+
+    path: str
+    spans: tuple[tuple[int, int], ...]
+    """(offset, size) of each buffer in the file."""
+    views: tuple[View, ...]
+
+    def open(self) -> Inputs:
+        """The inputs, their buffers views of a private mapping of the file (read where
+        they are used, copied only by the device)."""
+        with open(self.path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            mapping = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else None
+        whole = memoryview(mapping) if mapping is not None else memoryview(bytearray())
+        return Inputs(tuple(whole[offset:offset + length] for offset, length in self.spans), self.views)
+
+
+def share(inputs: Inputs) -> Inputs | SharedInputs:
+    """``inputs`` as they travel to benchmark processes: in shared memory where they are
+    large and there is some, else as they are."""
+    if inputs.nbytes <= SHARE_ABOVE or not os.path.isdir(_SHARED_DIRECTORY):
+        return inputs
+    try:
+        fd, path = tempfile.mkstemp(prefix="aiocompile-inputs-", dir=_SHARED_DIRECTORY)  # private to this user
+    except OSError:  # not writable here: through the pipe
+        return inputs
+    spans = []
+    try:
+        with os.fdopen(fd, "wb") as f:
+            offset = 0
+            for buffer in inputs.buffers:
+                f.write(buffer)
+                spans.append((offset, len(buffer)))
+                offset += len(buffer)
+    except OSError:  # no room there: through the pipe
+        unshare(path)
+        return inputs
+    return SharedInputs(path, tuple(spans), inputs.views)
+
+
+def unshare(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _torch_tensor(value: Any) -> bool:
@@ -150,8 +210,10 @@ def rebuild(inputs: Inputs, device: str) -> list[Any]:
     buffers = []
     for data in inputs.buffers:
         buffer = torch.zeros(max(len(data), _ALIGN), dtype=torch.uint8, device=device)
-        if data:
-            buffer[:len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        if len(data):
+            # A writable view (of a private mapping) is read in place; bytes are copied.
+            source = data if isinstance(data, memoryview) and not data.readonly else bytearray(data)
+            buffer[:len(data)].copy_(torch.frombuffer(source, dtype=torch.uint8))
         buffers.append(buffer)
     tensors = []
     for view in inputs.views:

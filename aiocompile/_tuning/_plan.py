@@ -26,7 +26,7 @@ import hashlib
 import json
 import pickle
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from aiocompile._tuning._inputs import ArgRef, InputCollector, Inputs
 from aiocompile._tuning._task import Hooks
@@ -191,23 +191,42 @@ class TuningPlan:
 
     def expand(self) -> None:
         """Specialise each configuration left (``configs``), as the JIT would."""
-        if not self.configs:
-            self.configs = [self.plan_config(index, config) for index, config in enumerate(self.pruned)]
+        for _ in self.expanding():
+            pass
 
-    def plan_config(self, index: int, config: Any) -> ConfigPlan:
-        """One configuration's compile and launch (raises what the launch would raise)."""
-        tuner = self.chain.tuner
+    def expanding(self) -> Iterator[ConfigPlan]:
+        """Each configuration left, specialised as it is reached (those specialised
+        before are kept in ``configs``), so that the first can compile while the others
+        are specialised."""
+        for index, config in enumerate(self.pruned):
+            if index == len(self.configs):
+                self.configs.append(self.plan_config(index, config))
+            yield self.configs[index]
+
+    def check(self) -> None:
+        """Raise at once what specialising the configurations would raise for any of them
+        alone (a keyword the autotuner also tunes, a pre-hook that does not pickle), so
+        that the rest can be specialised while the first compile."""
+        for config in self.pruned:
+            self._check_config(config)
+
+    def _check_config(self, config: Any) -> None:
         conflicts = self.tuner_kwargs.keys() & config.kwargs.keys()
         if conflicts:
             # What Triton's autotuner raises for them, here at once.
             raise ValueError(f"Conflicting meta-parameters: {', '.join(sorted(conflicts))}. Make sure that you don't "
                              "re-define auto-tuned symbols.")
+        if config.pre_hook is not None:
+            _pickled("configuration's pre_hook", config.pre_hook)
+
+    def plan_config(self, index: int, config: Any) -> ConfigPlan:
+        """One configuration's compile and launch (raises what the launch would raise)."""
+        tuner = self.chain.tuner
+        self._check_config(config)
         current = dict(self.tuner_kwargs, **config.all_kwargs())
         jit_args, jit_kwargs = _through(self.chain.inner, self.tuner_args, current)
         launch_grid = jit_kwargs.pop("grid")
         jit_kwargs.pop("warmup", None)
-        if config.pre_hook is not None:
-            _pickled("configuration's pre_hook", config.pre_hook)
         spec = _warmup.plan(self.chain.jit, jit_args, jit_kwargs, device=self.device)
         dims = _grid(launch_grid, spec.bound_args)
         launch = tuple(self.collector.ref(value, constant=spec.signature.get(name) == "constexpr")

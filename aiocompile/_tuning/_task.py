@@ -3,11 +3,13 @@
 The messages (pickled tuples over a ``multiprocessing.connection.Connection``)::
 
     parent -> process   ("init", sys_path, timer, device)      first, once
-    process -> parent   ("ready", pid, device_name)  or  ("start_failed", reason)
+    process -> parent   ("ready", pid, device_name, startup)  or  ("start_failed", reason)
+                          startup: where the start went (wall-clock times, seconds)
     parent -> process   ("inputs", session, Inputs)            a tuning's tensors
     process -> parent   ("inputs_ok", session)  or  ("inputs_failed", session, reason)
     parent -> process   ("bench", task_id, session, BenchTask)
-    process -> parent   ("result", task_id, status, timings, reason)
+    process -> parent   ("result", task_id, status, timings, reason[, phases])
+                          phases (when "ok"): seconds spent loading and timing it
                           status: "ok" (timings: Triton's (median, p20, p80) in ms),
                           "error" (the configuration failed, the process goes on),
                           "fault" (the device is no longer usable: the process exits

@@ -25,6 +25,7 @@ One call goes through these steps:
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import logging
 import os
 import sys
@@ -39,6 +40,7 @@ from aiocompile._metrics import BenchmarkRecord
 from aiocompile._tuning import _plan
 from aiocompile._tuning._benchpool import BenchPool, GpuTiming, Outcome, Session, Timing
 from aiocompile._tuning._decisions import SUBDIRECTORY, Decision, Decisions
+from aiocompile._tuning._inputs import Inputs
 from aiocompile._tuning._task import BenchTask
 
 if TYPE_CHECKING:
@@ -98,6 +100,11 @@ class Tuner:
         self._pool: BenchPool | None = None
         self._inflight: dict[str, cf.Future[tuple[Decision, str]]] = {}
         self._names: dict[int, str] = {}
+        self.starting: cf.Future[None] | None = None
+        """The start of the benchmark processes asked for with the scheduler, if any."""
+        self.last_profile: dict[str, Any] = {}
+        """Wall-clock times of the latest ``autotune()``'s steps, and each configuration's
+        (compiled, sent, timed; seconds loading and timing it), for profiles."""
         self._executor = cf.ThreadPoolExecutor(32, thread_name_prefix="aiocompile-tuning")
         config = scheduler.config
         disk = None
@@ -110,9 +117,10 @@ class Tuner:
 
     # -- devices -------------------------------------------------------------------------
 
-    def devices(self) -> list[int]:
-        """The devices benchmark processes may use (blocking: may ask torch)."""
-        count = self.timing.count()
+    def devices(self, count: int | None = None) -> list[int]:
+        """The devices benchmark processes may use, of ``count`` visible (blocking: may
+        ask torch)."""
+        count = self.timing.count() if count is None else count
         wanted = self._sched.config.tuning_devices
         if wanted is None:
             return list(range(count))
@@ -149,13 +157,13 @@ class Tuner:
             raise RuntimeError(f"autotune(): no device among tuning_devices {allowed} is a {name} like device {target}")
         return target, same, name
 
-    def pool(self) -> BenchPool:
+    def pool(self, devices: list[int] | None = None) -> BenchPool:
         with self._lock:
             if self._closed:
                 raise SchedulerClosed("the scheduler is closed")
             if self._pool is None:
-                self._pool = BenchPool(self.timing, self.devices(), timeout=self._sched.config.benchmark_timeout,
-                                       on_process=self._on_process)
+                self._pool = BenchPool(self.timing, self.devices() if devices is None else devices,
+                                       timeout=self._sched.config.benchmark_timeout, on_process=self._on_process)
             return self._pool
 
     def _on_process(self, what: str, device: int, pid: int, detail: str | None) -> None:
@@ -169,6 +177,23 @@ class Tuner:
         pool = self._pool
         return {"benchmark_processes_started": pool.started if pool else 0,
                 "benchmark_processes_lost": pool.lost if pool else 0}
+
+    def start_soon(self) -> None:
+        """Start every benchmark process in the background (``benchmark_at_start``); if
+        that fails, it is logged, and the first tuning tries again."""
+
+        def start() -> None:
+            try:
+                # Counted without torch: the program may be importing it right now.
+                devices = self.devices(self.timing.count_early())
+                if devices:
+                    self.pool(devices).start(frozenset(devices))
+            except SchedulerClosed:
+                pass
+            except Exception:
+                _log.warning("the benchmark processes could not be started with the scheduler", exc_info=True)
+
+        self.starting = _threads.LOADS.submit(start)
 
     async def warm(self) -> None:
         """Start every benchmark process now, without waiting for them."""
@@ -200,8 +225,14 @@ class Tuner:
                             "for a plain @triton.jit function use warmup()")
         _plan.chain_of(kernel)  # not an autotuned kernel: TypeError, before anything else
         current = self.timing.current_device()  # the caller's, read in the caller's thread
-        target, devices, device_name = await _threads.LOADS.run(lambda: self._resolve(device, current))
+        profile: dict[str, Any] = {"called_at": time.time()}
+        # The first compile's key needs Triton hashed (once per process, about 0.4 s):
+        # hashed now, beside the plan, rather than after it.
+        _threads.KEYS.submit(sched._triton.warm_triton_key)
+        target, devices, device_name = await _threads.LOADS.run(lambda: self._resolve_and_start(device, current))
+        profile["resolved_at"] = time.time()
         plan = await _threads.LOADS.run(lambda: _plan.prepare(kernel, args, kwargs, grid, target))
+        profile["planned_at"] = time.time()
         sched._check_open()
         if not plan.tunes:
             await _threads.LOADS.run(plan.expand)
@@ -213,18 +244,27 @@ class Tuner:
             found, source = self.decisions.remembered(decision_key), "memory"
             if found is None:
                 found, source = await _threads.LOADS.run(lambda: self._load_or_start(decision_key, devices)), "disk"
-            await _threads.LOADS.run(plan.expand)
+            # The first configuration specialised (and the others checked) here: what the
+            # launch would raise is raised before anything compiles. The others are
+            # specialised by the tuning, each compiling as soon as it is.
+            await _threads.LOADS.run(lambda: _check_and_expand_first(plan))
+            profile["expanded_at"] = time.time()
             if found is not None and plan.config_for(found.config) is None:  # pragma: no cover - keyed by them
                 self.decisions.forget(decision_key)
                 found = None
             if found is None:
-                found, source = await self._decide(plan, decision_key, devices, device_name, timeout, progress)
+                found, source = await self._decide(plan, decision_key, devices, device_name, timeout, progress,
+                                                   profile)
+            profile["decided_at"] = time.time()
             decision = found
             chosen_plan = plan.config_for(decision.config)
             if chosen_plan is None:  # pragma: no cover - the key covers the configurations
                 raise AutotuneError(f"the decision for {plan.name} names a configuration it does not have",
                                     kernel_name=plan.name)
             result = await self._prime(plan, chosen_plan, decision, source, device_name, timeout)
+            profile["primed_at"] = time.time()
+            profile["source"] = source
+            self.last_profile = profile
         except BaseException:
             sched._metrics.tuning("failures")
             raise
@@ -232,6 +272,15 @@ class Tuner:
         if source in ("memory", "disk"):
             sched._metrics.tuning("hits")
         return result
+
+    def _resolve_and_start(self, device: int | None, current: int) -> tuple[int, frozenset[int], str]:
+        """``_resolve``; and where no decision kept on disk may spare the tuning (no
+        ``cache_dir``), the benchmark processes start now, before the plan, so that their
+        start (seconds: torch, Triton, the device's context) overlaps as much as it can."""
+        target, devices, name = self._resolve(device, current)
+        if self.decisions.disk is None:
+            self.pool().start(devices)
+        return target, devices, name
 
     def _load_or_start(self, key: str, devices: frozenset[int]) -> Decision | None:
         """The decision kept on disk; or, there being none, a tuning to come: its
@@ -243,7 +292,7 @@ class Tuner:
         return found
 
     async def _decide(self, plan: _plan.TuningPlan, key: str, devices: frozenset[int], device_name: str,
-                      timeout: float | None, progress: bool) -> tuple[Decision, str]:
+                      timeout: float | None, progress: bool, profile: dict[str, Any]) -> tuple[Decision, str]:
         found = self.decisions.remembered(key)
         if found is not None:
             return found, "memory"
@@ -254,7 +303,7 @@ class Tuner:
             joined = future is not None
             if future is None:
                 future = self._inflight[key] = self._executor.submit(
-                    self._tune_or_load, plan, key, devices, device_name, timeout, progress)
+                    self._tune_or_load, plan, key, devices, device_name, timeout, progress, profile)
                 future.add_done_callback(_bridge.Once(self._forget, key))
         try:
             decision, source = await _bridge.wait(future)
@@ -270,32 +319,55 @@ class Tuner:
     # -- in a tuning thread ----------------------------------------------------------------
 
     def _tune_or_load(self, plan: _plan.TuningPlan, key: str, devices: frozenset[int], device_name: str,
-                      timeout: float | None, progress: bool) -> tuple[Decision, str]:
+                      timeout: float | None, progress: bool, profile: dict[str, Any]) -> tuple[Decision, str]:
         found = self.decisions.remembered(key)  # a tuning that ended just before this one began
         if found is not None:
             return found, "memory"
-        return self._tune(plan, key, devices, device_name, timeout, progress), "tuned"
+        return self._tune(plan, key, devices, device_name, timeout, progress, profile), "tuned"
 
     def _tune(self, plan: _plan.TuningPlan, key: str, devices: frozenset[int], device_name: str,
-              timeout: float | None, progress: bool) -> Decision:
+              timeout: float | None, progress: bool, profile: dict[str, Any]) -> Decision:
         sched = self._sched
         started = time.perf_counter()
+        profile["tune_at"] = time.time()
         pool = self.pool()
         pool.start(devices)  # the processes start while the configurations compile
-        bar = sched._progress(2 * len(plan.configs), progress, description=f"tuning {plan.name}")
+        loading: cf.Future[None] | None = None
+        if self.timing.loads_in_parent:
+            # This process loads the chosen binary at the end: its own one-time set-up of
+            # loading (Triton's driver) is paid now, beside the compiles, not then.
+            loading = _threads.LOADS.submit(_prime_parent_loading)
+        rows: dict[int, dict[str, Any]] = {index: {"label": _plan.describe(config)}
+                                           for index, config in enumerate(plan.pruned)}
+        profile["configs"] = [rows[index] for index in range(len(plan.pruned))]
+        bar = sched._progress(2 * len(plan.pruned), progress, description=f"tuning {plan.name}")
         compiles: dict[cf.Future[Any], _plan.ConfigPlan] = {}
         failed: dict[int, tuple[str, str]] = {}
-        for planned in plan.configs:
+        reading: cf.Future[Inputs] | None = None
+        tensors = 0
+        # Each configuration compiles as soon as it is specialised, the first at once.
+        for planned in plan.expanding():
             request = sched._triton._prepare_now({"kernel": plan.chain.jit, **_request_item(planned.spec.request())},
                                                  None)
             compiles[sched._execute_sync(request, timeout)] = planned
+            rows[planned.index]["compile_submitted_at"] = time.time()
+            if reading is None:
+                # The launch's tensors are known once one configuration is specialised
+                # (they are the launch's arguments): read beside the others.
+                tensors = len(plan.collector)
+                reading = _threads.LOADS.submit(plan.read_inputs)
         benches: dict[cf.Future[Outcome], tuple[_plan.ConfigPlan, Any]] = {}
         outcomes: dict[int, Outcome | None] = {}
         session: Session | None = None
         try:
             # The tensors, read while the configurations compile, go to the processes
             # ahead of the first configuration.
-            session = Session(plan.read_inputs())
+            inputs = plan.read_inputs() if reading is None else reading.result()
+            if len(plan.collector) != tensors:  # pragma: no cover - a configuration's own tensor: read them all again
+                inputs = plan.read_inputs()
+            session = Session(inputs)
+            profile["inputs_read_at"] = time.time()
+            profile["inputs_sent"] = session.sent
             pool.offer(session, devices)
             # Each configuration is timed as soon as it and those before it have compiled:
             # in the autotuner's order, as Triton times them. (The order matters on a GPU
@@ -308,6 +380,7 @@ class Tuner:
                 done, pending = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
                 for future in done:
                     planned = compiles[future]
+                    rows[planned.index]["compiled_at"] = time.time()
                     exc = future.exception()
                     if exc is not None:
                         failed[planned.index] = ("compile_error", _reason(exc))
@@ -317,17 +390,28 @@ class Tuner:
                         continue
                     bar.finished(planned.label, ok=True)
                     ready[planned.index] = future.result()
+                    if loading is not None:
+                        # The kernel's launcher (which Triton up to 3.6 builds with the C
+                        # compiler, the same for every configuration) built here and kept in
+                        # Triton's cache while a benchmark process may still be starting:
+                        # its first configuration then finds it there.
+                        _threads.LOADS.submit(functools.partial(_build_launcher, loading, future.result()))
+                        loading = None
                 while following in ready:
                     compiled = ready.pop(following)
                     if compiled is not None:
                         planned = plan.configs[following]
                         task = _bench_task(plan, planned, compiled)
+                        rows[following]["submitted_at"] = time.time()
                         benches[pool.submit(session, task, devices)] = (planned, compiled)
                     following += 1
             for future in cf.as_completed(benches):
                 planned, compiled = benches[future]
                 outcome = future.result()
                 outcomes[planned.index] = outcome
+                rows[planned.index].update(bench_started_at=outcome.started_at, bench_finished_at=outcome.finished_at,
+                                           time_ms=outcome.timings[0] if outcome.timings else None,
+                                           **(outcome.phases or {}))
                 bar.finished(planned.label, ok=outcome.ok)
                 self._record(plan, planned, outcome, compiled.key)
         finally:
@@ -417,6 +501,33 @@ class Tuner:
         timings = () if decision is None else tuple(ConfigTiming(*row) for row in decision.timings)
         return AutotuneResult(chosen.config, kernel, plan.key, source, timings, plan.device, device_name,
                               None if decision is None else decision.key)
+
+
+def _build_launcher(loading: cf.Future[None], kernel: Any) -> None:
+    try:
+        loading.result()
+        from triton.runtime import driver
+
+        from aiocompile.backends.triton._kernel import rebuild_compiled_kernel
+
+        compiled = rebuild_compiled_kernel(kernel)  # as a benchmark process rebuilds it
+        driver.active.launcher_cls(compiled.src, compiled.metadata)
+    except Exception:  # built again where it is needed
+        _log.debug("the launcher was not built ahead", exc_info=True)
+
+
+def _check_and_expand_first(plan: _plan.TuningPlan) -> None:
+    plan.check()
+    next(plan.expanding(), None)
+
+
+def _prime_parent_loading() -> None:
+    from aiocompile.backends.triton import _kernel
+
+    try:
+        _kernel.prime_loading("cuda")
+    except Exception:  # paid again, or failing, when the chosen binary is loaded
+        _log.debug("loading was not primed ahead of a tuning", exc_info=True)
 
 
 def _warmup_prime(plan: _plan.TuningPlan, chosen: _plan.ConfigPlan, kernel: Any, decision: Decision | None,

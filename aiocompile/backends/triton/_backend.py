@@ -549,6 +549,14 @@ class TritonBackend:
         text = get_cache_key(spec.ast_source(fn), backend, options, get_cache_invalidating_env_vars())
         return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
+    def warm_triton_key(self) -> None:
+        """Pay, now, the part of a first key that does not depend on the target: hashing
+        Triton itself (about 0.4 s; blocking)."""
+        from triton.runtime.cache import triton_key
+
+        with self._lock:
+            triton_key()
+
     def warm_keys(self, target: Target) -> None:
         """Pay, now, the parent's one-time cost of a first key for ``target``: hashing
         Triton itself (about 0.4 s) and asking ptxas its version (blocking)."""
