@@ -11,7 +11,8 @@ names, with
 - ``time(task, handle) -> (median, p20, p80)``: time one configuration, in milliseconds;
 - ``healthy() -> bool``: whether the device still works after a configuration failed.
 
-The real timer is ``_gpu_timer.TritonTimer``; tests name a stand-in.
+The real timer is ``_gpu_timer.TritonTimer``; tests name a stand-in. A ``CallTask`` is
+timed by the function it names instead (it has the device to itself all the same).
 
 A configuration that raises is an error, answered, and the process goes on; one after
 which the device no longer works (an illegal address poisons a CUDA context for good) is a
@@ -27,6 +28,8 @@ import sys
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any, NoReturn
+
+from aiocompile._tuning._task import CallTask
 
 # A tuning's tensors are kept for the next few configurations; older ones are dropped
 # (the parent sends them again if asked: "need_inputs").
@@ -92,7 +95,10 @@ def serve(conn: Connection) -> NoReturn:
                 continue
             sessions.move_to_end(session)
             try:
-                timings = timer.time(task, sessions[session])
+                if isinstance(task, CallTask):
+                    timings = _import(task.function)(task.payload)
+                else:
+                    timings = timer.time(task, sessions[session])
             except BaseException as exc:
                 reason = _reason(exc)
                 if _healthy(timer):
