@@ -1,6 +1,7 @@
 """Benchmark requests that go wrong in the benchmark process, for max-autotune tests.
 
-``Faulty(request, how)`` stands in for one of Inductor's ``BenchmarkRequest``s (it reads
+``Faulty(request, how)`` (``how``: exit, segfault, hang, fault (an illegal address on the
+GPU), or raise) stands in for one of Inductor's ``BenchmarkRequest``s (it reads
 as the request it wraps) and, timed in a benchmark process, exits, segfaults, raises or
 hangs there for real. Importable by the benchmark processes: they get the test's
 ``sys.path``.
@@ -33,6 +34,8 @@ class Faulty:
             ctypes.string_at(0)
         if self.how == "hang":
             time.sleep(3600)
+        if self.how == "fault":
+            illegal_address()
         raise RuntimeError(f"injected failure in {self.inner.kernel_name}")
 
 
@@ -63,3 +66,13 @@ def inject(monkeypatch, faults):
 
     monkeypatch.setattr(_autotune.TuningPool, "benchmark", benchmark)
     return made
+
+
+def illegal_address():
+    """A store far outside any allocation: the device is left unusable (a GPU only)."""
+    import gpu_tuning_kernels as gk
+    import torch
+
+    a, b, c = (torch.zeros(64, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    gk.matmul_base[(1,)](*gk.launch_args(a, b, c), BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, OFFSET=1 << 40)
+    torch.cuda.synchronize()
