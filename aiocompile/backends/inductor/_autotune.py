@@ -20,7 +20,7 @@ of ours, and ``autotune_in_subproc`` is on:
   through ``AsyncCompile.triton``, which ``install()`` already sends to the pool.
 
 ATen (extern) choices are timed in this process, as Inductor does in its own subprocess
-mode.
+mode; choices on other devices (XPU...) in Inductor's own tuning pool.
 """
 
 from __future__ import annotations
@@ -141,6 +141,7 @@ class TuningPool:
         self._sessions: dict[int, Session] = {}
         self._warmed: set[tuple[int, int]] = set()
         self._closed = False
+        self._inductor: Any = None
 
     # -- Inductor's interface --------------------------------------------------------------
 
@@ -152,11 +153,15 @@ class TuningPool:
         timings: dict[Any, float] = {}
         built = _build_libraries(choices, self._build)
         waiting: list[tuple[Any, cf.Future[Outcome], BenchPool]] = []
+        elsewhere: list[Any] = []
         for choice in choices:
             failure = built.get(id(choice))
             if failure is not None:
                 timings[choice] = math.inf
                 self._emit_failure(sched, choice, "compile_error", failure)
+                continue
+            if _elsewhere(choice):
+                elsewhere.append(choice)
                 continue
             try:
                 pool, devices = self._pool_for(sched, choice.bmreq)
@@ -167,6 +172,9 @@ class TuningPool:
                 continue
             future = pool.submit(self._session(pool), task, devices)
             waiting.append((choice, future, pool))
+        if elsewhere:
+            # Devices that are neither the CPU nor a CUDA GPU: Inductor's own tuning pool.
+            timings.update(self._inductor_pool().benchmark(elsewhere))
         for choice, future, _pool in waiting:
             outcome = future.result()
             value = outcome.timings[0] if outcome.ok and outcome.timings else math.inf
@@ -205,8 +213,11 @@ class TuningPool:
         with self._lock:
             self._closed = True
             host, self._host = self._host, None
+            inductor, self._inductor = self._inductor, None
         if host is not None:
             host.close()
+        if inductor is not None:
+            inductor.shutdown()
 
     def _pool_for(self, sched: Scheduler, bmreq: Any) -> tuple[BenchPool, frozenset[int]]:
         if bmreq is None:
@@ -215,13 +226,19 @@ class TuningPool:
         if device is None or device.type == "cpu":
             pool = self._host_pool(sched)
             return pool, frozenset(pool.devices)
-        if device.type != "cuda":
-            raise ValueError(f"choices on {device.type} are not timed in aiocompile's benchmark processes")
         pool = sched._tuning().pool()
         if not pool.devices:
             raise RuntimeError("no GPU to time this choice on (tuning_devices, or none visible)")
         index = device.index or 0
         return pool, frozenset({index}) if index in pool.devices else frozenset(pool.devices)
+
+    def _inductor_pool(self) -> Any:
+        with self._lock:
+            if self._inductor is None:
+                from torch._inductor import autotune_process
+
+                self._inductor = autotune_process.TuningProcessPool()
+            return self._inductor
 
     def _host_pool(self, sched: Scheduler) -> BenchPool:
         with self._lock:
@@ -277,6 +294,11 @@ def _device_of(bmreq: Any) -> Any:
         metas = getattr(bmreq, "input_tensor_meta", None) or []
         meta = metas[0] if metas else None
     return getattr(meta, "device", None)
+
+
+def _elsewhere(choice: Any) -> bool:
+    device = _device_of(getattr(choice, "bmreq", None))
+    return device is not None and device.type not in ("cpu", "cuda")
 
 
 def _call_task(choice: Any) -> CallTask:
