@@ -66,8 +66,17 @@ def measure_in_child(mode: str, inductor_dir: str, triton_dir: str) -> None:
     sched = None
     started = time.perf_counter()
     if mode == "aiocompile":
+        import logging
+
         import aiocompile
         import aiocompile.torch
+
+        # Each choice's breakdown in its benchmark process (see _autotune's debug log).
+        breakdown: list[str] = []
+        handler = logging.Handler(logging.DEBUG)
+        handler.emit = lambda record: breakdown.append(record.getMessage())  # type: ignore[method-assign]
+        logging.getLogger("aiocompile").addHandler(handler)
+        logging.getLogger("aiocompile").setLevel(logging.DEBUG)
 
         os.environ["AIOCOMPILE_WORKERS"] = str(workers)
         sched = aiocompile.torch.install()
@@ -90,7 +99,16 @@ def measure_in_child(mode: str, inductor_dir: str, triton_dir: str) -> None:
                       choices=dict(collections.Counter(r.outcome for r in choices)),
                       benchmark_seconds_in_processes=round(sum(r.finished_at - r.started_at for r in choices), 3),
                       failures=sorted({(r.reason or "").splitlines()[0][:120] for r in choices if r.outcome != "ok"}))
+        parts = [re.search(r"rebuilt in ([0-9.]+) s, benchmark\(\) ([0-9.]+) s, of which Triton compiled "
+                           r"([0-9.]+) s, cache hit (\w+)", line) for line in breakdown]
+        found = [p.groups() for p in parts if p]
+        if found:
+            result.update(per_choice_rebuild_s=round(statistics.median(float(f[0]) for f in found), 3),
+                          per_choice_benchmark_call_s=round(statistics.median(float(f[1]) for f in found), 3),
+                          triton_compile_s_in_benchmark_processes=round(sum(float(f[2]) for f in found), 3),
+                          triton_cache_hits=dict(collections.Counter(f[3] for f in found)))
         aiocompile.torch.uninstall()
+    result["cubins"] = sum(name.endswith(".cubin") for _, _, names in os.walk(triton_dir) for name in names)
     print(json.dumps(result), flush=True)
 
 
@@ -114,6 +132,7 @@ def measure(mode: str, timeout: float) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--modes", default=",".join(MODES), help="stock,aiocompile (both for a ratio)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per measurement")
     parser.add_argument("--json", help="write every measurement here")
     parser.add_argument("--child", metavar="MODE", help=argparse.SUPPRESS)
@@ -121,25 +140,32 @@ def main() -> None:
     if args.child:
         child(args.child)
         return
+    modes = tuple(m for m in MODES if m in args.modes.split(","))
     runs: list[dict] = []
     for round_ in range(args.repeat):
         pair = {}
-        for mode in (MODES if round_ % 2 == 0 else MODES[::-1]):
+        for mode in (modes if round_ % 2 == 0 else modes[::-1]):
             run = pair[mode] = measure(mode, args.timeout)
             run["round"] = round_ + 1
             runs.append(run)
             extra = ""
             if mode == "aiocompile":
                 extra = (f", {run['compiled']} compiled in workers, choices {run['choices']}, "
-                         f"{run['benchmark_seconds_in_processes']} s timing in benchmark processes")
+                         f"{run['benchmark_seconds_in_processes']} s timing in benchmark processes; per choice "
+                         f"there: rebuilt {run.get('per_choice_rebuild_s')} s, benchmark() "
+                         f"{run.get('per_choice_benchmark_call_s')} s; Triton compiled "
+                         f"{run.get('triton_compile_s_in_benchmark_processes')} s there, cache hits "
+                         f"{run.get('triton_cache_hits')}")
             print(f"round {round_ + 1} {mode:10} {run['seconds']:7.2f} s (matches eager: {run['matches_eager']}, "
+                  f"{run['cubins']} cubins, "
                   f"Inductor: {run['inductor_choices']} choices, precompile {run['inductor_precompile_s']} s, "
                   f"benchmark {run['inductor_benchmark_s']} s{extra})", flush=True)
-        ratio = pair["aiocompile"]["seconds"] / pair["stock"]["seconds"]
-        print(f"round {round_ + 1} ratio      {ratio:7.2f}", flush=True)
-        for failure in pair["aiocompile"].get("failures", []):
+        if len(pair) == len(MODES):
+            ratio = pair["aiocompile"]["seconds"] / pair["stock"]["seconds"]
+            print(f"round {round_ + 1} ratio      {ratio:7.2f}", flush=True)
+        for failure in pair.get("aiocompile", {}).get("failures", []):
             print(f"    failed choice: {failure}")
-    if not runs:
+    if len(modes) < len(MODES) or not runs:
         return
     times = {mode: statistics.median(r["seconds"] for r in runs if r["mode"] == mode) for mode in MODES}
     rounds: dict[int, dict[str, float]] = {}

@@ -92,11 +92,21 @@ class HostTimer:
 def time_request(payload: bytes) -> list[float]:
     """In a benchmark process: rebuild one of Inductor's benchmark requests and let it
     time itself, as Inductor's own tuning process does."""
+    from aiocompile.backends.triton._worker import StageTimes
+
+    started = time.perf_counter()
     env, data = pickle.loads(payload)
     os.environ.update(env)
     bmreq = pickle.loads(data)
     _onto_visible_device(bmreq)
-    return [float(bmreq.benchmark())]
+    rebuilt = time.perf_counter()
+    with StageTimes() as stages:
+        ms = float(bmreq.benchmark())
+    done = time.perf_counter()
+    # Beside the time: where the call's own time went (for the debug log).
+    compiled = sum(seconds for _, seconds in stages.stages)
+    hit = -1.0 if stages.cache_hit is None else float(stages.cache_hit)
+    return [ms, rebuilt - started, done - rebuilt, compiled, hit]
 
 
 def warm_up(payload: bytes) -> list[float]:
@@ -180,6 +190,10 @@ class TuningPool:
             value = outcome.timings[0] if outcome.ok and outcome.timings else math.inf
             timings[choice] = value if not math.isnan(value) else math.inf
             self._emit(sched, choice, outcome)
+            if outcome.ok and outcome.timings and len(outcome.timings) >= 5:
+                _log.debug("max-autotune choice %s: %.4f ms (rebuilt in %.3f s, benchmark() %.3f s, of which Triton "
+                           "compiled %.3f s, cache hit %s)", _label(choice), *outcome.timings[:4],
+                           {1.0: True, 0.0: False}.get(outcome.timings[4]))
             if not outcome.ok:
                 _log.warning("max-autotune choice %s counts as infinitely slow: %s (%s)", _label(choice),
                              outcome.status, (outcome.reason or "").splitlines()[0] if outcome.reason else "")
