@@ -47,7 +47,8 @@ if TYPE_CHECKING:
 _log = logging.getLogger("aiocompile")
 
 # What Inductor hands its own tuning processes with each request (its TuningProcessPool
-# does the same): where its generated modules and Triton's binaries are.
+# does the same): where its generated modules and Triton's binaries are. The compile
+# workers' settings (``worker_settings``) go too.
 _CACHE_VARIABLES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 _MARK = "_aiocompile_tuning_pool"
 
@@ -95,12 +96,14 @@ def time_request(payload: bytes) -> list[float]:
     from aiocompile.backends.triton._worker import StageTimes
 
     started = time.perf_counter()
-    env, data = pickle.loads(payload)
-    os.environ.update(env)
+    env, extra_config, data = pickle.loads(payload)
+    _as_compile_workers_do(env)
     bmreq = pickle.loads(data)
     _onto_visible_device(bmreq)
     rebuilt = time.perf_counter()
-    with StageTimes() as stages:
+    from torch._inductor import config as inductor_config
+
+    with StageTimes() as stages, inductor_config.patch(extra_config):
         ms = float(bmreq.benchmark())
     done = time.perf_counter()
     # Beside the time: where the call's own time went (for the debug log).
@@ -109,9 +112,35 @@ def time_request(payload: bytes) -> list[float]:
     return [ms, rebuilt - started, done - rebuilt, compiled, hit]
 
 
+def _as_compile_workers_do(env: dict[str, str]) -> None:
+    """Set up Triton as Inductor's compile workers do (``_worker_compile_triton``): torch's
+    own ptxas where torch ships one, the compiling process's environment, its libdevice.
+    Triton's cache key holds the ptxas version and the libdevice path, so a process set up
+    otherwise finds none of the binaries the workers built and compiles every choice
+    again (a second or more each)."""
+    try:
+        from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path
+    except ImportError:
+        pass
+    else:
+        _set_triton_ptxas_path()
+    os.environ.update(env)
+    libdevice = env.get("TRITON_LIBDEVICE_PATH")
+    if libdevice:
+        try:
+            from triton import knobs
+
+            knobs.nvidia.libdevice_path = libdevice
+        except (ImportError, AttributeError):
+            pass
+
+
 def warm_up(payload: bytes) -> list[float]:
     """In a benchmark process: import what rebuilding a request imports, ahead of the
-    first one (seconds of import, while the choices still compile)."""
+    first one (seconds of import, while the choices still compile), and set Triton up as
+    the compile workers have it before anything asks Triton for its ptxas (whose version
+    Triton keeps for the life of the process)."""
+    _as_compile_workers_do({})
     import torch._inductor.autotune_process  # noqa: F401
     import torch._inductor.select_algorithm  # noqa: F401
 
@@ -162,6 +191,7 @@ class TuningPool:
         sched = self._scheduler()
         timings: dict[Any, float] = {}
         built = _build_libraries(choices, self._build)
+        settings = _worker_settings()
         waiting: list[tuple[Any, cf.Future[Outcome], BenchPool]] = []
         elsewhere: list[Any] = []
         for choice in choices:
@@ -175,7 +205,7 @@ class TuningPool:
                 continue
             try:
                 pool, devices = self._pool_for(sched, choice.bmreq)
-                task = _call_task(choice)
+                task = _call_task(choice, settings)
             except Exception as exc:  # noqa: BLE001 - this choice's problem, not the compile's
                 timings[choice] = math.inf
                 self._emit_failure(sched, choice, "error", f"{type(exc).__name__}: {exc}")
@@ -310,14 +340,27 @@ def _device_of(bmreq: Any) -> Any:
     return getattr(meta, "device", None)
 
 
+def _worker_settings() -> tuple[dict[str, str], dict[str, Any]]:
+    """What the compile workers were given with each kernel (the environment Triton's
+    cache depends on, Inductor's settings), for the benchmark process to load the same
+    binaries."""
+    from aiocompile.backends.inductor._backend import worker_settings
+
+    env, _, extra_config = worker_settings()
+    for name in _CACHE_VARIABLES:
+        if name in os.environ:
+            env.setdefault(name, os.environ[name])
+    return env, extra_config
+
+
 def _elsewhere(choice: Any) -> bool:
     device = _device_of(getattr(choice, "bmreq", None))
     return device is not None and device.type not in ("cpu", "cuda")
 
 
-def _call_task(choice: Any) -> CallTask:
-    env = {name: os.environ[name] for name in _CACHE_VARIABLES if name in os.environ}
-    payload = pickle.dumps((env, pickle.dumps(choice.bmreq)))
+def _call_task(choice: Any, settings: tuple[dict[str, str], dict[str, Any]]) -> CallTask:
+    env, extra_config = settings
+    payload = pickle.dumps((env, extra_config, pickle.dumps(choice.bmreq)))
     return CallTask(_name(choice), _label(choice), f"{__name__}:time_request", payload)
 
 
