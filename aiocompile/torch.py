@@ -88,7 +88,7 @@ from aiocompile import _checks, _repro
 from aiocompile._config import TRITON_PRELOAD, SchedulerConfig, named_in_env
 from aiocompile._errors import CompileError
 from aiocompile._scheduler import Scheduler
-from aiocompile.backends.inductor import _bundles, _graph_repro
+from aiocompile.backends.inductor import _autotune, _bundles, _graph_repro
 from aiocompile.backends.inductor._background import (
     BackgroundCompiled,
     BackgroundStatus,
@@ -129,6 +129,8 @@ class _Installation:
     pid: int = field(default_factory=os.getpid)
     graph_hook: Any = None
     """What ``_graph_repro.patch`` replaced (Inductor's debug wrapper), for uninstall()."""
+    tuning: _autotune.Patch | None = None
+    """What ``_autotune.patch`` replaced (Inductor's tuning pool), for uninstall()."""
 
     def current_scheduler(self) -> Scheduler:
         """The scheduler; in a forked child, a scheduler ``install()`` made is made anew
@@ -210,6 +212,9 @@ def install(scheduler: Scheduler | None = None, *, timeout: float | None = None,
             setattr(target, name, _REPLACEMENTS[name])
         # An Inductor error in this process leaves a repro bundle too.
         installation.graph_hook = _graph_repro.patch(lambda: _repro.root_of(installation.scheduler.config))
+        # max-autotune: template choices timed in aiocompile's benchmark processes.
+        installation.tuning = _autotune.patch(
+            _autotune.TuningPool(installation.current_scheduler, lambda: _NativeSubmit(installation)))
         _state.current = installation
     if warm and not _triton_kernels_possible():
         _warm(installation)
@@ -284,6 +289,9 @@ def uninstall() -> bool:
                 delattr(target, name)
         if installation.graph_hook is not None and not _graph_repro.unpatch(installation.graph_hook):
             warnings.warn("torch._inductor.compile_fx.wrap_compiler_debug was replaced by someone else after "
+                          "aiocompile.torch.install(); left as it is", RuntimeWarning, stacklevel=2)
+        if installation.tuning is not None and not _autotune.unpatch(installation.tuning):
+            warnings.warn("Inductor's tuning pool (autotune_process) was replaced by someone else after "
                           "aiocompile.torch.install(); left as it is", RuntimeWarning, stacklevel=2)
         _state.current = None
     if installation.owned and installation.pid == os.getpid():

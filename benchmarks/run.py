@@ -100,6 +100,7 @@ KNOWN = [
     Bench("torch_compile", "bench_torch_compile.py", ("--repeat", "3"), ("--repeat", "1"), 2400, 900,
           needs="torch"),
     Bench("autotune", "bench_autotune.py", ("--repeat", "3"), ("--repeat", "1"), 2400, 900, needs="cuda"),
+    Bench("maxautotune", "bench_maxautotune.py", ("--repeat", "3"), ("--repeat", "1"), 1800, 600, needs="cuda"),
     # CPU or GPU, whichever torch sees: Inductor compiles C++ for the CPU.
     Bench("background", "bench_background.py", ("--repeat", "3"), ("--repeat", "1"), 3600, 1800),
 ]

@@ -11,7 +11,8 @@ names, with
 - ``time(task, handle) -> (median, p20, p80)``: time one configuration, in milliseconds;
 - ``healthy() -> bool``: whether the device still works after a configuration failed.
 
-The real timer is ``_gpu_timer.TritonTimer``; tests name a stand-in.
+The real timer is ``_gpu_timer.TritonTimer``; tests name a stand-in. A ``CallTask`` is
+timed by the function it names instead (it has the device to itself all the same).
 
 A configuration that raises is an error, answered, and the process goes on; one after
 which the device no longer works (an illegal address poisons a CUDA context for good) is a
@@ -32,6 +33,7 @@ from multiprocessing.connection import Connection
 from typing import Any, NoReturn
 
 from aiocompile._tuning._inputs import SharedInputs
+from aiocompile._tuning._task import CallTask
 
 # A tuning's tensors are kept for the next few configurations; older ones are dropped
 # (the parent sends them again if asked: "need_inputs").
@@ -118,7 +120,10 @@ def serve(conn: Connection, began: float | None = None) -> NoReturn:
             sessions.move_to_end(session)
             took = time.perf_counter()
             try:
-                timings = timer.time(task, sessions[session])
+                if isinstance(task, CallTask):
+                    timings = _import(task.function)(task.payload)
+                else:
+                    timings = timer.time(task, sessions[session])
             except BaseException as exc:
                 reason = _reason(exc)
                 if _healthy(timer):
@@ -126,7 +131,9 @@ def serve(conn: Connection, began: float | None = None) -> NoReturn:
                     continue
                 conn.send(("result", task_id, "fault", None, reason))
                 os._exit(4)
-            phases = {"seconds": time.perf_counter() - took, **dict(getattr(timer, "last_phases", None) or {})}
+            phases = {"seconds": time.perf_counter() - took}
+            if not isinstance(task, CallTask):  # the timer's phases are those of its own last task
+                phases.update(dict(getattr(timer, "last_phases", None) or {}))
             conn.send(("result", task_id, "ok", [float(t) for t in timings], None, phases))
 
 

@@ -44,7 +44,7 @@ from typing import Any, Callable
 
 from aiocompile._tuning._benchproc import BenchProcess, Lost, State, describe_exit, launch
 from aiocompile._tuning._inputs import Inputs, SharedInputs, share, unshare
-from aiocompile._tuning._task import BenchTask
+from aiocompile._tuning._task import BenchTask, CallTask
 
 _log = logging.getLogger("aiocompile")
 
@@ -193,7 +193,7 @@ class _Task:
     id: int
     devices: frozenset[int]
     session: Session
-    payload: BenchTask
+    payload: BenchTask | CallTask
     future: cf.Future[Outcome]
     attempts: int = 0
 
@@ -237,7 +237,7 @@ class BenchPool:
     def devices(self) -> list[int]:
         return list(self._slots)
 
-    def submit(self, session: Session, payload: BenchTask, devices: frozenset[int]) -> cf.Future[Outcome]:
+    def submit(self, session: Session, payload: BenchTask | CallTask, devices: frozenset[int]) -> cf.Future[Outcome]:
         """Queue one configuration for any of ``devices``; its future is always answered
         with an ``Outcome`` (cancel it to withdraw it while it waits)."""
         future: cf.Future[Outcome] = cf.Future()

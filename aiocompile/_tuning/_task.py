@@ -7,9 +7,9 @@ The messages (pickled tuples over a ``multiprocessing.connection.Connection``)::
                           startup: where the start went (wall-clock times, seconds)
     parent -> process   ("inputs", session, Inputs)            a tuning's tensors
     process -> parent   ("inputs_ok", session)  or  ("inputs_failed", session, reason)
-    parent -> process   ("bench", task_id, session, BenchTask)
+    parent -> process   ("bench", task_id, session, BenchTask or CallTask)
     process -> parent   ("result", task_id, status, timings, reason[, phases])
-                          phases (when "ok"): seconds spent loading and timing it
+                          phases (when a BenchTask is "ok"): seconds spent loading and timing it
                           status: "ok" (timings: Triton's (median, p20, p80) in ms),
                           "error" (the configuration failed, the process goes on),
                           "fault" (the device is no longer usable: the process exits
@@ -60,3 +60,17 @@ class BenchTask:
     """What the hooks are given, by name."""
     hooks: Hooks
     config_pre_hook: bytes | None = None
+
+
+@dataclass(frozen=True)
+class CallTask:
+    """A timing the process does not make with its timer: ``function`` (``module:name``,
+    imported there) is called with ``payload`` and returns its timings in milliseconds.
+    Inductor's benchmark requests come this way: each times itself. The payload stays
+    bytes until the call, so that a request that cannot be rebuilt there fails as its own
+    error, not as the process's."""
+
+    name: str
+    label: str
+    function: str
+    payload: bytes

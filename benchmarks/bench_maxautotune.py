@@ -1,0 +1,186 @@
+"""torch.compile(mode="max-autotune") wall time: stock Inductor against Inductor with
+aiocompile installed.
+
+The model: an fp16 MLP 1024 -> 4096 -> 1024 (GELU), batch 256, on the GPU. Each
+measurement is a fresh interpreter with empty Inductor and Triton caches and no FX graph
+cache: the time from ``torch.compile(model, mode="max-autotune")`` to the first output
+(aiocompile's ``install()`` on the clock too). Stock Inductor precompiles the template
+choices (in its compile pool once that is ready, else in threads of the process) and
+times them in the process; with aiocompile, every choice compiles in the pool's workers
+and is timed in a benchmark process. Stock and aiocompile alternate, their order swapped
+each round; both use as many compile workers as Inductor would. The outputs are checked
+against eager. Each run also reports what Inductor says its autotuning took
+("AUTOTUNE benchmarking takes ... precompiling ...", summed over the matmuls) and, with
+aiocompile, what became of each choice.
+
+    python benchmarks/bench_maxautotune.py [--repeat 2] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODES = ("stock", "aiocompile")
+_AUTOTUNE_LINE = re.compile(r"AUTOTUNE benchmarking takes ([0-9.]+) seconds and ([0-9.]+) seconds precompiling "
+                            r"for (\d+) choices")
+
+
+def child(mode: str) -> None:
+    inductor_dir = tempfile.mkdtemp(prefix="bench-inductor-")
+    triton_dir = tempfile.mkdtemp(prefix="bench-triton-")
+    try:
+        measure_in_child(mode, inductor_dir, triton_dir)
+    finally:
+        for path in (inductor_dir, triton_dir):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def measure_in_child(mode: str, inductor_dir: str, triton_dir: str) -> None:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_dir
+    os.environ["TRITON_CACHE_DIR"] = triton_dir
+    os.environ["TORCHINDUCTOR_FX_GRAPH_CACHE"] = "0"
+    import torch
+    from torch._inductor import config
+
+    config.fx_graph_cache = False
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024))
+    model = model.half().cuda().eval()
+    x = torch.randn(256, 1024, device="cuda", dtype=torch.float16)
+    with torch.no_grad():
+        expected = model(x)  # CUDA and cuBLAS initialised before the clock starts
+    torch.cuda.synchronize()
+    workers = config.decide_compile_threads() if config.compile_threads is None else config.compile_threads
+    records: list = []
+    sched = None
+    started = time.perf_counter()
+    if mode == "aiocompile":
+        import logging
+
+        import aiocompile
+        import aiocompile.torch
+
+        # Each choice's breakdown in its benchmark process (see _autotune's debug log).
+        breakdown: list[str] = []
+        handler = logging.Handler(logging.DEBUG)
+        handler.emit = lambda record: breakdown.append(record.getMessage())  # type: ignore[method-assign]
+        logging.getLogger("aiocompile").addHandler(handler)
+        logging.getLogger("aiocompile").setLevel(logging.DEBUG)
+
+        os.environ["AIOCOMPILE_WORKERS"] = str(workers)
+        sched = aiocompile.torch.install()
+        sched.subscribe(lambda event: records.append(event) if isinstance(event, aiocompile.BenchmarkRecord)
+                        else None)
+    with torch.no_grad():
+        out = torch.compile(model, mode="max-autotune")(x)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - started
+    result = {
+        "mode": mode, "seconds": elapsed, "workers": workers,
+        "matches_eager": bool(torch.allclose(out, expected, rtol=1e-2, atol=1e-2)),
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "cpus": os.cpu_count(),
+    }
+    if sched is not None:
+        choices = [r for r in records if r.config != "warm-up"]
+        stats = sched.statistics()
+        result.update(compiled=stats.compiled, failed=stats.failed, worker_crashes=stats.worker_crashes,
+                      compile_seconds_in_workers=round(stats.run_time.total, 3),
+                      choices=dict(collections.Counter(r.outcome for r in choices)),
+                      benchmark_seconds_in_processes=round(sum(r.finished_at - r.started_at for r in choices), 3),
+                      failures=sorted({(r.reason or "").splitlines()[0][:120] for r in choices if r.outcome != "ok"}))
+        parts = [re.search(r"rebuilt in ([0-9.]+) s, benchmark\(\) ([0-9.]+) s, of which Triton compiled "
+                           r"([0-9.]+) s, cache hit (\w+)", line) for line in breakdown]
+        found = [p.groups() for p in parts if p]
+        if found:
+            result.update(per_choice_rebuild_s=round(statistics.median(float(f[0]) for f in found), 3),
+                          per_choice_benchmark_call_s=round(statistics.median(float(f[1]) for f in found), 3),
+                          triton_compile_s_in_benchmark_processes=round(sum(float(f[2]) for f in found), 3),
+                          triton_cache_hits=dict(collections.Counter(f[3] for f in found)))
+        aiocompile.torch.uninstall()
+    result["cubins"] = sum(name.endswith(".cubin") for _, _, names in os.walk(triton_dir) for name in names)
+    print(json.dumps(result), flush=True)
+
+
+def measure(mode: str, timeout: float) -> dict:
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", mode], capture_output=True,
+                          text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get(
+                              "PYTHONPATH", "")]))})
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{mode} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    result = json.loads(lines[-1])
+    # What Inductor says of each autotuning (one line per matmul).
+    found = [tuple(float(v) for v in m.groups()) for m in _AUTOTUNE_LINE.finditer(proc.stdout + proc.stderr)]
+    result["inductor_benchmark_s"] = round(sum(f[0] for f in found), 3)
+    result["inductor_precompile_s"] = round(sum(f[1] for f in found), 3)
+    result["inductor_choices"] = int(sum(f[2] for f in found))
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--modes", default=",".join(MODES), help="stock,aiocompile (both for a ratio)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per measurement")
+    parser.add_argument("--json", help="write every measurement here")
+    parser.add_argument("--child", metavar="MODE", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child)
+        return
+    modes = tuple(m for m in MODES if m in args.modes.split(","))
+    runs: list[dict] = []
+    for round_ in range(args.repeat):
+        pair = {}
+        for mode in (modes if round_ % 2 == 0 else modes[::-1]):
+            run = pair[mode] = measure(mode, args.timeout)
+            run["round"] = round_ + 1
+            runs.append(run)
+            extra = ""
+            if mode == "aiocompile":
+                extra = (f", {run['compiled']} compiled in workers, choices {run['choices']}, "
+                         f"{run['benchmark_seconds_in_processes']} s timing in benchmark processes; per choice "
+                         f"there: rebuilt {run.get('per_choice_rebuild_s')} s, benchmark() "
+                         f"{run.get('per_choice_benchmark_call_s')} s; Triton compiled "
+                         f"{run.get('triton_compile_s_in_benchmark_processes')} s there, cache hits "
+                         f"{run.get('triton_cache_hits')}")
+            print(f"round {round_ + 1} {mode:10} {run['seconds']:7.2f} s (matches eager: {run['matches_eager']}, "
+                  f"{run['cubins']} cubins, "
+                  f"Inductor: {run['inductor_choices']} choices, precompile {run['inductor_precompile_s']} s, "
+                  f"benchmark {run['inductor_benchmark_s']} s{extra})", flush=True)
+        if len(pair) == len(MODES):
+            ratio = pair["aiocompile"]["seconds"] / pair["stock"]["seconds"]
+            print(f"round {round_ + 1} ratio      {ratio:7.2f}", flush=True)
+        for failure in pair.get("aiocompile", {}).get("failures", []):
+            print(f"    failed choice: {failure}")
+    if len(modes) < len(MODES) or not runs:
+        return
+    times = {mode: statistics.median(r["seconds"] for r in runs if r["mode"] == mode) for mode in MODES}
+    rounds: dict[int, dict[str, float]] = {}
+    for r in runs:
+        rounds.setdefault(r["round"], {})[r["mode"]] = r["seconds"]
+    per_round = statistics.median(p["aiocompile"] / p["stock"] for p in rounds.values())
+    first = runs[0]
+    print(f"\n{first['device']}, {first['cpus']} CPUs, torch {first['torch']}, {first['workers']} compile workers, "
+          f"fp16 MLP 1024-4096-1024 batch 256, mode=max-autotune, median of {args.repeat}, fresh process and caches")
+    print(f"stock {times['stock']:.2f} s, aiocompile {times['aiocompile']:.2f} s, ratio "
+          f"{times['aiocompile'] / times['stock']:.2f} (per round {per_round:.2f})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(runs, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
