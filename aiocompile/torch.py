@@ -75,8 +75,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
-import functools
-import importlib
 import os
 import threading
 import warnings
@@ -86,9 +84,8 @@ from typing import Any, Callable
 
 from aiocompile import _checks, _repro
 from aiocompile._config import TRITON_PRELOAD, SchedulerConfig, named_in_env
-from aiocompile._errors import CompileError
 from aiocompile._scheduler import Scheduler
-from aiocompile.backends.inductor import _autotune, _bundles, _graph_repro
+from aiocompile.backends.inductor import _async_triton, _autotune, _graph_repro
 from aiocompile.backends.inductor._background import (
     BackgroundCompiled,
     BackgroundStatus,
@@ -162,15 +159,6 @@ class _State:
 _state = _State()
 
 
-def _async_compile_module() -> Any:
-    try:
-        return importlib.import_module("torch._inductor.async_compile")
-    except ImportError as exc:
-        raise ImportError(
-            f"aiocompile.torch needs PyTorch with Inductor (pip install 'aiocompile[torch]'): {exc}"
-        ) from exc
-
-
 def install(scheduler: Scheduler | None = None, *, timeout: float | None = None, warm: bool = True) -> Scheduler:
     """Make Inductor's compiles (Triton kernels, C++ and CUDA builds) run in ``scheduler``
     and return it; with None, in a scheduler of its own (configured from the environment,
@@ -191,7 +179,7 @@ def install(scheduler: Scheduler | None = None, *, timeout: float | None = None,
     _checks.CALL_TIMEOUT.check("timeout", timeout)
     if scheduler is not None and scheduler.closed:
         raise ValueError("the scheduler is closed")
-    module = _async_compile_module()
+    module = _async_triton.async_compile_module()
     target = module.AsyncCompile
     missing = [name for name in ("triton", "use_process_pool") if not hasattr(target, name)]
     if missing:
@@ -330,7 +318,7 @@ def _triton(self: Any, kernel_name: str, source_code: str, device_str: str = "cu
     if installation is None:
         # A reference taken while installed, used after uninstall(): Inductor's own path.
         return type(self).triton(self, kernel_name, source_code, device_str)
-    return _submit(installation, self, kernel_name, source_code, device_str)
+    return _async_triton.submit_triton(installation, self, kernel_name, source_code, device_str)
 
 
 def _cpp(self: Any, source_code: str) -> Any:
@@ -339,13 +327,13 @@ def _cpp(self: Any, source_code: str) -> Any:
         return type(self).cpp(self, source_code)
     from torch._inductor.codecache import CppCodeCache
 
-    module = _async_compile_module()
+    module = _async_triton.async_compile_module()
     _log_kernel(module, "CPP Kernel:\n%s", source_code)
     submit = _NativeSubmit(installation)
     get_result = CppCodeCache.load_async(source_code, submit_fn=submit)
     if not _threads(module):
         return get_result().kernel
-    return _lambda_future(module, lambda: get_result().kernel, submit.future)
+    return _async_triton.lambda_future(module, lambda: get_result().kernel, submit.future)
 
 
 def _cpp_pybinding(self: Any, argtypes: list[str], source_code: str) -> Any:
@@ -354,13 +342,13 @@ def _cpp_pybinding(self: Any, argtypes: list[str], source_code: str) -> Any:
         return type(self).cpp_pybinding(self, argtypes, source_code)
     from torch._inductor.codecache import CppPythonBindingsCodeCache
 
-    module = _async_compile_module()
+    module = _async_triton.async_compile_module()
     _log_kernel(module, "CPP+Bindings Kernel:\n%s", source_code)
     submit = _NativeSubmit(installation)
     get_result = CppPythonBindingsCodeCache.load_pybinding_async(argtypes, source_code, submit_fn=submit)
     if not _threads(module):
         return get_result()
-    return _lambda_future(module, get_result, submit.future)
+    return _async_triton.lambda_future(module, get_result, submit.future)
 
 
 def _cuda(self: Any, source_code: str, dst_file_ext: str, aot_compile: bool = False) -> Any:
@@ -371,7 +359,7 @@ def _cuda(self: Any, source_code: str, dst_file_ext: str, aot_compile: bool = Fa
 
     from aiocompile.backends.inductor import _native
 
-    module = _async_compile_module()
+    module = _async_triton.async_compile_module()
     _log_kernel(module, "CUDA Kernel:\n%s", source_code)
     request = _native.cuda_request(source_code, dst_file_ext, aot_compile)
     answer = installation.current_scheduler()._execute_sync(request, installation.timeout)
@@ -379,7 +367,7 @@ def _cuda(self: Any, source_code: str, dst_file_ext: str, aot_compile: bool = Fa
     def load() -> Any:
         # What Inductor's compile thread does once the build is done: the compile finds
         # its files and compiles nothing; the library is loaded here.
-        _result(answer)
+        _async_triton.result(answer)
         if aot_compile:
             output_path, *_ = CUDACodeCache.compile(source_code, "o")
             CUDACodeCache.aot_kernels_o.append(output_path)
@@ -387,7 +375,7 @@ def _cuda(self: Any, source_code: str, dst_file_ext: str, aot_compile: bool = Fa
 
     if not _threads(module):
         return load()
-    return _lambda_future(module, load, answer)
+    return _async_triton.lambda_future(module, load, answer)
 
 
 class _NativeSubmit:
@@ -424,7 +412,7 @@ def _use_process_pool(cls: Any) -> bool:
     installation = _active(cls, "use_process_pool")
     if installation is None:
         return bool(cls.use_process_pool())
-    return _parallel()
+    return _async_triton.parallel()
 
 
 def _warm_pool(cls: type) -> None:
@@ -451,19 +439,6 @@ _REPLACEMENTS: dict[str, Any] = {
 }
 
 
-def _parallel() -> bool:
-    """Whether Inductor compiles in parallel, i.e. whether its ``wait()`` resolves
-    futures: more than one compile thread, and no Proton profiling (which needs the
-    compile in this process; then the kernel is compiled in the pool but waited for at
-    once)."""
-    module = _async_compile_module()
-    from torch._inductor import config
-
-    if module.get_compile_threads() <= 1:
-        return False
-    return not getattr(getattr(config, "triton", None), "proton_profiling", False)
-
-
 def _warm(installation: _Installation) -> None:
     scheduler = installation.current_scheduler()
     with _state.lock:
@@ -485,146 +460,3 @@ def _warm_up_function() -> Callable[[], float]:
     return _inductor_worker.warm_up if _triton_kernels_possible() else _native_worker.ready
 
 
-def _submit(installation: _Installation, async_compile: Any, kernel_name: str, source_code: str,
-            device_str: str) -> Any:
-    """``AsyncCompile.triton`` through the scheduler: the same bookkeeping as Inductor's,
-    the compile in the pool."""
-    module = _async_compile_module()
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        # The interpreter runs kernels in this process; nothing to compile.
-        return installation.original("triton")(async_compile, kernel_name, source_code, device_str)
-    import torch
-    from torch._dynamo.utils import counters
-
-    from aiocompile.backends import inductor
-
-    counters["inductor"]["async_compile_cache_miss"] += 1
-    code_log = getattr(module, "kernel_code_log", None)
-    if code_log is not None:
-        code_log.info("Triton Kernel:\n%s", source_code)
-    compile_start = getattr(module, "_compile_start", None)
-    if compile_start is not None:
-        compile_start()
-    parallel = _parallel()
-    compile_id = torch._guards.CompileContext.current_compile_id()
-    is_backward = bool(getattr(module.V.graph, "is_backward", False)) if hasattr(module, "V") else False
-
-    held = _held_by_inductor(module, kernel_name, source_code)
-    if held is not None:
-        counters["inductor"]["async_compile_cache_hit"] += 1
-        return held if parallel else held.result()
-
-    request = inductor.build_request(kernel_name, source_code, strict=False)
-    answer = installation.current_scheduler()._execute_sync(request, installation.timeout)
-    graph = _bundles.graph_context(module)  # for a repro bundle, should the kernel fail
-
-    def get_result() -> Any:
-        artifact: inductor.InductorArtifact = _result_or_bundle(answer, installation, kernel_name, source_code, graph)
-        kernel = artifact.ready((compile_id, is_backward))
-        if artifact.elapsed_us is not None:
-            _report_compile_time(module, kernel, kernel_name, artifact.elapsed_us)
-        return kernel
-
-    if not parallel:
-        return get_result()
-    # Inductor reads ``future`` too: autotuning waits on it for (kernel, microseconds).
-    exposed = _chain(answer, lambda artifact: (artifact.kernel, artifact.elapsed_us or 0))
-    return _lambda_future(module, get_result, exposed)
-
-
-def _report_compile_time(module: Any, kernel: Any, kernel_name: str, elapsed_us: int) -> None:
-    """Tell Inductor's own metrics what the compile took, as its own path does."""
-    emit = getattr(module, "_emit_triton_kernel_compile_metric", None)
-    if emit is not None:
-        emit(kernel, kernel_name, elapsed_us)
-        return
-    add_info = getattr(module, "_add_triton_kernel_info", None)
-    metrics_context = getattr(module, "get_metrics_context", None)
-    if add_info is None or metrics_context is None:
-        return
-    metrics_context().add_top_n("triton_kernel_compile_times_us", kernel_name, elapsed_us)
-    info = getattr(kernel, "autotune_cache_info", None) or {}
-    info["compile_time_us"] = elapsed_us
-    add_info(kernel_name, info)
-
-
-def _held_by_inductor(module: Any, kernel_name: str, source_code: str) -> Any:
-    """A kernel Inductor itself holds for this source: a statically launchable autotuner
-    its caches loaded (``StaticAutotunerFuture``), or a future of its own from before
-    ``install()``. Answered as Inductor answers it."""
-    kernels = getattr(module, "CompiledTritonKernels", None)
-    if kernels is None:
-        return None
-    held = kernels.get(source_code)
-    if held is None:
-        return None
-    static = getattr(module, "StaticAutotunerFuture", None)
-    if static is not None and isinstance(held, static):
-        kernels.remove_future(source_code)
-        from torch._inductor.codecache import _load_triton_kernel_from_source
-
-        held.reload_kernel_from_src = functools.partial(_load_triton_kernel_from_source, kernel_name, source_code)
-    return held
-
-
-def _lambda_future(module: Any, result_fn: Callable[[], Any], future: cf.Future[Any] | None) -> Any:
-    lambda_future = module.LambdaFuture
-    try:
-        return lambda_future(result_fn, future=future)
-    except TypeError:  # older torch: LambdaFuture(result_fn) only
-        made = lambda_future(result_fn)
-        made.future = future
-        return made
-
-
-def _result(answer: cf.Future[Any]) -> Any:
-    """The answer, waiting for it; its error raised afresh (several callers may share it)."""
-    exc = answer.exception()
-    if exc is not None:
-        raise exc.with_traceback(None)
-    return answer.result()
-
-
-def _result_or_bundle(answer: cf.Future[Any], installation: _Installation, kernel_name: str, source_code: str,
-                      graph: Any) -> Any:
-    """``_result``, with a repro bundle written for a kernel that did not compile, once
-    however many callers share its error (the error's ``repro`` names it)."""
-    try:
-        return _result(answer)
-    except CompileError as exc:
-        root = _repro.root_of(installation.scheduler.config)
-        if root is not None and exc.repro is None:
-            try:
-                exc.repro = _bundles.kernel_failure(root, exc, kernel_name, source_code, graph)
-            except Exception as error:  # noqa: BLE001 - the compile's error is the one to raise
-                warnings.warn(f"the repro bundle of {kernel_name!r} could not be written: {error}", RuntimeWarning,
-                              stacklevel=2)
-        raise
-
-
-def _chain(answer: cf.Future[Any], convert: Callable[[Any], Any]) -> cf.Future[Any]:
-    """A future of ``convert(answer's result)``; cancelling it cancels ``answer``."""
-    exposed: cf.Future[Any] = cf.Future()
-
-    def forward(done: cf.Future[Any]) -> None:
-        if done.cancelled():
-            exposed.cancel()
-            return
-        if not exposed.set_running_or_notify_cancel():
-            return
-        exc = done.exception()
-        if exc is not None:
-            exposed.set_exception(exc)
-            return
-        try:
-            exposed.set_result(convert(done.result()))
-        except BaseException as error:  # noqa: BLE001 - it belongs to whoever waits
-            exposed.set_exception(error)
-
-    def backward(done: cf.Future[Any]) -> None:
-        if done.cancelled():
-            answer.cancel()
-
-    exposed.add_done_callback(backward)
-    answer.add_done_callback(forward)
-    return exposed
