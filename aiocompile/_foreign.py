@@ -207,7 +207,8 @@ class ForeignPool:
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        # Also in a forked child, where this pool's executor belongs to the parent.
+        return self._closed or os.getpid() != self._pid
 
     def start(self) -> None:
         with self._lock:

@@ -220,10 +220,13 @@ class Scheduler:
         self._events.close()  # after the pool: its last worker events reach the file
 
     def _check_open(self) -> None:
+        # A pool is closed in a forked child (aiocompile's own by a fork hook, a foreign
+        # one by its pid): only then is it worth asking whose scheduler this is.
+        if not (self._closed or self._pool.closed):
+            return
         if self._pid != os.getpid():
             raise SchedulerClosed("this scheduler belongs to the parent of a forked process; create a new one here")
-        if self._closed or self._pool.closed:
-            raise SchedulerClosed("the scheduler is closed")
+        raise SchedulerClosed("the scheduler is closed")
 
     async def warm(self, target: Any = "cuda:90", *, benchmark: bool = False) -> None:
         """Start every worker now and run one tiny compile in each, so that the compiler's
