@@ -156,7 +156,7 @@ class Scheduler(JitHooks):
             # written only where the kernels are.
             history = os.path.join(self._disk.directory, "costs.json")
             history_read_only = self._disk.access != "read-write"
-        self._costs = CostHistory(history, read_only=history_read_only)
+        self._costs = CostHistory(history, read_only=history_read_only, fleet=self._shared)
         self._context = _Context(self)
         self._gates = Gates()
         self._requests = Requests(self.config, pool=self._pool, cache=self._cache, disk=self._disk,
@@ -217,10 +217,10 @@ class Scheduler(JitHooks):
         self._pool.shutdown(wait=True, cancel_futures=True, grace=grace)
         if self._disk is not None:
             self._disk.close(wait=True)  # results compiled before the close reach the disk
+        if self._pid == os.getpid():
+            self._costs.save()  # before the shared cache lets its connections go
         if self._shared is not None:
             self._shared.close(wait=True)  # and the shared cache (each write bounded by its timeout)
-        if self._pid == os.getpid():
-            self._costs.save()
         self._events.close()  # after the pool: its last worker events reach the file
 
     def _check_open(self) -> None:
