@@ -17,6 +17,7 @@ used by the pool's supervisor thread only.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pickle
 import signal
@@ -132,9 +133,19 @@ class _Descriptors:
                              jobs_w=self.jobs_w, origin=origin)
 
 
+# Room in a job pipe: a job is written whole by the thread that submits it (an event
+# loop's, often), and a write larger than the room waits for the worker to read. A pipe
+# has 64 KiB unless told otherwise; a socket's buffer held about 200 KiB.
+_JOB_PIPE_SIZE = 1 << 20
+
+
 def _worker_descriptors() -> _Descriptors:
     parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     jobs_r, jobs_w = os.pipe()
+    try:
+        fcntl.fcntl(jobs_w, getattr(fcntl, "F_SETPIPE_SZ", 1031), _JOB_PIPE_SIZE)
+    except (OSError, AttributeError):
+        pass  # not Linux, or over this system's limit: the default room, and a wait
     alive_r, alive_w = os.pipe()
     output_fd = _capture_file()
     return _Descriptors(parent_sock, child_sock, jobs_r, jobs_w, alive_r, alive_w, output_fd)
