@@ -35,6 +35,12 @@ later processes read (a restarted server, a fresh build machine with the directo
 holds (another process may have written it meanwhile), keep the newest ``limit`` entries
 and replace the file atomically. Compiles Triton answered from its own disk cache are not
 noted: their time says nothing about the compile.
+
+With a shared cache (``cache_url``), the history is also kept there, one entry per key
+(see ``SharedCache.read_costs``): a fresh build machine with an empty ``cache_dir`` starts
+with the fleet's history. It is read with the file and merged with it (for a key in both,
+the newer entry), and each save sends the entries noted since the last one. Entries from
+there are checked as the file's are; they are not signed, being only an order of work.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 _VERSION = 2
 _READABLE = (1, 2)
@@ -170,9 +176,21 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
     return [rows[i][n] / rows[i][i] for i in range(n)]
 
 
+class FleetCosts(Protocol):
+    """Where a fleet keeps its cost history (a ``SharedCache``). Both calls block, and
+    never raise: what cannot be read is nothing, what cannot be written is reported."""
+
+    def read_costs(self) -> dict[str, Any]: ...
+
+    def write_costs(self, entries: dict[str, list[Any]], limit: int) -> bool: ...
+
+
 class CostHistory:
-    def __init__(self, path: str | None = None, limit: int = 20000, read_only: bool = False) -> None:
+    def __init__(self, path: str | None = None, limit: int = 20000, read_only: bool = False,
+                 fleet: FleetCosts | None = None) -> None:
         self.path = path
+        self.fleet = fleet
+        """The fleet's history, read with the file and written at each save."""
         self.read_only = read_only
         """Read the file, never write it (it is in a directory this process may not write)."""
         self.limit = limit
@@ -182,8 +200,9 @@ class CostHistory:
         self._models: dict[str, _Model] = {}
         self._family_sums: dict[Family, _Sums] = {}  # entries with features
         self._target_sums: dict[tuple[str, str], _Sums] = {}
-        self._loaded = path is None
+        self._loaded = path is None and fleet is None
         self._dirty = False
+        self._unshared: dict[str, list[Any]] = {}  # noted since the last write to the fleet's
         self._save_lock = threading.Lock()  # one write at a time; a later save waits
 
     def __len__(self) -> int:
@@ -198,6 +217,10 @@ class CostHistory:
         if self._loaded:
             return
         entries = self._read()
+        if self.fleet is not None:
+            for key, entry in _checked(self.fleet.read_costs()).items():
+                if key not in entries or entries[key][4] < entry[4]:
+                    entries[key] = entry
         with self._lock:
             if self._loaded:
                 return
@@ -256,13 +279,25 @@ class CostHistory:
             self._costs[key] = entry
             self._count(entry, 1)
             self._dirty = True
+            if self.fleet is not None:
+                self._unshared[key] = entry
 
     def save(self) -> None:
-        """Write the history to its file, merged with what the file holds now (blocking)."""
-        if self.path is None or self.read_only:
-            return
+        """Write the history to its file, merged with what the file holds now, and what
+        was noted since the last save to the fleet's (blocking)."""
         with self._save_lock:
-            self._save(self.path)
+            if self.fleet is not None:
+                self._share(self.fleet)
+            if self.path is not None and not self.read_only:
+                self._save(self.path)
+
+    def _share(self, fleet: FleetCosts) -> None:
+        with self._lock:
+            entries, self._unshared = self._unshared, {}
+        if entries and not fleet.write_costs(entries, self.limit):
+            with self._lock:  # sent with the next save, unless noted anew meanwhile
+                for key, entry in entries.items():
+                    self._unshared.setdefault(key, entry)
 
     def _save(self, path: str) -> None:
         with self._lock:
@@ -302,16 +337,7 @@ class CostHistory:
         if not isinstance(data, dict) or data.get("version") not in _READABLE \
                 or not isinstance(data.get("costs"), dict):
             return {}
-        good: dict[str, list[Any]] = {}
-        for key, entry in data["costs"].items():
-            if (isinstance(entry, list) and len(entry) in (5, 6) and _number(entry[0]) and entry[0] > 0
-                    and all(isinstance(part, str) for part in entry[1:4]) and _number(entry[4])):
-                features = entry[5] if len(entry) == 6 else None
-                if features is not None and not (isinstance(features, dict)
-                                                 and all(_number(v) for v in features.values())):
-                    continue
-                good[str(key)] = [*entry[:5], features]
-        return good
+        return _checked(data["costs"])
 
     def _model(self, backend: str) -> _Model:
         model = self._models.get(backend)
@@ -333,6 +359,21 @@ class CostHistory:
             self._model(backend).add(x, y, sign)
             self._family_sums.setdefault(family, _Sums()).add(x, y, sign)
             self._target_sums.setdefault((backend, target), _Sums()).add(x, y, sign)
+
+
+def _checked(costs: Mapping[str, Any]) -> dict[str, list[Any]]:
+    """The well-formed entries of ``costs`` (as a file or the fleet's history holds them),
+    in the form kept in memory."""
+    good: dict[str, list[Any]] = {}
+    for key, entry in costs.items():
+        if (isinstance(entry, list) and len(entry) in (5, 6) and _number(entry[0]) and entry[0] > 0
+                and all(isinstance(part, str) for part in entry[1:4]) and _number(entry[4])):
+            features = entry[5] if len(entry) == 6 else None
+            if features is not None and not (isinstance(features, dict)
+                                             and all(isinstance(k, str) and _number(v) for k, v in features.items())):
+                continue
+            good[str(key)] = [*entry[:5], features]
+    return good
 
 
 def _number(value: Any) -> bool:

@@ -39,21 +39,9 @@ its own thread, and a stdlib pool that cannot (its class lives in a module only 
 imports) breaks, failing or re-running every job it holds.
 
 An executor of a cluster (``aiocompile.dask``) loses jobs one worker at a time rather than
-all at once, and can do what a stdlib pool cannot. It says so with a few optional members,
-which this pool uses where they exist:
-
-- a job's future failing with :class:`WorkerLost`: the worker holding that job died, the
-  executor itself is fine. The job is a suspect (it may have been running when its worker
-  died, or only waiting there) and is sorted as a break's suspects are: re-run alone, and
-  blamed only for deaths it causes alone. A death the executor caused on purpose (to stop
-  a job past its timeout) sends the jobs it took back to the queue, blaming nobody;
-- ``capacity()``: how many jobs it runs at once. Never more are handed to it; the rest
-  wait here, where they can be cancelled and where their order is kept, and each job's
-  clock starts as it is handed over;
-- ``kill(future)``: stop a running job and free its worker (a job past its timeout, or
-  cancelled with ``cancel_running="kill"``, or still running at the end of the grace
-  period of ``shutdown()``);
-- ``job_runner``: the function its workers run instead of ``run_in_foreign_worker``.
+all at once, and can do what a stdlib pool cannot: it says so with a few optional members
+(a job's future failing with ``WorkerLost``, ``capacity()``, ``kill(future)``,
+``job_runner``; see ``_executors``), which this pool uses where they exist.
 
 The PENDING/RUNNING sort relies on the executor's bookkeeping: when the first future of a
 broken stdlib executor is failed, ours is the first callback to run, and the other futures
@@ -67,84 +55,28 @@ import collections
 import concurrent.futures as cf
 import itertools
 import os
-import signal
-import sys
 import threading
 import time
-from concurrent.futures.process import ProcessPoolExecutor
-from concurrent.futures.thread import ThreadPoolExecutor
 from dataclasses import dataclass
-from multiprocessing.connection import wait as wait_for_any
-from typing import Any, Callable, Union
+from typing import Any, Callable
 
 from aiocompile import _answers, _checks
 from aiocompile._errors import CompileTimeout, SchedulerClosed, WorkerCrashedError
+from aiocompile._executors import (
+    ExecutorSpec,
+    WorkerLost,
+    adapt,
+    factory_for,
+    join_processes,
+    kill_processes,
+    workers_in_order,
+)
 from aiocompile._jobs import Job, PoolCounters, emit_event, logger
 from aiocompile._metrics import WorkerEvent
 from aiocompile._remote import run_in_foreign_worker
 
-ExecutorFactory = Callable[[], cf.Executor]
-
 # How long a closed stdlib pool's idle processes may take to exit before they are killed.
 _JOIN_TIMEOUT = 10.0
-ExecutorSpec = Union[cf.Executor, ExecutorFactory]
-
-class WorkerLost(Exception):
-    """What an executor of a cluster fails one job's future with when the worker holding
-    that job died while the executor itself carries on (see the module docstring).
-
-    ``worker`` names the dead worker process, so that one death is counted once however
-    many jobs it took; ``deliberate`` says the executor killed it on purpose."""
-
-    def __init__(self, message: str, worker: Any = None, deliberate: bool = False) -> None:
-        super().__init__(message)
-        self.worker = worker
-        self.deliberate = deliberate
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (WorkerLost, (str(self), self.worker, self.deliberate))
-
-
-def _factory_for(executor: cf.Executor) -> ExecutorFactory | None:
-    """A factory making more executors like ``executor``, where that can be known."""
-    rebuild = getattr(executor, "rebuild", None)
-    if callable(rebuild):
-        return rebuild
-    if isinstance(executor, ProcessPoolExecutor):
-        options: dict[str, Any] = {
-            "max_workers": getattr(executor, "_max_workers", None),
-            "mp_context": getattr(executor, "_mp_context", None),
-            "initializer": getattr(executor, "_initializer", None),
-            "initargs": getattr(executor, "_initargs", ()),
-        }
-        if sys.version_info >= (3, 11) and getattr(executor, "_max_tasks_per_child", None):
-            options["max_tasks_per_child"] = executor._max_tasks_per_child
-        return lambda: ProcessPoolExecutor(**options)
-    return None
-
-
-def _adapt(executor: Any) -> Any:
-    """A Dask client (or its ``get_executor()``) as ``aiocompile.dask``'s executor over it,
-    which keeps the scheduler's crash and timeout semantics; anything else as it is."""
-    distributed = sys.modules.get("distributed")  # a client in hand means it is imported
-    if distributed is None:
-        return executor
-    client_executor = getattr(sys.modules.get("distributed.cfexecutor"), "ClientExecutor", None)
-    if isinstance(client_executor, type) and isinstance(executor, client_executor):
-        executor = getattr(executor, "_client", executor)
-    if isinstance(executor, distributed.Client):
-        from aiocompile.dask import executor as dask_executor
-
-        return dask_executor(executor)
-    return executor
-
-
-def _workers_in_order(executor: cf.Executor | None) -> int:
-    """How many jobs ``executor`` runs at once, taking them in the order sent; 0 where
-    either is not known."""
-    if isinstance(executor, (ProcessPoolExecutor, ThreadPoolExecutor)):
-        return int(getattr(executor, "_max_workers", 0) or 0)
-    return 0
 
 
 @dataclass(eq=False)
@@ -167,10 +99,10 @@ class ForeignPool:
     """The scheduler's pool interface over a foreign executor (see the module docstring)."""
 
     def __init__(self, executor: ExecutorSpec, *, max_crashes: int = 2) -> None:
-        executor = _adapt(executor)
+        executor = adapt(executor)
         if isinstance(executor, cf.Executor):
             self._executor: cf.Executor | None = executor
-            self._factory = _factory_for(executor)
+            self._factory = factory_for(executor)
         elif callable(executor):
             self._executor = None
             self._factory = executor
@@ -178,7 +110,7 @@ class ForeignPool:
             raise TypeError(f"executor must be a concurrent.futures.Executor or a factory of one, got {executor!r}")
         self.max_crashes = _checks.CRASHES.check("max_crashes", max_crashes)
         self.max_workers = int(getattr(self._executor, "_max_workers", 0) or 0)
-        self._slots = _workers_in_order(self._executor)
+        self._slots = workers_in_order(self._executor)
         self.counters = PoolCounters()
         self.on_event: Callable[[WorkerEvent], None] | None = None
         self.job_events_wanted: Callable[[], bool] = lambda: True  # as WorkerPool's; every event is sent here
@@ -207,7 +139,8 @@ class ForeignPool:
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        # Also in a forked child, where this pool's executor belongs to the parent.
+        return self._closed or os.getpid() != self._pid
 
     def start(self) -> None:
         with self._lock:
@@ -324,10 +257,10 @@ class ForeignPool:
                     executor.shutdown(wait=True)
                 else:
                     if not_done:
-                        _kill(processes)
+                        kill_processes(processes)
                     # shutdown(wait=False) only asked them to go: make sure they are gone
                     # before returning, as a closed scheduler leaves no process behind.
-                    _join(processes, _JOIN_TIMEOUT)
+                    join_processes(processes, _JOIN_TIMEOUT)
         with self._lock:
             # Killing the busy processes above breaks the executor, and its callbacks
             # may have sorted the lost jobs into suspects and held jobs meanwhile.
@@ -374,7 +307,7 @@ class ForeignPool:
                 raise SchedulerClosed("the executor broke and cannot be rebuilt: pass a factory as executor=")
             self._executor = self._factory()
             self.max_workers = int(getattr(self._executor, "_max_workers", self.max_workers) or self.max_workers)
-            self._slots = _workers_in_order(self._executor)
+            self._slots = workers_in_order(self._executor)
             self._adopt(self._executor)
         return self._executor
 
@@ -590,38 +523,3 @@ def _stop_clock(sent: _Sent) -> None:
     if sent.timer is not None:
         sent.timer.cancel()
         sent.timer = None
-
-
-def _join(processes: list[Any], timeout: float) -> None:
-    """Wait for the processes of a stdlib process pool to exit; kill those that take
-    longer than ``timeout`` seconds.
-
-    This waits on each process's sentinel, without ``Process.join()``: the pool's own
-    management thread may be joining the same processes, and with a forkserver context two
-    joins race to read the one exit status the fork server sends.
-    """
-    sentinels = {}
-    for process in processes:
-        try:
-            sentinels[process.sentinel] = process
-        except (AttributeError, ValueError):  # not a multiprocessing.Process, or closed
-            continue
-    deadline = time.monotonic() + timeout
-    while sentinels:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            _kill(list(sentinels.values()))
-            wait_for_any(list(sentinels), 1.0)
-            return
-        for sentinel in wait_for_any(list(sentinels), left):
-            sentinels.pop(sentinel, None)
-
-
-def _kill(processes: list[Any]) -> None:
-    """Kill the worker processes of a stdlib process pool that outlived the grace period
-    (nothing else can stop a running job there)."""
-    for process in processes:
-        try:
-            os.kill(process.pid, signal.SIGKILL)
-        except (ProcessLookupError, AttributeError, TypeError):
-            pass

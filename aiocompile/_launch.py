@@ -17,6 +17,7 @@ used by the pool's supervisor thread only.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pickle
 import signal
@@ -40,8 +41,13 @@ class WorkerProcess:
 
     pid: int
     conn: Connection
+    """Its socket: the worker's answers come on it, and its end shows as the socket's end."""
     alive_w: int
     output_fd: int
+    jobs_w: int = -1
+    """The write end of its job pipe: jobs go to the worker this way, on a pipe rather than
+    the socket, because a worker asleep on a socket's read is woken each time the parent
+    reads an answer from its end (room to write has grown), and a pipe's write is cheaper."""
     started_at: float = field(default_factory=time.monotonic)
     exitcode: int | None = None
     origin: int = 0
@@ -60,7 +66,8 @@ class WorkerProcess:
         return data.decode("utf-8", "replace")
 
     def close(self) -> None:
-        for close in (self.conn.close, lambda: os.close(self.alive_w), lambda: os.close(self.output_fd)):
+        for close in (self.conn.close, lambda: os.close(self.jobs_w), lambda: os.close(self.alive_w),
+                      lambda: os.close(self.output_fd)):
             try:
                 close()
             except OSError:
@@ -93,12 +100,55 @@ class Launcher(Protocol):
         """In a forked child: drop this process's copies of descriptors, touching nothing."""
 
 
-def _worker_descriptors() -> tuple[socket.socket, socket.socket, int, int, int]:
-    """A job socket pair, an alive pipe and a capture file, as the two sides need them."""
+@dataclass
+class _Descriptors:
+    """A new worker's descriptors: the answer socket pair, the job pipe, the alive pipe and
+    the capture file; the child's go to the worker, the parent keeps the others."""
+
+    parent_sock: socket.socket
+    child_sock: socket.socket
+    jobs_r: int
+    jobs_w: int
+    alive_r: int
+    alive_w: int
+    output_fd: int
+
+    @property
+    def worker_fds(self) -> tuple[int, int, int, int]:
+        """The worker's, in the order ``_worker.start`` takes them."""
+        return self.child_sock.fileno(), self.jobs_r, self.alive_r, self.output_fd
+
+    def close_worker_fds(self) -> None:
+        """The parent's copies of the worker's descriptors, once it has them."""
+        self.child_sock.close()
+        _close_all(self.jobs_r, self.alive_r)
+
+    def close_parent_fds(self) -> None:
+        """The parent's own, when the worker did not start."""
+        self.parent_sock.close()
+        _close_all(self.jobs_w, self.alive_w, self.output_fd)
+
+    def process(self, pid: int, origin: int = 0) -> WorkerProcess:
+        return WorkerProcess(pid, Connection(self.parent_sock.detach()), self.alive_w, self.output_fd,
+                             jobs_w=self.jobs_w, origin=origin)
+
+
+# Room in a job pipe: a job is written whole by the thread that submits it (an event
+# loop's, often), and a write larger than the room waits for the worker to read. A pipe
+# has 64 KiB unless told otherwise; a socket's buffer held about 200 KiB.
+_JOB_PIPE_SIZE = 1 << 20
+
+
+def _worker_descriptors() -> _Descriptors:
     parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    jobs_r, jobs_w = os.pipe()
+    try:
+        fcntl.fcntl(jobs_w, getattr(fcntl, "F_SETPIPE_SZ", 1031), _JOB_PIPE_SIZE)
+    except (OSError, AttributeError):
+        pass  # not Linux, or over this system's limit: the default room, and a wait
     alive_r, alive_w = os.pipe()
     output_fd = _capture_file()
-    return parent_sock, child_sock, alive_r, alive_w, output_fd
+    return _Descriptors(parent_sock, child_sock, jobs_r, jobs_w, alive_r, alive_w, output_fd)
 
 
 def _capture_file() -> int:
@@ -255,29 +305,25 @@ class ZygoteLauncher:
 
     def launch(self) -> WorkerProcess:
         ctrl = self._ensure_zygote()
-        parent_sock, child_sock, alive_r, alive_w, output_fd = _worker_descriptors()
+        fds = _worker_descriptors()
         self._request_ids += 1
         request_id = self._request_ids
         try:
-            socket.send_fds(ctrl, [pickle.dumps(("fork", request_id))], [child_sock.fileno(), alive_r, output_fd])
+            socket.send_fds(ctrl, [pickle.dumps(("fork", request_id))], list(fds.worker_fds))
         except OSError as exc:
-            parent_sock.close()
-            child_sock.close()
-            _close_all(alive_r, alive_w, output_fd)
+            fds.close_parent_fds()
             raise LauncherError(f"the worker fork server is gone: {exc}") from exc
         finally:
-            child_sock.close()
-            _close_all(alive_r)
+            fds.close_worker_fds()
         deadline = time.monotonic() + 30
         while request_id not in self._forked:
             message = self._recv(deadline)
             if message is None:
-                parent_sock.close()
-                _close_all(alive_w, output_fd)
+                fds.close_parent_fds()
                 raise LauncherError(f"the worker fork server did not answer:\n{self._zygote_output()}")
             self._note(message)
         pid = self._forked.pop(request_id)
-        return WorkerProcess(pid, Connection(parent_sock.detach()), alive_w, output_fd, origin=self._generation)
+        return fds.process(pid, origin=self._generation)
 
     def kill(self, worker: WorkerProcess) -> None:
         # The zygote kills only children it has not reaped yet, so a recycled pid is safe.
@@ -353,29 +399,26 @@ class SpawnLauncher(_DirectChildren):
         self.problems: list[str] = []
 
     def launch(self) -> WorkerProcess:
-        parent_sock, child_sock, alive_r, alive_w, output_fd = _worker_descriptors()
-        fds = (child_sock.fileno(), alive_r, output_fd)
+        fds = _worker_descriptors()
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-c", "from aiocompile._worker import spawn_main; spawn_main()",
-                 *(str(fd) for fd in fds), self._preload],
-                pass_fds=fds,
+                 *(str(fd) for fd in fds.worker_fds), self._preload],
+                pass_fds=fds.worker_fds,
                 stdin=subprocess.DEVNULL,
-                stdout=output_fd,
-                stderr=output_fd,
+                stdout=fds.output_fd,
+                stderr=fds.output_fd,
                 env=_child_env(),
                 cwd=os.getcwd(),
                 start_new_session=True,
             )
         except OSError as exc:
-            parent_sock.close()
-            _close_all(alive_w, output_fd)
+            fds.close_parent_fds()
             raise LauncherError(f"could not start a worker: {exc}") from exc
         finally:
-            child_sock.close()
-            _close_all(alive_r)
+            fds.close_worker_fds()
         self._procs[proc.pid] = proc
-        return WorkerProcess(proc.pid, Connection(parent_sock.detach()), alive_w, output_fd)
+        return fds.process(proc.pid)
 
     def kill(self, worker: WorkerProcess) -> None:
         proc = self._procs.get(worker.pid)
@@ -421,28 +464,27 @@ class ForkLauncher(_DirectChildren):
         self._pids: set[int] = set()
 
     def launch(self) -> WorkerProcess:
-        parent_sock, child_sock, alive_r, alive_w, output_fd = _worker_descriptors()
+        fds = _worker_descriptors()
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child's side is exercised through the pool
             try:
-                # Keep only our three descriptors: a copy of a sibling's alive pipe would
+                # Keep only our own descriptors: a copy of a sibling's alive pipe would
                 # keep that sibling alive after the parent died.
-                keep = sorted({0, 1, 2, child_sock.fileno(), alive_r, output_fd})
+                keep = sorted({0, 1, 2, *fds.worker_fds})
                 for low, high in zip(keep, keep[1:] + [os.sysconf("SC_OPEN_MAX")]):
                     os.closerange(low + 1, high)
                 from aiocompile import _worker
 
-                _worker.start(child_sock.detach(), alive_r, output_fd)
+                _worker.start(fds.child_sock.detach(), fds.jobs_r, fds.alive_r, fds.output_fd)
             finally:
                 os._exit(72)
         try:
             os.setpgid(pid, pid)  # as the worker does itself (see _zygote.fork)
         except OSError:
             pass
-        child_sock.close()
-        _close_all(alive_r)
+        fds.close_worker_fds()
         self._pids.add(pid)
-        return WorkerProcess(pid, Connection(parent_sock.detach()), alive_w, output_fd)
+        return fds.process(pid)
 
     def kill(self, worker: WorkerProcess) -> None:
         if worker.pid in self._pids:

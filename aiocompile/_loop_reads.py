@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import select
 import socket
 import struct
@@ -22,6 +21,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from aiocompile._worker import parse_message
 from aiocompile._workers import LoopReader, Worker
 
 if TYPE_CHECKING:
@@ -100,7 +100,7 @@ class LoopReads:
             if mine:
                 pool._wake()
             return
-        pool._answered(worker, pickle.loads(data), in_loop=True)
+        pool._answered(worker, parse_message(data), in_loop=True)
 
     def audit(self, workers: list[Worker]) -> None:
         """In the supervisor: take back the sockets of answers an event loop has left

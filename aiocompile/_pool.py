@@ -197,9 +197,12 @@ class WorkerPool(Supervisor, cf.Executor):
         self._wake()
 
     def _check_usable(self) -> None:
-        if os.getpid() != self._pid:
-            raise SchedulerClosed("this worker pool belongs to the parent of a forked process; create a new one here")
+        # A fork closes the child's copy of every pool (see _after_fork_in_child): whether
+        # this is such a copy is asked only of a closed pool, sparing every job a getpid.
         if self._closed:
+            if os.getpid() != self._pid:
+                raise SchedulerClosed(
+                    "this worker pool belongs to the parent of a forked process; create a new one here")
             raise SchedulerClosed("the worker pool is shut down")
 
     # -- introspection (any thread) -------------------------------------------------------

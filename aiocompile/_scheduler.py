@@ -12,11 +12,13 @@ The scheduler is not tied to an event loop: its pool is driven by a thread, its 
 counters are thread-safe, and each await bridges to whichever loop is running. So one
 scheduler (the default one in particular) serves several ``asyncio.run()`` calls in a row,
 trio, and loops in several threads at once.
+
+Its coroutines for Triton's JIT and PyTorch Inductor (``warmup``, ``autotune``,
+``inductor_triton``) are in ``_jit``.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -33,15 +35,17 @@ from aiocompile._costs import CostHistory
 from aiocompile._diskcache import DiskCache
 from aiocompile._errors import SchedulerClosed
 from aiocompile._events import EventHub, Listener
-from aiocompile._foreign import ExecutorSpec, ForeignPool
+from aiocompile._executors import ExecutorSpec
+from aiocompile._foreign import ForeignPool
 from aiocompile._frozen import build
+from aiocompile._jit import JitHooks
 from aiocompile._metrics import JobRecord, Metrics, Statistics
 from aiocompile._pool import WorkerPool
 from aiocompile._progress import Progress
 from aiocompile._requests import Requests
 from aiocompile._shared_cache import SharedCache
 from aiocompile._target import parse_target
-from aiocompile._tuning._tuner import AutotuneResult, Tuner
+from aiocompile._tuning._tuner import Tuner
 from aiocompile._waiting import wait_many
 from aiocompile.backends import Request, SpecBackend
 from aiocompile.backends.cpp import CppBackend, NativeLibrary
@@ -68,7 +72,7 @@ class _Context:
         return await _threads.KEYS.run(fn)
 
 
-class Scheduler:
+class Scheduler(JitHooks):
     """Compiles kernels in a supervised pool of worker processes, from async code.
 
     ``Scheduler(workers=8, timeout=120, max_crashes=2)``, or ``Scheduler(config=...)``.
@@ -152,7 +156,7 @@ class Scheduler:
             # written only where the kernels are.
             history = os.path.join(self._disk.directory, "costs.json")
             history_read_only = self._disk.access != "read-write"
-        self._costs = CostHistory(history, read_only=history_read_only)
+        self._costs = CostHistory(history, read_only=history_read_only, fleet=self._shared)
         self._context = _Context(self)
         self._gates = Gates()
         self._requests = Requests(self.config, pool=self._pool, cache=self._cache, disk=self._disk,
@@ -185,6 +189,12 @@ class Scheduler:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
+    def _start_benchmark_if_asked(self) -> None:
+        """With ``benchmark_at_start``: the benchmark processes start now, in the
+        background (asking torch for the devices may take seconds)."""
+        if self.config.benchmark_at_start and not self.closed:
+            self._tuning().start_soon()
+
     @property
     def closed(self) -> bool:
         return self._closed or self._pid != os.getpid() or self._pool.closed
@@ -214,17 +224,20 @@ class Scheduler:
         self._pool.shutdown(wait=True, cancel_futures=True, grace=grace)
         if self._disk is not None:
             self._disk.close(wait=True)  # results compiled before the close reach the disk
+        if self._pid == os.getpid():
+            self._costs.save()  # before the shared cache lets its connections go
         if self._shared is not None:
             self._shared.close(wait=True)  # and the shared cache (each write bounded by its timeout)
-        if self._pid == os.getpid():
-            self._costs.save()
         self._events.close()  # after the pool: its last worker events reach the file
 
     def _check_open(self) -> None:
+        # A pool is closed in a forked child (aiocompile's own by a fork hook, a foreign
+        # one by its pid): only then is it worth asking whose scheduler this is.
+        if not (self._closed or self._pool.closed):
+            return
         if self._pid != os.getpid():
             raise SchedulerClosed("this scheduler belongs to the parent of a forked process; create a new one here")
-        if self._closed or self._pool.closed:
-            raise SchedulerClosed("the scheduler is closed")
+        raise SchedulerClosed("the scheduler is closed")
 
     async def warm(self, target: Any = "cuda:90", *, benchmark: bool = False) -> None:
         """Start every worker now and run one tiny compile in each, so that the compiler's
@@ -421,107 +434,6 @@ class Scheduler:
         result: CudaBinary = await self._execute(request, timeout)
         return result
 
-    async def warmup(
-        self,
-        kernel: Any,
-        *args: Any,
-        grid: Any = None,
-        target: Any = None,
-        timeout: float | None = None,
-        **kwargs: Any,
-    ) -> TritonKernel:
-        """Compile, in the pool, what Triton's JIT would compile for
-        ``kernel[grid](*args, **kwargs)``, and prime the JIT so that the next ordinary
-        launch with such arguments compiles nothing.
-
-        ``args`` are example arguments: tensors (or anything with ``data_ptr()`` and
-        ``dtype``; a torch dtype stands for a tensor of that type), integers,
-        floats; ``kwargs`` the constexprs and options the launch passes. The
-        specialisation is Triton's own: argument types, divisibility by 16, integers equal
-        to 1, constexprs and options (see ``aiocompile.backends.triton._warmup``). ``grid``
-        is accepted so that a launch can be copied as it is; it plays no part in the
-        compile.
-
-        With ``target=None`` the kernel is compiled for the current device and put into
-        its JIT cache, binary loaded and launcher built (in a thread). With an explicit
-        target (``"cuda:90"``...) nothing is primed: that is for building ahead on a
-        machine that will not launch. Returns the ``TritonKernel``.
-
-        Errors, timeouts and crashes are those of ``compile_triton``; a kernel wrapped by
-        ``triton.autotune``/``heuristics`` raises ``TypeError``. Cancelling the await while
-        the compile runs lets it finish (and be cached) and primes nothing.
-        """
-        from aiocompile.backends.triton import _warmup as _triton_warmup
-
-        _checks.CALL_TIMEOUT.check("timeout", timeout)
-        if grid is not None and not (callable(grid) or isinstance(grid, (tuple, list, int))):
-            raise TypeError(f"grid must be a tuple of ints or a callable, as for a launch; got {grid!r}")
-        self._check_open()
-        plan = await _threads.LOADS.run(lambda: _triton_warmup.plan(kernel, args, kwargs, target))
-        compiled: TritonKernel = await self.compile_triton(plan.fn, timeout=timeout, **plan.request())
-        if plan.device is not None:
-            await _threads.LOADS.run(lambda: _triton_warmup.prime(plan, compiled))
-        return compiled
-
-    async def autotune(
-        self,
-        kernel: Any,
-        *args: Any,
-        grid: Any = None,
-        device: int | None = None,
-        timeout: float | None = None,
-        progress: bool = False,
-        **kwargs: Any,
-    ) -> AutotuneResult:
-        """Tune a ``@triton.autotune`` kernel for ``kernel[grid](*args, **kwargs)`` without
-        stalling: every configuration compiled in the pool, each timed in a benchmark
-        process (one per GPU, never this process), and Triton primed with the choice, so
-        that the ordinary launch with such arguments neither compiles nor benchmarks.
-
-        ``args`` and ``kwargs`` are what the launch passes (real tensors: their shapes,
-        strides and values are copied to the benchmark process), ``grid`` its grid (a tuple
-        or a callable, as for the launch). The key, the pruning (``prune_configs_by``) and
-        each configuration's specialisation are Triton's own, and configurations are timed
-        as Triton's autotuner times them (its ``do_bench``, ``reset_to_zero``,
-        ``restore_value`` and hooks), so the choice is the one Triton would make on this
-        machine. ``device`` tunes for that GPU, timed on it; None tunes for the current
-        device, timed on any visible GPU of the same model (a batch of calls spreads over
-        them). ``progress=True`` shows a bar over the compiles and the timings.
-
-        The decision is kept (in memory, and in ``cache_dir`` when there is one) by the
-        kernel, the autotuner's key, the device model and Triton's version: a later call,
-        here or in a restarted process, tunes nothing. Returns an ``AutotuneResult``.
-
-        Errors: a kernel without ``@triton.autotune`` raises ``TypeError`` (use
-        ``warmup()``); arguments that do not bind raise what ``warmup()`` raises; no GPU
-        for the device raises ``RuntimeError``, at once, before anything compiles. A
-        configuration that does not compile (within ``timeout`` seconds of worker time),
-        runs out of resources, faults the GPU, crashes its benchmark process or runs past
-        ``benchmark_timeout`` counts as infinitely slow, with its reason in its
-        ``BenchmarkRecord``; a process it brought down is replaced and the others go on.
-        If every configuration fails, ``AutotuneError`` lists each one and why.
-
-        Concurrent calls with the same decision key share one tuning. Cancelling the await
-        leaves a started tuning running (its decision is kept for the next call) and
-        primes nothing.
-        """
-        tuner = self._tuning()
-        return await tuner.autotune(kernel, args, kwargs, grid=grid, device=device, timeout=timeout,
-                                    progress=progress)
-
-    def _start_benchmark_if_asked(self) -> None:
-        """With ``benchmark_at_start``: the benchmark processes start now, in the
-        background (asking torch for the devices may take seconds)."""
-        if self.config.benchmark_at_start and not self.closed:
-            self._tuning().start_soon()
-
-    def _tuning(self) -> Tuner:
-        self._check_open()
-        with self._tuner_lock:
-            if self._tuner is None:
-                self._tuner = Tuner(self)
-            return self._tuner
-
     async def compile_many(
         self,
         specs: Iterable[Mapping[str, Any]],
@@ -612,52 +524,3 @@ class Scheduler:
         if admitted[0] in ("started", "joined"):
             self._gates.waited()  # it waited for its job: the loop has gone round (see _admission)
         return result
-
-
-    # -- PyTorch Inductor --------------------------------------------------------------------
-
-    async def inductor_triton(
-        self, kernel_name: str, source_code: str, *, device_str: str = "cuda", timeout: float | None = None
-    ) -> Any:
-        """Compile a kernel that PyTorch Inductor generated, and return the kernel object
-        Inductor expects: what ``async_compile.triton(kernel_name, source_code,
-        device_str=...)`` in Inductor's output code yields (a ``CachingAutotuner``, its
-        launchers built).
-
-        ``source_code`` is the kernel's whole module source, ``kernel_name`` the kernel it
-        defines. A wrong type raises ``TypeError`` at once; a source that does not parse,
-        defines no such kernel, or was generated for another device than ``device_str``
-        raises ``ValueError`` before any worker is involved.
-
-        The worker does what Inductor's own compile workers do (every autotuning
-        configuration through Triton); this process then builds the launchers, in a
-        thread. Concurrent requests for one source share one compile, keyed as Inductor
-        keys it (the source and ``torch_key()``). ``CompileError`` if it does not compile
-        (the worker's traceback as its cause), ``CompileTimeout`` past ``timeout``
-        seconds of worker time (its worker is killed, no other), ``WorkerCrashedError``
-        after ``max_crashes`` worker deaths; a death before that is retried on a fresh
-        worker. Cancelling the await lets a started compile finish, kept for the next
-        caller. Needs torch; a worker imports it on its first such job, unless the fork
-        server preloads it (``aiocompile.torch.PRELOAD`` in ``config.preload``).
-        """
-        from aiocompile.backends import inductor
-
-        _checks.CALL_TIMEOUT.check("timeout", timeout)
-        request = await inductor.prepare(self._context, kernel_name, source_code, device_str)
-        artifact: inductor.InductorArtifact = await self._execute(request, timeout)
-        return await _threads.LOADS.run(artifact.ready)
-
-    def _execute_sync(self, request: Request, timeout: float | None) -> cf.Future[Any]:
-        """The request path for a caller outside any event loop (``Requests.execute_sync``)."""
-        return self._requests.execute_sync(request, timeout)
-
-    def _prepare_pool(self) -> None:
-        """Start loading the fork server now (its preload), without waiting."""
-        self._check_open()
-        self._pool.start()
-
-    def _warm_workers(self, fn: Callable[..., Any], args: tuple[Any, ...] = ()) -> None:
-        """Start every worker and run ``fn(*args)`` once in each not yet warmed, without
-        waiting (a backend's warm-up, such as importing torch for Inductor's kernels)."""
-        self._check_open()
-        self._pool.warm(fn, args)

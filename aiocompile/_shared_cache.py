@@ -26,11 +26,19 @@ loop: the request path continues from whichever thread finishes a step, for call
 event loop (asyncio, uvloop, trio, several at once) and of none (Inductor's synchronous
 compiles). ``redis.asyncio`` ties its connections to one asyncio loop, and would serve
 neither trio nor the rest.
+
+The cost history of ``_costs`` is kept here too, so that a fresh build machine starts with
+the fleet's (``read_costs``, ``write_costs``): a hash ``aiocompile:costs`` of one JSON entry
+per compile key, bounded to the newest entries, living ``ttl`` seconds after its last
+write. It is read and written from the caller's thread, outside the request path, and
+counts in none of the statistics above: a server that fails it is only logged (at DEBUG),
+and one left alone by the breaker is not asked.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import logging
 import threading
 import urllib.parse
@@ -40,6 +48,7 @@ from aiocompile._breaker import Breaker
 from aiocompile._sealed import BadSeal, NotSealed, Undecodable, open_entry, wrap
 
 PREFIX = "aiocompile:"
+COSTS = PREFIX + "costs"
 _log = logging.getLogger("aiocompile")
 # Writes queued beyond this many are dropped: a slow server must not make memory grow.
 _MAX_QUEUED_WRITES = 64
@@ -146,6 +155,60 @@ class SharedCache:
         except RuntimeError:  # closed, or the interpreter is exiting: the copy is lost
             with self._lock:
                 self._queued_writes -= 1
+
+    # -- the cost history (the caller's thread) ---------------------------------------------
+
+    def read_costs(self) -> dict[str, Any]:
+        """The fleet's cost history: each compile key's entry as stored (``_costs`` checks
+        them); empty when there is none, the server fails, or the breaker is open."""
+        if self._breaker.state == "open":
+            return {}
+        try:
+            raw = self._client.hgetall(COSTS)
+        except Exception as exc:  # noqa: BLE001 - no history is an order of work, no more
+            _log.debug("aiocompile: cannot read the cost history from %s: %s", self.url, exc)
+            return {}
+        costs: dict[str, Any] = {}
+        for key, value in raw.items():
+            try:
+                costs[key.decode() if isinstance(key, bytes) else str(key)] = json.loads(value)
+            except (ValueError, UnicodeDecodeError):
+                continue
+        return costs
+
+    def write_costs(self, entries: dict[str, list[Any]], limit: int) -> bool:
+        """Add ``entries`` to the fleet's cost history, keeping its newest ``limit``
+        entries. Returns whether it was written."""
+        if self._breaker.state == "open":
+            return False
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.hset(COSTS, mapping={key: json.dumps(entry, separators=(",", ":")) for key, entry in entries.items()})
+            if self._ttl is not None:
+                pipe.expire(COSTS, self._ttl)
+            pipe.hlen(COSTS)
+            size = pipe.execute()[-1]
+            if isinstance(size, int) and size > limit:
+                self._trim_costs(limit)
+        except Exception as exc:  # noqa: BLE001 - not kept this time, sent with the next save
+            _log.debug("aiocompile: cannot write the cost history to %s: %s", self.url, exc)
+            return False
+        return True
+
+    def _trim_costs(self, limit: int) -> None:
+        # Another machine may be adding entries meanwhile: this drops only the oldest of
+        # those read, and a later write trims again.
+        def when(item: tuple[Any, Any]) -> float:
+            try:
+                value = json.loads(item[1])[4]
+                return float(value) if isinstance(value, (int, float)) else 0.0
+            except (ValueError, IndexError, KeyError, TypeError):
+                return 0.0  # not an entry: first to go
+
+        entries = sorted(self._client.hgetall(COSTS).items(), key=when)
+        oldest = [key for key, _ in entries[:max(0, len(entries) - limit)]]
+        if oldest:
+            self._client.hdel(COSTS, *oldest)
 
     # -- in the cache's threads ------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ from aiocompile._launch import Launcher, LauncherError, make_launcher
 from aiocompile._loop_reads import AUDIT_PERIOD, LoopReads, readable_now
 from aiocompile._metrics import WorkerEvent
 from aiocompile._threads import Lane
+from aiocompile._worker import JOB_HEADER, parse_message
 from aiocompile._workers import UNDELIVERED, State, Worker
 
 logger = logging.getLogger("aiocompile")
@@ -341,16 +342,16 @@ class Supervisor:
         env = None if job.env is worker.sent_env else job.env
         path = None if job.sys_path is worker.sent_path else job.sys_path
         worker.sent_env, worker.sent_path = job.env, job.sys_path
-        message = pickle.dumps(("run", job.id, env, path, job.payload), protocol=pickle.HIGHEST_PROTOCOL)
-        # Framed as multiprocessing.connection frames it, in one write; its send_bytes
-        # checks and slices its argument first, at a cost felt in a trivial job.
-        message = (_FRAME.pack(len(message)) + message) if len(message) < 0x7FFFFFFF else \
-            (_FRAME.pack(-1) + _LONG_FRAME.pack(len(message)) + message)
+        extra = b"" if env is None and path is None else pickle.dumps((env, path), protocol=pickle.HIGHEST_PROTOCOL)
+        # Framed as multiprocessing.connection frames it, and sent in one write.
+        size = JOB_HEADER.size + len(extra) + len(job.payload)
+        frame = _FRAME.pack(size) if size < 0x7FFFFFFF else _FRAME.pack(-1) + _LONG_FRAME.pack(size)
+        message = b"".join((frame, JOB_HEADER.pack(job.id, len(extra)), extra, job.payload))
         try:
-            _write_all(worker.proc.conn.fileno(), message)
+            _write_all(worker.proc.jobs_w, message)
         except OSError:
             # The worker died before it could take the job: the job never ran, so this
-            # is no crash of its. The socket's end is seen by the wait loop.
+            # is no crash of its. Its socket's end is seen by the wait loop.
             with self._lock:
                 worker.kill(job, UNDELIVERED)
         if self.on_event is not None and self.job_events_wanted():
@@ -378,7 +379,7 @@ class Supervisor:
         except (EOFError, OSError):
             self._on_death(worker)
             return
-        message = pickle.loads(data)
+        message = parse_message(data)
         if message[0] == "ready":
             if self.worker_nice:
                 _lower_priority(worker.proc.pid, self.worker_nice)

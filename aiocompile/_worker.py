@@ -4,12 +4,19 @@ A worker holds one job at a time. It reads a job from its socket, runs it, and w
 one ``done`` message; the parent therefore always knows which job each worker holds, and a
 worker that dies takes exactly one job with it.
 
-Protocol (pickled tuples over a ``multiprocessing.connection.Connection``):
+Protocol: jobs come on a pipe, answers go back on a socket (whose end the parent sees
+when the worker dies), each message framed as ``multiprocessing.connection`` frames it (a
+4-byte length, or -1 and an 8-byte length):
 
-    worker -> parent   ("ready", pid)
-    parent -> worker   ("run", job_id, env, sys_path, payload)      payload = pickled (fn, args, kwargs)
-                         env, sys_path: None when the same as this worker's last job's
-    worker -> parent   ("done", job_id, ok, data, run_time, output_size, rss, follows)
+    worker -> parent   ("ready", pid)                                   pickled
+    parent -> worker   job_id, len(extra) (``JOB_HEADER``), extra, payload
+                         extra: pickled (env, sys_path), or nothing when both are the same
+                                as this worker's last job's
+                         payload: pickled (fn, args, kwargs)
+    worker -> parent   "D", job_id, ok, run_time, output_size, rss, follows (``DONE``), data
+                         read by the parent as the tuple
+                         ("done", job_id, ok, data, run_time, output_size, rss, follows)
+                         (``parse_message``)
                          ok=True:  data = pickled result
                          ok=False: data = pickled _Failure
                          follows:  0, or (for data of STREAM_MIN bytes or more) data is None
@@ -26,7 +33,6 @@ from __future__ import annotations
 import fcntl
 import os
 import pickle
-import select
 import signal
 import struct
 import sys
@@ -264,7 +270,7 @@ def describe_job_failure(exc: BaseException) -> bytes:
 
 
 def run_one(
-    state: _JobState, env: dict[str, str] | None, sys_path: list[str] | None, payload: bytes
+    state: _JobState, env: dict[str, str] | None, sys_path: list[str] | None, payload: bytes | memoryview
 ) -> tuple[bool, bytes, float]:
     """Run one job; never raises (but may, of course, kill the process)."""
     started = time.perf_counter()
@@ -286,23 +292,34 @@ def run_one(
 _LENGTH = struct.Struct("!i")
 _LONG_LENGTH = struct.Struct("!Q")
 _FIRST_READ = 4096
+# A job's message starts with its id and the length of what follows before its payload:
+# a header, not a pickled tuple, so that neither side pickles the payload a second time.
+JOB_HEADER = struct.Struct("!QI")
+# A job's answer starts with this header, and its data follows (nothing, for a streamed
+# answer); the other messages are pickled, and no pickle starts with "D".
+DONE = struct.Struct("!cQ?dQQQ")
+
+
+def parse_message(data: bytes | memoryview) -> tuple[Any, ...]:
+    """A worker's message as a tuple: ``("ready", pid)`` or ``("done", job_id, ok, data,
+    run_time, output_size, rss, follows)``, where ``data`` is a view into ``data``."""
+    if data[:1] == b"D":
+        _, job_id, ok, run_time, output_size, rss, follows = DONE.unpack_from(data)
+        body = None if follows else memoryview(data)[DONE.size:]
+        return "done", job_id, ok, body, run_time, output_size, rss, follows
+    message: tuple[Any, ...] = pickle.loads(data)
+    return message
 
 
 class _Inbox:
-    """The parent's messages on the job socket ``fd``, framed as
+    """The parent's messages on the job pipe ``fd``, framed as
     ``multiprocessing.connection`` frames them (a 4-byte length, or -1 and an 8-byte
-    length), read with as few system calls as a job allows: a wait, then one read for a
-    whole small message.
-
-    The wait is a poll for input, not a blocking read: a read asleep on the socket is woken
-    each time the parent reads an answer from its end (the kernel tells every sleeper on a
-    socket that its room to write has grown), a wake-up and a switch for nothing per job,
-    and the parent pays for the wake-up in the middle of reading the answer."""
+    length), read with as few system calls as a job allows: one blocking read for a whole
+    small message. (On the pipe, unlike the answer socket, nothing wakes that read but a
+    job: the parent reading an answer touches only the socket.)"""
 
     def __init__(self, fd: int) -> None:
-        self.fd = self._fd = fd
-        self._poller = select.poll()
-        self._poller.register(fd, select.POLLIN)
+        self._fd = fd
         self._held = b""  # bytes read past the last message (the parent sends one at a time)
 
     def _more(self, size: int) -> bytes:
@@ -314,7 +331,6 @@ class _Inbox:
     def receive(self) -> bytes | bytearray | memoryview:
         data = self._held
         if not data:
-            self._poller.poll()
             # A few kilobytes hold most jobs; a larger buffer costs its allocation each time.
             data = self._more(_FIRST_READ)
         while len(data) < 4:
@@ -342,19 +358,21 @@ class _Inbox:
         return body
 
 
-def serve(conn: Connection) -> NoReturn:
-    """The job loop: one job at a time until the parent closes the connection."""
+def serve(conn: Connection, jobs_fd: int) -> NoReturn:
+    """The job loop: one job at a time until the parent closes the job pipe."""
     state = _JobState()
     conn.send_bytes(pickle.dumps(("ready", os.getpid())))
-    inbox = _Inbox(conn.fileno())
+    inbox = _Inbox(jobs_fd)
+    answers = conn.fileno()
     while True:
         try:
-            message = inbox.receive()
+            message = memoryview(inbox.receive())
         except (EOFError, OSError):
             os._exit(0)
-        kind, job_id, env, sys_path, payload = pickle.loads(message)
-        if kind == "stop":
-            os._exit(0)
+        job_id, extra = JOB_HEADER.unpack_from(message)
+        start = JOB_HEADER.size + extra
+        env, sys_path = pickle.loads(message[JOB_HEADER.size:start]) if extra else (None, None)
+        payload = message[start:]
         if state.output_written:
             _truncate_output()
         ok, data, run_time = run_one(state, env, sys_path, payload)
@@ -366,23 +384,22 @@ def serve(conn: Connection) -> NoReturn:
         output_size = _output_size()
         state.output_written = output_size != 0
         follows = len(data) if len(data) >= STREAM_MIN else 0
-        reply = pickle.dumps(
-            ("done", job_id, ok, None if follows else data, run_time, output_size, state.rss_after(run_time), follows),
-            protocol=pickle.HIGHEST_PROTOCOL,
-        )
+        header = DONE.pack(b"D", job_id, ok, run_time, output_size, state.rss_after(run_time), follows)
         try:
-            if len(reply) < 1 << 16:
+            if follows:
+                conn.send_bytes(header)
+            elif len(data) < 1 << 16:
                 # Framed as send_bytes frames it, in one write, without its checks.
-                frame = memoryview(_LENGTH.pack(len(reply)) + reply)
+                frame = memoryview(b"".join((_LENGTH.pack(DONE.size + len(data)), header, data)))
                 while frame:
-                    frame = frame[os.write(inbox.fd, frame):]
+                    frame = frame[os.write(answers, frame):]
             else:
-                conn.send_bytes(reply)
+                conn.send_bytes(header + data)
             if follows:
                 conn.send_bytes(data)
         except (BrokenPipeError, OSError):
             os._exit(0)
-        del data
+        del data, payload, message
 
 
 def lead_own_group() -> None:
@@ -422,10 +439,11 @@ def kill_leftovers(pid: int) -> None:
         pass
 
 
-def start(job_fd: int, alive_fd: int, output_fd: int) -> NoReturn:
-    """Become a worker on the given descriptors (after fork, or in a fresh interpreter)."""
+def start(job_fd: int, jobs_fd: int, alive_fd: int, output_fd: int) -> NoReturn:
+    """Become a worker on the given descriptors (after fork, or in a fresh interpreter):
+    its answer socket, job pipe, alive pipe and capture file."""
     lead_own_group()
-    for fd in (job_fd, alive_fd, output_fd):
+    for fd in (job_fd, jobs_fd, alive_fd, output_fd):
         # Keep our descriptors out of the compilers' own subprocesses.
         os.set_inheritable(fd, False)
     redirect_output(output_fd)
@@ -434,7 +452,7 @@ def start(job_fd: int, alive_fd: int, output_fd: int) -> NoReturn:
     # what happens to running jobs, not the signal.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        serve(Connection(job_fd))
+        serve(Connection(job_fd), jobs_fd)
     except BaseException:
         traceback.print_exc()
         os._exit(71)
@@ -442,11 +460,11 @@ def start(job_fd: int, alive_fd: int, output_fd: int) -> NoReturn:
 
 def spawn_main() -> NoReturn:  # pragma: no cover - runs in a fresh interpreter
     """Entry point of a worker started in a fresh interpreter (the "spawn" start method)."""
-    job_fd, alive_fd, output_fd = (int(a) for a in sys.argv[1:4])
-    preload = [m for m in sys.argv[4].split(",") if m] if len(sys.argv) > 4 else []
+    job_fd, jobs_fd, alive_fd, output_fd = (int(a) for a in sys.argv[1:5])
+    preload = [m for m in sys.argv[5].split(",") if m] if len(sys.argv) > 5 else []
     from aiocompile._zygote import Preload
 
     # Only the first step (the imports): the warm-up steps pay off in a fork server that
     # forks many workers, not in one worker about to compile anyway.
     Preload(preload)
-    start(job_fd, alive_fd, output_fd)
+    start(job_fd, jobs_fd, alive_fd, output_fd)

@@ -144,7 +144,7 @@ class _Zygote:
 
     def handle_request(self) -> bool:
         try:
-            data, fds, _, _ = socket.recv_fds(self.ctrl, _MAX_MESSAGE, 3)
+            data, fds, _, _ = socket.recv_fds(self.ctrl, _MAX_MESSAGE, 4)
         except (ConnectionResetError, OSError):
             return False
         if not data:
@@ -163,10 +163,9 @@ class _Zygote:
         return True
 
     def fork(self, request_id: int, fds: list[int]) -> None:
-        job_fd, alive_fd, output_fd = fds
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child's side is measured through the pool's tests
-            self.become_worker(job_fd, alive_fd, output_fd)
+            self.become_worker(*fds)
         # Its own process group, set from both sides of the fork (the worker does it too):
         # a kill sent right after the fork then reaches the group whichever ran first.
         try:
@@ -178,7 +177,7 @@ class _Zygote:
         self.children.add(pid)
         self.send(("forked", request_id, pid))
 
-    def become_worker(self, job_fd: int, alive_fd: int, output_fd: int) -> NoReturn:
+    def become_worker(self, job_fd: int, jobs_fd: int, alive_fd: int, output_fd: int) -> NoReturn:
         try:
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -188,7 +187,7 @@ class _Zygote:
             _set_parent_death_signal()
             from aiocompile import _worker
 
-            _worker.start(job_fd, alive_fd, output_fd)
+            _worker.start(job_fd, jobs_fd, alive_fd, output_fd)
         except BaseException:
             traceback.print_exc()
         os._exit(72)

@@ -70,7 +70,7 @@ import distributed
 
 from aiocompile import _checks
 from aiocompile._errors import CompileError, SchedulerClosed
-from aiocompile._foreign import WorkerLost
+from aiocompile._executors import WorkerLost
 from aiocompile._remote import is_framed, origin, run_on_dask_worker, unframe_answer
 
 __all__ = ["DaskExecutor", "executor"]

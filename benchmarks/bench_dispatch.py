@@ -11,7 +11,9 @@ waking the coroutine), not the job's. One worker each, in one event loop:
 - ``anyio to_process``: ``await anyio.to_process.run_sync(abs, -1)`` with a limiter of 1.
 
 They take turns in rounds, so that drift of the machine hits them all alike; after a
-warm-up of 200 calls each. ``benchmarks/bench_metrics.py`` measures, the same way, what
+warm-up of 200 calls each. Each round's medians are reported too, with aiocompile's ratio
+to anyio's in that round: on a shared machine a round's neighbours matter more than the
+whole run's. ``benchmarks/bench_metrics.py`` measures, the same way, what
 aiocompile's metrics and sinks add to this.
 
     python benchmarks/bench_dispatch.py [--calls 500] [--rounds 10] [--json out.json]
@@ -57,6 +59,7 @@ async def measure(calls: int, rounds: int) -> dict[str, Any]:
         "anyio to_process": lambda: anyio.to_process.run_sync(abs, -1, limiter=limiter),
     }
     samples: dict[str, list[float]] = {name: [] for name in ways}
+    rounds_p50: list[dict[str, float]] = []
     try:
         for call in ways.values():  # start every worker, warm every code path
             for _ in range(200):
@@ -64,12 +67,17 @@ async def measure(calls: int, rounds: int) -> dict[str, Any]:
         for round_ in range(rounds):
             names = list(ways)
             names = names[round_ % len(names):] + names[:round_ % len(names)]
+            this_round: dict[str, float] = {}
             for name in names:
                 call = ways[name]
+                taken = []
                 for _ in range(calls):
                     started = time.perf_counter()
                     await call()
-                    samples[name].append(time.perf_counter() - started)
+                    taken.append(time.perf_counter() - started)
+                samples[name].extend(taken)
+                this_round[name] = statistics.median(taken) * 1e6
+            rounds_p50.append(this_round)
     finally:
         await sched.aclose()
         stdlib.shutdown()
@@ -78,7 +86,8 @@ async def measure(calls: int, rounds: int) -> dict[str, Any]:
     for row in results.values():
         row["p50_vs_fastest"] = row["p50_us"] / fastest
         row["p50_vs_aiocompile"] = row["p50_us"] / results["aiocompile"]["p50_us"]
-    return {"cpus": os.cpu_count(), "calls_per_way": calls * rounds, "results": results}
+    return {"cpus": os.cpu_count(), "calls_per_way": calls * rounds, "results": results, "rounds_p50_us": rounds_p50,
+            "python": sys.version.split()[0]}
 
 
 def main() -> None:
@@ -88,11 +97,15 @@ def main() -> None:
     parser.add_argument("--json", help="write the results here too")
     args = parser.parse_args()
     report = asyncio.run(measure(args.calls, args.rounds))
-    print(f"round trip of a trivial job, {report['calls_per_way']} calls each, one worker, {report['cpus']} CPUs")
+    print(f"round trip of a trivial job, {report['calls_per_way']} calls each, one worker, {report['cpus']} CPUs, "
+          f"Python {report['python']}")
     print(f"{'':22}{'p50 µs':>9}{'p99 µs':>9}{'mean µs':>9}{'p50 / fastest':>15}{'p50 / aiocompile':>18}")
     for name, row in report["results"].items():
         print(f"{name:22}{row['p50_us']:9.1f}{row['p99_us']:9.1f}{row['mean_us']:9.1f}{row['p50_vs_fastest']:15.2f}"
               f"{row['p50_vs_aiocompile']:18.2f}")
+    print("p50 µs by round:", "  ".join(
+        f"{row['aiocompile']:.1f}/{row['anyio to_process']:.1f}={row['aiocompile'] / row['anyio to_process']:.2f}x"
+        for row in report["rounds_p50_us"]), "(aiocompile/anyio)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

