@@ -444,6 +444,20 @@ def _warm_pool(cls: type) -> None:
     installation = _state.current
     if installation is not None and installation.warm:
         _warm(installation)
+        _warm_tuning(installation)
+
+
+def _warm_tuning(installation: _Installation) -> None:
+    """Under max-autotune (``wakeup()`` runs under the compile's settings), start the
+    benchmark processes now, at the start of the compile, rather than when Inductor first
+    asks for its tuning pool (its first matmul): each imports torch and Inductor and opens
+    its GPU, seconds that the first choices' timing otherwise waited for."""
+    if installation.tuning is None:
+        return
+    from torch._inductor import config
+
+    if getattr(config, "max_autotune", False) or getattr(config, "max_autotune_gemm", False):
+        installation.tuning.pool.warm()
 
 
 def _no_op(cls: type, *args: Any, **kwargs: Any) -> None:
