@@ -179,6 +179,33 @@ def install(scheduler: Scheduler | None = None, *, timeout: float | None = None,
     _checks.CALL_TIMEOUT.check("timeout", timeout)
     if scheduler is not None and scheduler.closed:
         raise ValueError("the scheduler is closed")
+    # A scheduler of our own starts its fork server before this process imports Inductor
+    # (seconds): the fork server's own import of torch is what the first kernels wait for.
+    early = _early_scheduler() if scheduler is None else None
+    try:
+        installation = _patch(scheduler, early, timeout, warm)
+    except BaseException:
+        if early is not None:
+            early.close()
+        raise
+    if warm and not _triton_kernels_possible():
+        _warm(installation)
+    return installation.scheduler
+
+
+def _early_scheduler() -> Scheduler | None:
+    """``_own_scheduler()``, its fork server loading, unless ``install()`` is bound to fail
+    (already installed: nothing to start; no torch: ``async_compile_module`` says so)."""
+    if _state.current is not None:
+        return None
+    try:
+        return _own_scheduler()
+    except ImportError:
+        return None
+
+
+def _patch(scheduler: Scheduler | None, early: Scheduler | None, timeout: float | None,
+           warm: bool) -> _Installation:
     module = _async_triton.async_compile_module()
     target = module.AsyncCompile
     missing = [name for name in ("triton", "use_process_pool") if not hasattr(target, name)]
@@ -189,7 +216,7 @@ def install(scheduler: Scheduler | None = None, *, timeout: float | None = None,
             raise RuntimeError("aiocompile.torch is already installed; call aiocompile.torch.uninstall() first")
         owned = scheduler is None
         if scheduler is None:
-            scheduler = _own_scheduler()
+            scheduler = early if early is not None else _own_scheduler()
         installation = _Installation(scheduler, owned, timeout, warm, target)
         for name in PATCHED:
             if name in target.__dict__:
@@ -204,9 +231,7 @@ def install(scheduler: Scheduler | None = None, *, timeout: float | None = None,
         installation.tuning = _autotune.patch(
             _autotune.TuningPool(installation.current_scheduler, lambda: _NativeSubmit(installation)))
         _state.current = installation
-    if warm and not _triton_kernels_possible():
-        _warm(installation)
-    return scheduler
+    return installation
 
 
 def _own_scheduler() -> Scheduler:
@@ -419,6 +444,20 @@ def _warm_pool(cls: type) -> None:
     installation = _state.current
     if installation is not None and installation.warm:
         _warm(installation)
+        _warm_tuning(installation)
+
+
+def _warm_tuning(installation: _Installation) -> None:
+    """Under max-autotune (``wakeup()`` runs under the compile's settings), start the
+    benchmark processes now, at the start of the compile, rather than when Inductor first
+    asks for its tuning pool (its first matmul): each imports torch and Inductor and opens
+    its GPU, seconds that the first choices' timing otherwise waited for."""
+    if installation.tuning is None:
+        return
+    from torch._inductor import config
+
+    if getattr(config, "max_autotune", False) or getattr(config, "max_autotune_gemm", False):
+        installation.tuning.pool.warm()
 
 
 def _no_op(cls: type, *args: Any, **kwargs: Any) -> None:

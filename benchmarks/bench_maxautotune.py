@@ -14,6 +14,10 @@ against eager. Each run also reports what Inductor says its autotuning took
 aiocompile, what became of each choice.
 
     python benchmarks/bench_maxautotune.py [--repeat 2] [--json out.json]
+
+With ``BENCH_MAXAUTOTUNE_TRACE=1`` each run also prints its timeline (see
+``maxautotune_trace.py``): when the choices were submitted and waited for, where they
+compiled, the pool's jobs and workers.
 """
 
 from __future__ import annotations
@@ -64,6 +68,11 @@ def measure_in_child(mode: str, inductor_dir: str, triton_dir: str) -> None:
     workers = config.decide_compile_threads() if config.compile_threads is None else config.compile_threads
     records: list = []
     sched = None
+    trace = None
+    if os.environ.get("BENCH_MAXAUTOTUNE_TRACE") == "1":
+        from maxautotune_trace import Trace
+
+        trace = Trace(time.time())
     started = time.perf_counter()
     if mode == "aiocompile":
         import logging
@@ -82,6 +91,10 @@ def measure_in_child(mode: str, inductor_dir: str, triton_dir: str) -> None:
         sched = aiocompile.torch.install()
         sched.subscribe(lambda event: records.append(event) if isinstance(event, aiocompile.BenchmarkRecord)
                         else None)
+        if trace is not None:
+            trace.hook_aiocompile(sched)
+    if trace is not None:
+        trace.hook_inductor()
     with torch.no_grad():
         out = torch.compile(model, mode="max-autotune")(x)
     torch.cuda.synchronize()
@@ -109,6 +122,8 @@ def measure_in_child(mode: str, inductor_dir: str, triton_dir: str) -> None:
                           triton_cache_hits=dict(collections.Counter(f[3] for f in found)))
         aiocompile.torch.uninstall()
     result["cubins"] = sum(name.endswith(".cubin") for _, _, names in os.walk(triton_dir) for name in names)
+    if trace is not None:
+        result["trace"] = trace.summary()
     print(json.dumps(result), flush=True)
 
 
@@ -165,6 +180,9 @@ def main() -> None:
             print(f"round {round_ + 1} ratio      {ratio:7.2f}", flush=True)
         for failure in pair.get("aiocompile", {}).get("failures", []):
             print(f"    failed choice: {failure}")
+        for mode, run in pair.items():
+            for line in run.get("trace", []):
+                print(f"    {mode} trace: {line}")
     if len(modes) < len(MODES) or not runs:
         return
     times = {mode: statistics.median(r["seconds"] for r in runs if r["mode"] == mode) for mode in MODES}

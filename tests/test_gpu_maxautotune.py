@@ -24,6 +24,16 @@ pytestmark = [
 ]
 
 
+def clear_inductor_caches():
+    # Inductor keeps each matmul's choice timings in memory too: without this, a second
+    # test compiling the same model times no choice at all.
+    from torch._inductor import utils
+
+    clear = getattr(utils, "clear_caches", None) or getattr(utils, "clear_inductor_caches", None)
+    if clear is not None:
+        clear()
+
+
 @pytest.fixture
 def fresh_inductor(tmp_path, monkeypatch):
     from torch._inductor import config
@@ -31,9 +41,11 @@ def fresh_inductor(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     torch._dynamo.reset()
+    clear_inductor_caches()
     with config.patch(fx_graph_cache=False):
         yield
     torch._dynamo.reset()
+    clear_inductor_caches()
 
 
 def mlp():

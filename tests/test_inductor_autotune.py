@@ -136,3 +136,27 @@ def test_a_choice_that_fails_in_its_benchmark_costs_only_itself(how, outcome, fr
     assert other.outcome == "ok" and other.time_ms > 0
     if outcome != "error":
         assert other.pid != faulty.pid
+
+
+def test_a_max_autotune_compile_starts_the_benchmark_process_at_its_start(fresh_inductor):
+    # Inductor's wakeup() comes at the start of every compile on a GPU, under the
+    # compile's settings: only a max-autotune one starts a benchmark process then (the
+    # CPU's here), rather than at its first matmul.
+    from torch._inductor import async_compile
+    from torch._inductor import config as inductor_config
+
+    import aiocompile.torch as aiotorch
+
+    sched = scheduler()
+    try:
+        with aiotorch.installed(sched):
+            installation = aiotorch._state.current
+            assert installation is not None and installation.tuning is not None
+            pool = installation.tuning.pool
+            async_compile.AsyncCompile.wakeup()
+            assert pool._host is None
+            with inductor_config.patch(max_autotune=True):
+                async_compile.AsyncCompile.wakeup()
+            assert pool._host is not None
+    finally:
+        sched.close()

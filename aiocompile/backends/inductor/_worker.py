@@ -74,17 +74,41 @@ def prepare_process() -> None:
             )
 
 
+_driver_ready = False
+
+
 def warm_up() -> float:
-    """Import what an Inductor compile needs in this worker; returns the seconds it took
-    (0 when already imported)."""
+    """Get this worker ready for its first Inductor kernel; returns the seconds it took (0
+    when already done): import Inductor's Triton runtime, then activate Triton's GPU driver
+    (``_activate_driver``)."""
     import importlib
     import sys
 
+    global _driver_ready
     started = time.perf_counter()
     for name in _WORKER_MODULES:
         if name not in sys.modules:
             importlib.import_module(name)
+    if not _driver_ready:
+        _driver_ready = True
+        _activate_driver()
     return time.perf_counter() - started
+
+
+def _activate_driver() -> None:
+    """What loading the first kernel's module does (``set_driver_to_gpu()``): initialise
+    the GPU driver and load Triton's driver utilities, which Triton builds with the C
+    compiler into its cache directory where they are not there yet (a fresh cache: every
+    worker builds them at once, a second or more each). In the warm-up this happens while
+    Inductor traces the model; otherwise on the first kernel of every worker, while
+    Inductor waits for it (max-autotune's first template choices). Nothing happens where
+    there is no GPU backend: such a worker compiles nothing that needs it."""
+    try:
+        from torch._inductor.runtime import triton_helpers
+
+        triton_helpers.set_driver_to_gpu()
+    except Exception:  # noqa: BLE001 - a head start only; the first kernel reports the real error
+        pass
 
 
 def _load_kernel(kernel_name: str, source_code: str) -> Any:
