@@ -198,3 +198,13 @@ def read_only_directory(path: Path):
     finally:
         for d in made:
             subprocess.run([chattr, "-i", str(d)], capture_output=True)
+
+
+def clear_inductor_caches():
+    """Empty Inductor's in-memory caches (compiled kernels, each matmul's choice timings):
+    without it, a test compiling a model another test compiled finds everything there."""
+    from torch._inductor import utils
+
+    clear = getattr(utils, "clear_caches", None) or getattr(utils, "clear_inductor_caches", None)
+    if clear is not None:
+        clear()

@@ -13,6 +13,7 @@ import os
 
 import pytest
 from autotune_faults import inject
+from conftest import clear_inductor_caches
 
 import aiocompile
 
@@ -22,16 +23,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
     pytest.mark.timeout(600),
 ]
-
-
-def clear_inductor_caches():
-    # Inductor keeps each matmul's choice timings in memory too: without this, a second
-    # test compiling the same model times no choice at all.
-    from torch._inductor import utils
-
-    clear = getattr(utils, "clear_caches", None) or getattr(utils, "clear_inductor_caches", None)
-    if clear is not None:
-        clear()
 
 
 @pytest.fixture

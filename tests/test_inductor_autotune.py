@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 from autotune_faults import inject
-from conftest import alive
+from conftest import alive, clear_inductor_caches
 
 import aiocompile
 
@@ -23,14 +23,6 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("torch._inductor.autotune_process")
 pytestmark = [pytest.mark.skipif(shutil.which("g++") is None, reason="Inductor builds C++ with g++"),
               pytest.mark.timeout(600)]
-
-
-def clear_inductor_caches():
-    from torch._inductor import utils
-
-    clear = getattr(utils, "clear_caches", None) or getattr(utils, "clear_inductor_caches", None)
-    if clear is not None:
-        clear()
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, alive, wait_until
+from conftest import ROOT, alive, clear_inductor_caches, wait_until
 
 import aiocompile
 
@@ -37,14 +37,6 @@ def load_models():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def clear_inductor_caches():
-    from torch._inductor import utils
-
-    clear = getattr(utils, "clear_caches", None) or getattr(utils, "clear_inductor_caches", None)
-    if clear is not None:
-        clear()
 
 
 @pytest.fixture
