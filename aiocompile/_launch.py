@@ -58,12 +58,7 @@ class WorkerProcess:
 
     def output_tail(self, limit: int = _OUTPUT_TAIL) -> str:
         """The last ``limit`` bytes the worker printed during its current (or last) job."""
-        try:
-            size = os.fstat(self.output_fd).st_size
-            data = os.pread(self.output_fd, limit, max(0, size - limit))
-        except OSError:
-            return ""
-        return data.decode("utf-8", "replace")
+        return file_tail(self.output_fd, limit)
 
     def close(self) -> None:
         for close in (self.conn.close, lambda: os.close(self.jobs_w), lambda: os.close(self.alive_w),
@@ -149,6 +144,17 @@ def _worker_descriptors() -> _Descriptors:
     alive_r, alive_w = os.pipe()
     output_fd = _capture_file()
     return _Descriptors(parent_sock, child_sock, jobs_r, jobs_w, alive_r, alive_w, output_fd)
+
+
+def file_tail(fd: int, limit: int) -> str:
+    """The last ``limit`` bytes of the file ``fd`` (a process's captured output), decoded;
+    "" if it cannot be read."""
+    try:
+        size = os.fstat(fd).st_size
+        data = os.pread(fd, limit, max(0, size - limit))
+    except OSError:
+        return ""
+    return data.decode("utf-8", "replace")
 
 
 def _capture_file() -> int:

@@ -30,6 +30,7 @@ after a crash the file holds what the dying job printed.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import pickle
@@ -38,6 +39,7 @@ import struct
 import sys
 import time
 import traceback
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, NoReturn
@@ -71,6 +73,26 @@ def job_env(environ: os._Environ[str] | dict[str, str] = os.environ) -> dict[str
         _env_seen = (snapshot, env)
         return env
     return {k: v for k, v in environ.items() if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}
+
+
+@contextlib.contextmanager
+def environment(values: Mapping[str, str | None]) -> Iterator[None]:
+    """``values`` in this process's environment for the block (None: unset), and what
+    was there before put back after it."""
+    saved = {name: os.environ.get(name) for name in values}
+    try:
+        _set_environment(values)
+        yield
+    finally:
+        _set_environment(saved)
+
+
+def _set_environment(values: Mapping[str, str | None]) -> None:
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def _raw_env() -> tuple[dict[Any, Any], tuple[Any, ...], frozenset[Any]] | None:

@@ -33,7 +33,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from aiocompile._launch import _child_env
+from aiocompile._launch import _child_env, file_tail
 from aiocompile._worker import kill_group
 
 _OUTPUT_TAIL = 4096
@@ -165,12 +165,7 @@ class BenchProcess:
 
     def output_tail(self, limit: int = _OUTPUT_TAIL) -> str:
         """The end of what the process printed (stdout and stderr)."""
-        try:
-            size = os.fstat(self.output_fd).st_size
-            data = os.pread(self.output_fd, limit, max(0, size - limit))
-        except OSError:
-            return ""
-        return data.decode("utf-8", "replace").strip()
+        return file_tail(self.output_fd, limit).strip()
 
     def close(self) -> None:
         for close in (self.conn.close, lambda: os.close(self.alive_w), lambda: os.close(self.output_fd)):

@@ -30,6 +30,8 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any, Callable
 
+from aiocompile._worker import environment
+
 __all__ = ["BuildStep", "build_commands", "build_cuda", "build_native", "ready"]
 
 BuildStep = tuple[str, str, str, str]
@@ -40,25 +42,6 @@ as ``CppBuilder.build`` runs it."""
 def ready() -> float:
     """Warm-up for workers that only build: nothing to import. Returns 0 seconds."""
     return 0.0
-
-
-@contextlib.contextmanager
-def _build_environment(env: Mapping[str, str | None]) -> Iterator[None]:
-    """The parent's values of the variables a build reads (None: unset), for one job."""
-    saved = {name: os.environ.get(name) for name in env}
-    try:
-        for name, value in env.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 @contextlib.contextmanager
@@ -126,7 +109,7 @@ def build_commands(
     with the command and its output, as a ``CompileError`` too."""
     started = time.perf_counter()
     outputs = tuple(step[3] for step in steps)
-    with _build_environment(env), _locked(lock_path), _marked(lock_path, owner, outputs) as cached:
+    with environment(env), _locked(lock_path), _marked(lock_path, owner, outputs) as cached:
         if not cached:
             for command, output_dir, scratch, output in steps:
                 if os.path.exists(output):
@@ -164,7 +147,7 @@ def build_native(
     put them; the parent loads them. ``build`` takes Inductor's lock itself, so the
     marker is set under the lock first, and the lock let go for the build."""
     started = time.perf_counter()
-    with _build_environment(env), contextlib.ExitStack() as marks:
+    with environment(env), contextlib.ExitStack() as marks:
         cached = False
         if lock_path is not None:
             with _locked(lock_path):

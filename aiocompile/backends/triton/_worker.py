@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from aiocompile._errors import CompileError
+from aiocompile._worker import environment
 from aiocompile.backends.triton._ship import Resolver
 
 _resolver = Resolver()
@@ -74,20 +75,12 @@ def prepare_process() -> Iterator[None]:
 
 
 def _scratch_compile(target: Any) -> None:
-    saved = {name: os.environ.get(name) for name in ("MLIR_DISABLE_MULTITHREADING", "TRITON_CACHE_DIR")}
     with tempfile.TemporaryDirectory(prefix="aiocompile-warm-") as scratch:
-        os.environ["MLIR_DISABLE_MULTITHREADING"] = "1"
-        os.environ["TRITON_CACHE_DIR"] = scratch
-        try:
-            _compile_tiny(target, 64)
-        except Exception:
-            pass  # a backend this Triton build lacks only stays cold
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+        with environment({"MLIR_DISABLE_MULTITHREADING": "1", "TRITON_CACHE_DIR": scratch}):
+            try:
+                _compile_tiny(target, 64)
+            except Exception:
+                pass  # a backend this Triton build lacks only stays cold
 
 
 def warm_up(target: tuple[str, Any, int]) -> float:
