@@ -287,6 +287,7 @@ class BackgroundCompiled:
         answer = done.result()
         entry.stages = tuple(answer["stages"].items())
         entry.difference = answer["max_abs_difference"]
+        entry.compiler = answer.get("compiler")
         try:
             runner, constants = self._load(answer, job.device_index)
         except Exception as load_error:

@@ -7,14 +7,15 @@ call, and goes through four stages, each timed:
 2. ``export``: ``torch.export.export`` traces the model for exactly these inputs;
 3. ``compile``: AOTInductor lowers and compiles the program into a ``.pt2`` package,
    without the weights (``aot_inductor.package_constants_in_so=False``): the serving
-   process binds its own;
+   process binds its own; with Inductor's default C++ compiler, unless that one has no
+   shared C++ library (:mod:`._cxx`: its packages do not load beside torch);
 4. ``trial``: the package is loaded here, given this copy's weights, and run once on the
    inputs beside the model itself; what comes back says how far apart they were. A
    package that cannot load or run fails here, in a worker, not in the server.
 
 It returns the package's bytes, the names of the constants the package needs, the values
-of those the model itself does not hold (constants made during tracing), the stage times
-and the largest difference from eager.
+of those the model itself does not hold (constants made during tracing), the stage times,
+the largest difference from eager and the C++ compiler that built it.
 
 Any stage that raises fails the job with a ``CompileError`` naming the stage, after
 writing a repro bundle (when the job carries a bundle root) whose directory the error's
@@ -35,6 +36,7 @@ from typing import Any
 
 from aiocompile._errors import CompileError
 from aiocompile._repro import ReproRoot
+from aiocompile.backends.inductor import _cxx
 from aiocompile.backends.inductor._parcel import Parcel, unpack
 
 STAGES = ("load", "export", "compile", "trial")
@@ -100,6 +102,7 @@ def build_package(job: ExportJob) -> dict[str, Any]:
     times: dict[str, float] = {}
     model: Any = None
     program: Any = None
+    compiler: str | None = None
     started = time.time()
     workdir = tempfile.mkdtemp(prefix="aiocompile-export-")
     try:
@@ -115,6 +118,13 @@ def build_package(job: ExportJob) -> dict[str, Any]:
         stage, clock = "compile", time.perf_counter()
         path = os.path.join(workdir, "model.pt2")
         configs = {**job.inductor_configs, **PACKAGE_CONFIGS}
+        if "cpp.cxx" in configs:
+            compiler = repr(configs["cpp.cxx"])
+        else:  # Inductor's default, unless its C++ library cannot be loaded beside torch's
+            choice = _cxx.choose()
+            compiler = choice.describe()
+            if choice.replaced is not None:
+                configs["cpp.cxx"] = (None, choice.cxx)
         torch._inductor.aoti_compile_and_package(program, package_path=path, inductor_configs=configs)
         times[stage] = time.perf_counter() - clock
 
@@ -142,6 +152,8 @@ def build_package(job: ExportJob) -> dict[str, Any]:
         torch.save({name: value.detach().cpu() for name, value in extra.items()}, constants)
     except Exception as exc:
         message = f"{stage} failed: {type(exc).__name__}: {_first_lines(exc)}"
+        if stage == "trial":
+            message += f" (the package was built by the C++ compiler {compiler})"
         error = CompileError(message, kernel_name=job.name, target=_target(job))
         if job.repro is not None:
             from aiocompile.backends.inductor import _bundles
@@ -160,6 +172,7 @@ def build_package(job: ExportJob) -> dict[str, Any]:
         "extra_constants": constants.getvalue(),
         "stages": times,
         "max_abs_difference": difference,
+        "compiler": compiler,
     }
 
 

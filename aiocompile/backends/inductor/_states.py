@@ -44,12 +44,15 @@ class ShapeStatus:
     trial run."""
     eager_calls: int = 0
     compiled_calls: int = 0
+    compiler: str | None = None
+    """The C++ compiler the worker built the package with, and why, when it is not
+    Inductor's default (``docs/torch.md``, "The C++ compiler")."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"signature": self.signature, "state": self.state, "error": self.error, "repro": self.repro,
                 "seconds": self.seconds, "stages": dict(self.stages),
                 "max_abs_difference": self.max_abs_difference, "eager_calls": self.eager_calls,
-                "compiled_calls": self.compiled_calls}
+                "compiled_calls": self.compiled_calls, "compiler": self.compiler}
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,7 @@ class _Entry:
     seconds: float | None = None
     stages: tuple[tuple[str, float], ...] = ()
     difference: float | None = None
+    compiler: str | None = None
     eager_calls: int = 0
     compiled_calls: int = 0
     done: cf.Future[None] = field(default_factory=cf.Future)
@@ -122,4 +126,5 @@ class _Entry:
             error=None if error is None else f"{type(error).__name__}: {error}",
             repro=getattr(error, "repro", None), seconds=self.seconds, stages=self.stages,
             max_abs_difference=self.difference, eager_calls=self.eager_calls, compiled_calls=self.compiled_calls,
+            compiler=self.compiler,
         )
