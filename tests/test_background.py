@@ -28,6 +28,7 @@ torch = pytest.importorskip("torch")
 import background_models  # noqa: E402  (needs torch)
 
 import aiocompile.torch as aiotorch  # noqa: E402
+from aiocompile.backends.inductor import _isa  # noqa: E402
 from aiocompile.backends.inductor._states import TRANSITIONS  # noqa: E402
 
 TIMEOUT = 600
@@ -149,11 +150,15 @@ exec g++ "$@"
         status = compiled.status()
         assert status.compiling == ("f32[4, 16] cpu",) and status.compiled == ()
         assert status.shapes[0].eager_calls == 21 and status.shapes[0].compiled_calls == 0
+        # What loading the package will need here (Inductor's CPU vector-ISA check) is
+        # made while the worker compiles, not after.
+        assert _isa._started
     finally:
         (gate / "release").touch()
 
     shape = asyncio.run(compiled.ready(x))
     assert shape.state == "compiled" and shape.error is None
+    assert _isa.wait(0) and _isa.seconds is not None
     assert [stage for stage, _ in shape.stages] == ["load", "export", "compile", "trial"]
     assert shape.max_abs_difference is not None and shape.max_abs_difference < 1e-4
     assert shape.seconds is not None and shape.seconds > 0

@@ -52,7 +52,7 @@ from aiocompile import _bridge, _repro, _threads
 from aiocompile._errors import CompileError, CompileTimeout, WorkerCrashedError
 from aiocompile._scheduler import Scheduler
 from aiocompile.backends import Request
-from aiocompile.backends.inductor import _export, _parcel
+from aiocompile.backends.inductor import _export, _isa, _parcel
 from aiocompile.backends.inductor._states import TRANSITIONS, BackgroundStatus, ShapeStatus, _Entry
 
 __all__ = ["TRANSITIONS", "BackgroundCompiled", "BackgroundStatus", "ShapeStatus", "compile_in_background"]
@@ -234,6 +234,7 @@ class BackgroundCompiled:
             self._fail(entry, exc)
             return
         answer.add_done_callback(lambda done: _LANE.submit(lambda: self._finish(entry, job, done)))
+        _isa.start()  # what loading the package will need here, made while the worker compiles
 
     def _take_parcel(self) -> _parcel.Parcel:
         """The model packed, shared by the compiles under way (packed again once none is:
@@ -299,6 +300,7 @@ class BackgroundCompiled:
 
     def _load(self, answer: Mapping[str, Any], device_index: int) -> tuple[Any, dict[str, Any]]:
         torch = self._torch
+        _isa.wait(self._timeout)
         fd, path = tempfile.mkstemp(prefix="aiocompile-", suffix=".pt2")
         try:
             with os.fdopen(fd, "wb") as f:
