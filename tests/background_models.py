@@ -41,3 +41,12 @@ class HoldsALock(MLP):
 def make_mlp(seed: int = 0) -> tuple[MLP, torch.Tensor]:
     torch.manual_seed(seed)
     return MLP().eval(), torch.randn(4, 16)
+
+
+def vec_isa_known() -> tuple[int, str]:
+    """Run in a worker: how many answers Inductor's CPU vector-ISA check holds in this
+    process (1 once it has run), and the instruction set it picks."""
+    from torch._inductor import cpu_vec_isa
+
+    known = cpu_vec_isa.valid_vec_isa_list.cache_info().currsize
+    return known, str(cpu_vec_isa.pick_vec_isa()) if known else ""

@@ -352,6 +352,25 @@ def test_a_compile_past_its_timeout_leaves_eager_serving_with_a_bundle(sched, tm
     assert manifest["stage"] == "unknown (the worker timed out)" and manifest["error_type"] == "CompileTimeout"
 
 
+@pytest.mark.timeout(TIMEOUT)
+def test_a_warmed_worker_has_made_inductors_cpu_check_before_any_compile():
+    # Every package's compile needs Inductor's CPU vector-ISA check (a test program built
+    # and loaded per instruction set, once per process): a worker warmed for background
+    # compiles has it made, so no compile waits for it.
+    from aiocompile.backends.inductor import _export
+
+    config = aiocompile.SchedulerConfig(workers=1, preload=(aiotorch.PRELOAD,), repro_dir=None)
+    own = aiocompile.Scheduler(config=config)
+    try:
+        assert asyncio.run(own.run(background_models.vec_isa_known)) == (0, "")
+        assert asyncio.run(own.run(_export.warm_up)) > 0
+        known, isa = asyncio.run(own.run(background_models.vec_isa_known))
+        assert known == 1 and isa
+        assert asyncio.run(own.run(_export.warm_up)) < 0.5  # made once per process
+    finally:
+        own.close(grace=0)
+
+
 # -- the C++ compiler ------------------------------------------------------------------------
 
 

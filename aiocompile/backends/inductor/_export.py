@@ -75,8 +75,10 @@ _MODULES = ("torch", "torch.export", "torch._export", "torch._inductor.compile_f
 
 
 def warm_up() -> float:
-    """Import what a background compile needs in this worker; returns the seconds it
-    took (0 when already imported)."""
+    """Import what a background compile needs in this worker, and make Inductor's CPU
+    vector-ISA check (a test program built and loaded per instruction set, once per
+    process, which every package's compile needs: see :mod:`._isa`); returns the seconds
+    it took (0 when done before)."""
     import importlib
     import sys
 
@@ -84,6 +86,12 @@ def warm_up() -> float:
     for name in _MODULES:
         if name not in sys.modules:
             importlib.import_module(name)
+    try:
+        from torch._inductor import cpu_vec_isa
+
+        cpu_vec_isa.pick_vec_isa()
+    except Exception:  # noqa: BLE001 - the compile meets it again and reports it there
+        pass
     return time.perf_counter() - started
 
 
