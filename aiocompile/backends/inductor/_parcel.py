@@ -28,6 +28,7 @@ import io
 import os
 import pickle
 import sys
+import time
 import types
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,16 +52,31 @@ class Parcel:
 
 
 class _MainSeen(pickle.Pickler):
-    """A pickler that notes whether anything was pickled by reference into ``__main__``."""
+    """A pickler that notes whether anything was pickled by reference into ``__main__``,
+    and lets other threads run between two tensors.
+
+    Packing runs in a thread of the serving process while its calls go on, and copying
+    the weights holds the interpreter lock: a serving thread that lets go of the lock (a
+    GPU synchronisation, a socket's write) would wait for the packer to be made to give
+    it back, up to the switch interval (5 ms) each time. Offering the lock before each
+    tensor bounds that wait by one tensor's copy."""
 
     def __init__(self, file: io.BytesIO) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.main_names: set[str] = set()
+        self._tensor = _tensor_type()
 
     def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, (type, types.FunctionType)) and getattr(obj, "__module__", None) == "__main__":
+        if self._tensor is not None and isinstance(obj, self._tensor):
+            time.sleep(0)  # the lock offered to a waiting thread
+        elif isinstance(obj, (type, types.FunctionType)) and getattr(obj, "__module__", None) == "__main__":
             self.main_names.add(getattr(obj, "__qualname__", repr(obj)))
         return NotImplemented
+
+
+def _tensor_type() -> type | None:
+    """``torch.Tensor`` when torch is imported (a model's weights are then tensors)."""
+    return getattr(sys.modules.get("torch"), "Tensor", None)
 
 
 def pack(obj: Any) -> Parcel:
@@ -91,8 +107,18 @@ def _by_value(obj: Any, why: str) -> Parcel:
             f"the model cannot be sent to a worker process ({why}); define its class in an importable module or "
             "in the program's main script, or install cloudpickle to send it by value"
         ) from None
+    tensor = _tensor_type()
+
+    class Offering(cloudpickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if tensor is not None and isinstance(obj, tensor):
+                time.sleep(0)  # as _MainSeen does
+            return super().reducer_override(obj)
+
+    buffer = io.BytesIO()
     try:
-        return Parcel(cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), "cloudpickle")
+        Offering(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+        return Parcel(buffer.getvalue(), "cloudpickle")
     except Exception as exc:
         raise TypeError(f"the model cannot be sent to a worker process: {type(exc).__name__}: {exc}") from exc
 

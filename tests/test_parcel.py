@@ -1,0 +1,57 @@
+"""Packing a model for a worker (``aiocompile/backends/inductor/_parcel.py``): by reference
+or by value, and the interpreter lock offered to the serving thread before each tensor."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import background_models  # noqa: E402  (needs torch)
+
+from aiocompile.backends.inductor import _parcel  # noqa: E402
+
+
+class Counting:
+    """Stands in for the ``time`` module in ``_parcel``: counts the lock's offers."""
+
+    def __init__(self) -> None:
+        self.offers = 0
+
+    def sleep(self, seconds: float) -> None:
+        assert seconds == 0
+        self.offers += 1
+
+
+def tensors_of(model: torch.nn.Module) -> int:
+    return len(list(model.parameters())) + len(list(model.buffers()))
+
+
+@pytest.mark.parametrize("how", ["reference", "cloudpickle"])
+def test_packing_offers_the_lock_before_each_tensor_and_round_trips(monkeypatch, how):
+    if how == "cloudpickle":
+        pytest.importorskip("cloudpickle")
+
+        class Local(torch.nn.Module):  # local to the test: only cloudpickle takes it
+            def __init__(self) -> None:
+                super().__init__()
+                self.inner = background_models.MLP()
+                self.register_buffer("scale", torch.full((16,), 2.0))
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return self.inner(x) * self.scale
+
+        model: torch.nn.Module = Local()
+    else:
+        model, _ = background_models.make_mlp()
+    counting = Counting()
+    monkeypatch.setattr(_parcel, "time", counting)
+    parcel = _parcel.pack(model)
+    assert parcel.how == how
+    assert counting.offers >= tensors_of(model) > 0  # a parameter offers twice: itself, then its data
+    monkeypatch.undo()
+    copy = _parcel.unpack(parcel)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(copy(x), model(x), rtol=0, atol=0)
+
