@@ -84,11 +84,8 @@ def choose() -> Choice:
     Raises :class:`RuntimeError` when the default has none and no other compiler here
     has one: a package built by it would not load beside torch."""
     cxx = default_compiler()
-    found = shared_libstdcxx(cxx)
-    if found is not False and found is not None:
+    if shared_libstdcxx(cxx) is not None:  # has one, or cannot be asked (Inductor then says what is wrong)
         return Choice(cxx)
-    if found is False:
-        return Choice(cxx)  # not answerable: Inductor meets it and says what is wrong
     reason = (f"{cxx} has no shared libstdc++ (-print-file-name=libstdc++.so answers a bare name), so every "
               "shared object it builds carries its own copy of the C++ library, and a package built by it fails "
               "to load beside torch's")

@@ -36,7 +36,7 @@ from typing import Any
 
 from aiocompile._errors import CompileError
 from aiocompile._repro import ReproRoot
-from aiocompile.backends.inductor import _cxx
+from aiocompile.backends.inductor import _cxx, _isa
 from aiocompile.backends.inductor._parcel import Parcel, unpack
 
 STAGES = ("load", "export", "compile", "trial")
@@ -86,12 +86,7 @@ def warm_up() -> float:
     for name in _MODULES:
         if name not in sys.modules:
             importlib.import_module(name)
-    try:
-        from torch._inductor import cpu_vec_isa
-
-        cpu_vec_isa.pick_vec_isa()
-    except Exception:  # noqa: BLE001 - the compile meets it again and reports it there
-        pass
+    _isa.make()
     return time.perf_counter() - started
 
 

@@ -42,18 +42,27 @@ def start() -> None:
     threading.Thread(target=_check, name="aiocompile-vec-isa", daemon=True).start()
 
 
+def make() -> object | None:
+    """Inductor's check, made in this process (kept by Inductor for the process's life):
+    the instruction set it picks, or None when it failed (whoever needs it next meets the
+    failure again and reports it). Also a worker's warm-up (``_export.warm_up``)."""
+    try:
+        from torch._inductor import cpu_vec_isa
+
+        return cpu_vec_isa.pick_vec_isa()
+    except Exception as exc:  # noqa: BLE001 - reported by whoever needs it next
+        _logger.debug("the CPU vector-ISA check failed: %s: %s", type(exc).__name__, exc)
+        return None
+
+
 def _check() -> None:
     global seconds
     began = time.perf_counter()
     try:
-        from torch._inductor import cpu_vec_isa
-
-        isa = cpu_vec_isa.pick_vec_isa()
-    except Exception as exc:  # noqa: BLE001 - the load meets it again and reports it there
-        _logger.debug("the CPU vector-ISA check failed ahead of loading: %s: %s", type(exc).__name__, exc)
-    else:
-        seconds = time.perf_counter() - began
-        _logger.debug("the CPU vector-ISA check for package loads took %.2f s (%s)", seconds, isa)
+        isa = make()
+        if isa is not None:
+            seconds = time.perf_counter() - began
+            _logger.debug("the CPU vector-ISA check for package loads took %.2f s (%s)", seconds, isa)
     finally:
         _done.set()
 

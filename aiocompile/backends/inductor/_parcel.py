@@ -67,9 +67,8 @@ class _MainSeen(pickle.Pickler):
         self._tensor = _tensor_type()
 
     def reducer_override(self, obj: Any) -> Any:
-        if self._tensor is not None and isinstance(obj, self._tensor):
-            time.sleep(0)  # the lock offered to a waiting thread
-        elif isinstance(obj, (type, types.FunctionType)) and getattr(obj, "__module__", None) == "__main__":
+        if not _offered_at(obj, self._tensor) and isinstance(obj, (type, types.FunctionType)) \
+                and getattr(obj, "__module__", None) == "__main__":
             self.main_names.add(getattr(obj, "__qualname__", repr(obj)))
         return NotImplemented
 
@@ -77,6 +76,15 @@ class _MainSeen(pickle.Pickler):
 def _tensor_type() -> type | None:
     """``torch.Tensor`` when torch is imported (a model's weights are then tensors)."""
     return getattr(sys.modules.get("torch"), "Tensor", None)
+
+
+def _offered_at(obj: Any, tensor: type | None) -> bool:
+    """Before a tensor is copied, offer the interpreter lock to a waiting thread (see
+    :class:`_MainSeen`); whether ``obj`` is one."""
+    if tensor is not None and isinstance(obj, tensor):
+        time.sleep(0)
+        return True
+    return False
 
 
 def pack(obj: Any) -> Parcel:
@@ -111,8 +119,7 @@ def _by_value(obj: Any, why: str) -> Parcel:
 
     class Offering(cloudpickle.Pickler):
         def reducer_override(self, obj: Any) -> Any:
-            if tensor is not None and isinstance(obj, tensor):
-                time.sleep(0)  # as _MainSeen does
+            _offered_at(obj, tensor)
             return super().reducer_override(obj)
 
     buffer = io.BytesIO()
