@@ -2,8 +2,8 @@
 beside stock ``torch.compile``, on the two transformer blocks of
 ``examples/torch_models.py`` (d=256, 4 heads, batch 4 x 128).
 
-Each measurement is a fresh interpreter with empty Inductor and Triton caches (and no FX
-graph cache), the model already run eagerly (CUDA and its libraries initialised before the
+Each measurement is a fresh interpreter with empty Inductor and Triton caches (Inductor's
+caches on, as by default: the Python form is made of their entries), the model already run eagerly (CUDA and its libraries initialised before the
 clock), and the compile pools started before the clock, as in a server that starts them
 at start-up. Calls come one after another with a short pause between them (``--pause``),
 the way requests reach a model. Ways:
@@ -15,6 +15,8 @@ the way requests reach a model. Ways:
   until the compiled version is in use;
 - ``background_quiet``: the same with no call between the first and the compiled one (the
   compile's own time, without traffic competing for the CPUs);
+- ``background_package``: ``compile_in_background(model, artifact="package")``: an
+  AOTInductor package whatever the device (the default on a GPU is the Python form);
 - ``export_thread``: ``torch.export`` run in a thread of the serving process while it
   answers eager calls (what exporting here, instead of in a worker, would cost).
 
@@ -51,7 +53,7 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WAYS = ("stock", "subprocess", "background", "background_quiet", "export_thread")
+WAYS = ("stock", "subprocess", "background", "background_quiet", "background_package", "export_thread")
 IDLE_CALLS = 200
 COMPILED_CALLS = 50
 
@@ -71,7 +73,6 @@ def cpu_seconds() -> float:
 def child(way: str, device: str, pause: float, timeout: float, threads: int) -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-inductor-")
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-triton-")
-    os.environ["TORCHINDUCTOR_FX_GRAPH_CACHE"] = "0"
     os.environ.setdefault("XDG_CACHE_HOME", tempfile.mkdtemp(prefix="bench-cache-"))
     if way == "subprocess":
         os.environ["TORCHINDUCTOR_FX_COMPILE_MODE"] = "subprocess"
@@ -117,8 +118,9 @@ def child(way: str, device: str, pause: float, timeout: float, threads: int) -> 
                           parent_cpu=cpu_seconds() - cpu)
             calls = [timed(compiled, x)[1] for _ in range(COMPILED_CALLS)]
             result.update(compiled_p50=percentile(calls, 0.5), matches_eager=close(torch, out, expected))
-        elif way in ("background", "background_quiet"):
-            result.update(background(torch, model, x, expected, timed, pause, timeout, quiet=way != "background"))
+        elif way in ("background", "background_quiet", "background_package"):
+            result.update(background(torch, model, x, expected, timed, pause, timeout, quiet=way == "background_quiet",
+                                     artifact="package" if way == "background_package" else "auto"))
         else:
             result.update(export_thread(torch, model, x, timed, pause))
     print(json.dumps(result), flush=True)
@@ -136,14 +138,15 @@ def close(torch, got, expected) -> bool:  # type: ignore[no-untyped-def]
     return bool(torch.allclose(got, expected, rtol=1e-3, atol=1e-3))
 
 
-def background(torch, model, x, expected, timed, pause, timeout, quiet) -> dict:  # type: ignore[no-untyped-def]
+def background(torch, model, x, expected, timed, pause, timeout, quiet, artifact) -> dict:  # type: ignore[no-untyped-def]
     import aiocompile.torch as aiotorch
     from aiocompile.backends.inductor import _export
 
-    compiled = aiotorch.compile_in_background(model)
+    compiled = aiotorch.compile_in_background(model, artifact=artifact)
     sched = compiled.scheduler
-    # The pool started before the clock, its workers ready, as at a server's start-up.
-    for job in sched._pool.warm(_export.warm_up):
+    # The pool started before the clock, its workers ready (warmed for the model's
+    # device, as compile_in_background warms them), as at a server's start-up.
+    for job in sched._pool.warm(_export.warm_up, (x.device.type,)):
         job.future.result(timeout=300)
     cpu, mine, started = cpu_seconds(), time.thread_time(), time.perf_counter()
     _, first = timed(compiled, x)
@@ -175,7 +178,7 @@ def background(torch, model, x, expected, timed, pause, timeout, quiet) -> dict:
         "calls_while_compiling": len(during), "during_p50": percentile(during, 0.5),
         "during_p99": percentile(during, 0.99), "during_max": max(during) if during else None,
         "compiled_p50": percentile(calls, 0.5), "matches_eager": close(torch, out, expected),
-        "stages": dict(shape.stages), "trial_max_abs_difference": shape.max_abs_difference,
+        "stages": dict(shape.stages), "trial_max_abs_difference": shape.max_abs_difference, "form": shape.form,
     }
 
 

@@ -28,7 +28,7 @@ torch = pytest.importorskip("torch")
 import background_models  # noqa: E402  (needs torch)
 
 import aiocompile.torch as aiotorch  # noqa: E402
-from aiocompile.backends.inductor import _isa  # noqa: E402
+from aiocompile.backends.inductor import _ahead  # noqa: E402
 from aiocompile.backends.inductor._states import TRANSITIONS  # noqa: E402
 
 TIMEOUT = 600
@@ -152,13 +152,13 @@ exec g++ "$@"
         assert status.shapes[0].eager_calls == 21 and status.shapes[0].compiled_calls == 0
         # What loading the package will need here (Inductor's CPU vector-ISA check) is
         # made while the worker compiles, not after.
-        assert _isa._started
+        assert _ahead.VEC_ISA.started
     finally:
         (gate / "release").touch()
 
     shape = asyncio.run(compiled.ready(x))
     assert shape.state == "compiled" and shape.error is None
-    assert _isa.wait(0) and _isa.seconds is not None
+    assert _ahead.VEC_ISA.wait(0) and _ahead.VEC_ISA.seconds is not None
     assert [stage for stage, _ in shape.stages] == ["load", "export", "compile", "trial"]
     assert shape.max_abs_difference is not None and shape.max_abs_difference < 1e-4
     assert shape.seconds is not None and shape.seconds > 0
@@ -425,19 +425,22 @@ def test_a_default_compiler_without_a_shared_cxx_library_is_stood_in_for(static_
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.usefixtures("fresh_inductor")
-def test_on_a_gpu_a_model_run_eagerly_first_is_served_compiled(sched):
+@pytest.mark.parametrize(("artifact", "form"), [("auto", "python"), ("package", "package")])
+def test_on_a_gpu_a_model_run_eagerly_first_is_served_compiled(sched, artifact, form):
     """The serving process has run the model on the GPU (CUDA initialised, kernels
-    loaded) before the package is loaded into it."""
+    loaded) before the compiled version is loaded into it; on a GPU the default form is
+    the Python wrapper."""
     model, x = background_models.make_mlp()
     model, x = model.cuda(), x.cuda()
     with torch.no_grad():
         expected = model(x)
-    compiled = aiotorch.compile_in_background(model, scheduler=sched)
+    compiled = aiotorch.compile_in_background(model, scheduler=sched, artifact=artifact)
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), expected)
     shape = asyncio.run(compiled.ready(x))
     assert shape.state == "compiled", shape.error
-    print("built with", shape.compiler, "stages", dict(shape.stages))
+    assert shape.form == form
+    print(form, "built with", shape.compiler, "stages", dict(shape.stages))
     assert shape.signature == f"f32[4, 16] {x.device}"
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), expected, rtol=1e-3, atol=1e-3)

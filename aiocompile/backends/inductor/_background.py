@@ -52,7 +52,7 @@ from aiocompile import _bridge, _repro, _threads
 from aiocompile._errors import CompileError, CompileTimeout, WorkerCrashedError
 from aiocompile._scheduler import Scheduler
 from aiocompile.backends import Request
-from aiocompile.backends.inductor import _export, _isa, _parcel
+from aiocompile.backends.inductor import _ahead, _export, _graph, _parcel
 from aiocompile.backends.inductor._states import TRANSITIONS, BackgroundStatus, ShapeStatus, _Entry
 
 __all__ = ["TRANSITIONS", "BackgroundCompiled", "BackgroundStatus", "ShapeStatus", "compile_in_background"]
@@ -77,7 +77,7 @@ class BackgroundCompiled:
 
     def __init__(self, model: Any, *, inductor_configs: Mapping[str, Any], scheduler: Scheduler,
                  owns_scheduler: bool, strict: bool, timeout: float | None, disabled: bool,
-                 max_signatures: int = 8) -> None:
+                 max_signatures: int = 8, artifact: str = "auto") -> None:
         import torch
 
         self._model = model
@@ -90,6 +90,7 @@ class BackgroundCompiled:
         self._timeout = timeout
         self._disabled = disabled
         self._max_signatures = max_signatures
+        self._artifact = artifact
         self._name = type(model).__qualname__
         self._lock = threading.Lock()
         self._entries: dict[Any, _Entry] = {}
@@ -217,11 +218,12 @@ class BackgroundCompiled:
             inputs = io.BytesIO()
             torch.save((tuple(args), dict(kwargs)), inputs)
             device_index = _device_index(torch, args, kwargs)
+            form = self._artifact if self._artifact != "auto" else ("python" if device_index >= 0 else "package")
             job = _export.ExportJob(
                 name=self._name, signature=entry.text, parcel=parcel, inputs=inputs.getvalue(),
                 inductor_configs=dict(self._configs), device_index=device_index,
                 env={name: value for name, value in os.environ.items() if name.startswith(_export.ENV_PREFIXES)},
-                repro=_repro.root_of(self._scheduler.config),
+                repro=_repro.root_of(self._scheduler.config), form=form,
             )
             request = Request(
                 backend="aoti", key=None, name=f"{self._name}({entry.text})",
@@ -234,7 +236,7 @@ class BackgroundCompiled:
             self._fail(entry, exc)
             return
         answer.add_done_callback(lambda done: _LANE.submit(lambda: self._finish(entry, job, done)))
-        _isa.start()  # what loading the package will need here, made while the worker compiles
+        _ahead.for_form(form).start()  # what the load will need here, made while the worker compiles
 
     def _take_parcel(self) -> _parcel.Parcel:
         """The model packed, shared by the compiles under way (packed again once none is:
@@ -289,6 +291,8 @@ class BackgroundCompiled:
         entry.stages = tuple(answer["stages"].items())
         entry.difference = answer["max_abs_difference"]
         entry.compiler = answer.get("compiler")
+        entry.form = answer["form"]
+        entry.form_reason = answer.get("form_reason")
         try:
             runner, constants = self._load(answer, job.device_index)
         except Exception as load_error:
@@ -299,8 +303,19 @@ class BackgroundCompiled:
             entry.move("compiled")
 
     def _load(self, answer: Mapping[str, Any], device_index: int) -> tuple[Any, dict[str, Any]]:
+        """The compiled version the worker built, loaded here and bound to this process's own
+        weights (and the constants made during tracing, which come with it)."""
         torch = self._torch
-        _isa.wait(self._timeout)
+        form = answer["form"]
+        _ahead.for_form(form).wait(self._timeout)
+        own = _export.model_tensors(self._model)
+        extra = torch.load(io.BytesIO(answer["extra_constants"]), weights_only=True)
+        device = torch.device("cpu") if device_index < 0 else torch.device("cuda", device_index)
+        if form == "python":
+            plan = answer["plan"]
+            constants = {name: own[name].detach() if kind == "weight" else extra[name].to(device)
+                         for kind, name in plan.inputs if kind != "input"}
+            return _graph.load(answer["artifact"], plan, constants), constants
         fd, path = tempfile.mkstemp(prefix="aiocompile-", suffix=".pt2")
         try:
             with os.fdopen(fd, "wb") as f:
@@ -308,9 +323,6 @@ class BackgroundCompiled:
             runner = torch._inductor.aoti_load_package(path, device_index=device_index)
         finally:
             os.unlink(path)  # the loader has unpacked what it needs
-        own = _export.model_tensors(self._model)
-        extra = torch.load(io.BytesIO(answer["extra_constants"]), weights_only=True)
-        device = torch.device("cpu") if device_index < 0 else torch.device("cuda", device_index)
         constants = {}
         for name in answer["constants"]:
             if name in own:
@@ -469,6 +481,7 @@ def compile_in_background(
     strict: bool = False,
     timeout: float | None = None,
     max_signatures: int = 8,
+    artifact: str = "auto",
 ) -> BackgroundCompiled:
     """``model`` (a ``torch.nn.Module``), answering every call at once: eagerly until a
     compiled version for the call's inputs (their shapes, strides, dtypes, devices) is
@@ -491,7 +504,14 @@ def compile_in_background(
       rather than returning the failed status;
     - ``max_signatures``: how many input signatures are compiled at most (8, as
       ``torch.compile`` recompiles at most 8 times); calls with further signatures are
-      answered eagerly, and start nothing.
+      answered eagerly, and start nothing;
+    - ``artifact``: what the worker builds. ``"package"``: an AOTInductor package (a C++
+      wrapper, loaded with a ``dlopen``); ``"python"``: Inductor's Python wrapper and
+      kernels, as ``torch.compile`` runs them (a model that mutates a buffer gets a
+      package all the same); ``"auto"`` (default): the Python form for inputs on a GPU,
+      where a package's C++ build costs several times the whole compile, the package
+      for inputs on the CPU, where the Python form's load costs the serving process
+      seconds of CPU (``docs/torch.md``).
 
     The whole compile (``torch.export``, AOTInductor's lowering and compile, a trial
     run) happens in a worker process; this process only packs the model, loads the
@@ -531,12 +551,33 @@ def compile_in_background(
         raise ValueError("the scheduler is closed")
     _checks.CALL_TIMEOUT.check("timeout", timeout)
     _checks.Number(integer=True, at_least=1).check("max_signatures", max_signatures)
+    if not isinstance(artifact, str):
+        raise TypeError(f"artifact must be a str, got {artifact!r} ({type(artifact).__name__})")
+    if artifact not in ARTIFACTS:
+        raise ValueError(f"artifact must be one of {', '.join(map(repr, ARTIFACTS))}, got {artifact!r}")
     configs = _inductor_configs(torch, mode, dict(options or {}))
     owned = False
+    device = _model_device(model)
+    # What loading the compiled version will need here, made from now on (a server wraps
+    # its model at start-up), not beside the first compile's eager calls: the Python
+    # form's imports hold the interpreter lock for seconds.
+    if not disable:
+        _ahead.for_form(artifact if artifact != "auto" else ("python" if device == "cuda" else "package")).start()
     if scheduler is None:
-        scheduler, owned = _scheduler_for_background()
+        scheduler, owned = _scheduler_for_background(device)
     return BackgroundCompiled(model, inductor_configs=configs, scheduler=scheduler, owns_scheduler=owned,
-                              strict=strict, timeout=timeout, disabled=disable, max_signatures=max_signatures)
+                              strict=strict, timeout=timeout, disabled=disable, max_signatures=max_signatures,
+                              artifact=artifact)
+
+
+ARTIFACTS = ("auto", "package", "python")
+
+
+def _model_device(model: Any) -> str:
+    """Where the model's weights are, ``"cuda"`` or ``"cpu"``: what its workers warm up for."""
+    for tensor in (*model.parameters(), *model.buffers()):
+        return "cuda" if tensor.device.type == "cuda" else "cpu"
+    return "cpu"
 
 
 def _torch() -> Any:
@@ -564,11 +605,12 @@ def _inductor_configs(torch: Any, mode: str | None, options: dict[str, Any]) -> 
     return {name: value for name, value in chosen.items() if "cudagraph" not in name}
 
 
-def _scheduler_for_background() -> tuple[Scheduler, bool]:
+def _scheduler_for_background(device: str = "cpu") -> tuple[Scheduler, bool]:
     """The scheduler ``aiocompile.torch.install()`` uses if installed (its workers start
     with torch); else a new one, owned by the caller: the environment's configuration, at
     most ``MAX_OWN_WORKERS`` workers, torch imported in its fork server, and its workers
-    started at once, each importing what a compile needs while the program starts up."""
+    started at once, each importing what a compile needs while the program starts up
+    (and, for a model on a GPU, compiling a small one there: ``_export.warm_up``)."""
     from aiocompile import torch as aiotorch
     from aiocompile._config import SchedulerConfig
 
@@ -578,7 +620,7 @@ def _scheduler_for_background() -> tuple[Scheduler, bool]:
     config = SchedulerConfig.from_env()
     scheduler = Scheduler(config=config.with_changes(preload=(*config.preload, aiotorch.PRELOAD),
                                                      workers=min(config.workers, MAX_OWN_WORKERS)))
-    scheduler._warm_workers(_export.warm_up)
+    scheduler._warm_workers(_export.warm_up, (device,))
     return scheduler, True
 
 

@@ -5,17 +5,25 @@ call, and goes through four stages, each timed:
 
 1. ``load``: the model unpickled, the inputs read;
 2. ``export``: ``torch.export.export`` traces the model for exactly these inputs;
-3. ``compile``: AOTInductor lowers and compiles the program into a ``.pt2`` package,
-   without the weights (``aot_inductor.package_constants_in_so=False``): the serving
-   process binds its own; with Inductor's default C++ compiler, unless that one has no
-   shared C++ library (:mod:`._cxx`: its packages do not load beside torch);
-4. ``trial``: the package is loaded here, given this copy's weights, and run once on the
-   inputs beside the model itself; what comes back says how far apart they were. A
-   package that cannot load or run fails here, in a worker, not in the server.
+3. ``compile``, in the job's ``form``:
 
-It returns the package's bytes, the names of the constants the package needs, the values
-of those the model itself does not hold (constants made during tracing), the stage times,
-the largest difference from eager and the C++ compiler that built it.
+   - ``"package"``: AOTInductor lowers and compiles the program into a ``.pt2`` package,
+     without the weights (``aot_inductor.package_constants_in_so=False``): the serving
+     process binds its own; with Inductor's default C++ compiler, unless that one has no
+     shared C++ library (:mod:`._cxx`: its packages do not load beside torch);
+   - ``"python"``: Inductor compiles the program's graph, weights lifted as inputs, into
+     its Python wrapper and kernels (:mod:`._graph`), as ``torch.compile`` does; a program
+     that form cannot run (it mutates a buffer) gets a package instead;
+
+4. ``trial``: the package is loaded here (or the compiled graph called), given this copy's
+   weights, and run once on the inputs beside the model itself; what comes back says how
+   far apart they were. A package that cannot load or run fails here, in a worker, not
+   in the server.
+
+It returns the form built and its bytes (the package and the names of the constants it
+needs, or the Python artifact and its :class:`~._graph.Plan`), the values of the
+constants the model itself does not hold (made during tracing), the stage times, the
+largest difference from eager and, for a package, the C++ compiler that built it.
 
 Any stage that raises fails the job with a ``CompileError`` naming the stage, after
 writing a repro bundle (when the job carries a bundle root) whose directory the error's
@@ -36,7 +44,7 @@ from typing import Any
 
 from aiocompile._errors import CompileError
 from aiocompile._repro import ReproRoot
-from aiocompile.backends.inductor import _cxx, _isa
+from aiocompile.backends.inductor import _cxx, _graph, _isa
 from aiocompile.backends.inductor._parcel import Parcel, unpack
 
 STAGES = ("load", "export", "compile", "trial")
@@ -63,6 +71,9 @@ class ExportJob:
     """Inductor's environment variables (``ENV_PREFIXES``) as the parent has them: set
     here first, and those the parent lacks unset."""
     repro: ReproRoot | None
+    form: str = "package"
+    """What to build: ``"package"`` (AOTInductor's, with a C++ wrapper) or ``"python"``
+    (Inductor's Python wrapper, :mod:`._graph`; a program it cannot run gets a package)."""
 
 
 # Environment variables of Inductor's that a compile carries from the parent.
@@ -74,11 +85,14 @@ ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_", "TORCH_LOGS")
 _MODULES = ("torch", "torch.export", "torch._export", "torch._inductor.compile_fx", "torch._inductor.package")
 
 
-def warm_up() -> float:
+def warm_up(device: str = "cpu") -> float:
     """Import what a background compile needs in this worker, and make Inductor's CPU
     vector-ISA check (a test program built and loaded per instruction set, once per
-    process, which every package's compile needs: see :mod:`._isa`); returns the seconds
-    it took (0 when done before)."""
+    process, which every package's compile needs: see :mod:`._isa`); for ``device="cuda"``,
+    also start Inductor's compile pool (without it, a graph's Triton kernels compile one
+    after another) and compile a one-layer model there in the Python form (Inductor's code
+    generators imported, CUDA and Triton's driver ready: 6.7 s of a first compile on the
+    H100 host); returns the seconds it took (about 0 when done before)."""
     import importlib
     import sys
 
@@ -87,7 +101,33 @@ def warm_up() -> float:
         if name not in sys.modules:
             importlib.import_module(name)
     _isa.make()
+    if device == "cuda" and device not in _warmed:
+        _warm_cuda()
+        _warmed.add(device)
     return time.perf_counter() - started
+
+
+_warmed: set[str] = set()
+
+
+def _warm_cuda() -> None:
+    import torch
+    from torch._inductor.async_compile import AsyncCompile
+
+    if not torch.cuda.is_available():
+        return
+    # Inductor compiles a graph's Triton kernels in its process pool only once the pool is
+    # ready, and one by one in this process until then; torch.compile starts it when
+    # Dynamo hands a GPU graph over, standalone_compile and AOTInductor never do.
+    AsyncCompile.warm_pool()
+    AsyncCompile.wait_pool_ready(timeout=300)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).cuda().eval()
+    example = torch.randn(4, 8, device="cuda")
+    with torch.no_grad():
+        program = torch.export.export(model, (example,))
+    plan = _graph.plan_of(program)
+    if plan is not None:
+        _graph.build(program, plan, (example,), {}, {})
 
 
 def _apply_env(env: dict[str, str]) -> None:
@@ -106,56 +146,57 @@ def build_package(job: ExportJob) -> dict[str, Any]:
     model: Any = None
     program: Any = None
     compiler: str | None = None
+    form = job.form
     started = time.time()
     workdir = tempfile.mkdtemp(prefix="aiocompile-export-")
     try:
         clock = time.perf_counter()
         model = unpack(job.parcel)
         args, kwargs = torch.load(io.BytesIO(job.inputs), weights_only=False)
+        kwargs = dict(sorted(kwargs.items()))  # as the Python form's runner orders them
         times[stage] = time.perf_counter() - clock
 
         stage, clock = "export", time.perf_counter()
-        program = torch.export.export(model, tuple(args), dict(kwargs))
+        program = torch.export.export(model, tuple(args), kwargs)
         times[stage] = time.perf_counter() - clock
 
         stage, clock = "compile", time.perf_counter()
-        path = os.path.join(workdir, "model.pt2")
-        configs = {**job.inductor_configs, **PACKAGE_CONFIGS}
-        if "cpp.cxx" in configs:
-            compiler = repr(configs["cpp.cxx"])
-        else:  # Inductor's default, unless its C++ library cannot be loaded beside torch's
-            choice = _cxx.choose()
-            compiler = choice.describe()
-            if choice.replaced is not None:
-                configs["cpp.cxx"] = (None, choice.cxx)
-        torch._inductor.aoti_compile_and_package(program, package_path=path, inductor_configs=configs)
+        plan, form_reason = None, None
+        if form == "python":
+            form_reason = _graph.unavailable()
+            if form_reason is None:
+                plan = _graph.plan_of(program)
+                if plan is None:
+                    form_reason = ("the program mutates a buffer or an input, or takes an input the Python "
+                                   "form does not bind")
+        if plan is None:
+            form = "package"
+            compiler, path = _compile_package(job, program, workdir)
+        else:
+            artifact, compiled, extra = _graph.build(program, plan, tuple(args), kwargs, job.inductor_configs)
         times[stage] = time.perf_counter() - clock
 
         stage, clock = "trial", time.perf_counter()
-        runner = torch._inductor.aoti_load_package(path, device_index=job.device_index)
-        names = list(runner.get_constant_fqns())
         own = model_tensors(model)
-        found = {**dict(program.state_dict), **dict(program.constants)}
-        extra = {}
-        for name in names:
-            if name not in own:
-                if name not in found:
-                    raise RuntimeError(f"the package needs a constant {name!r} that neither the model nor the "
-                                       "exported program holds")
-                extra[name] = found[name]
-        runner.load_constants({**{n: own[n] for n in names if n in own}, **extra}, check_full_update=True)
+        if plan is None:
+            names, extra, got = _try_package(path, job.device_index, program, own, args, kwargs)
+            with open(path, "rb") as f:
+                built = {"package": f.read(), "constants": names}
+        else:
+            bound = {**own, **extra}
+            with torch.no_grad():
+                flat = _graph.flat_inputs(plan, lambda kind, name: bound[name], tuple(args), kwargs)
+                got = torch.utils._pytree.tree_unflatten(list(compiled(*flat)), program.call_spec.out_spec)
+            built = {"artifact": artifact, "plan": plan}
         with torch.no_grad():
-            got = runner(*args, **kwargs)
             expected = model(*args, **kwargs)
         difference = max_abs_difference(got, expected)
         times[stage] = time.perf_counter() - clock
-        with open(path, "rb") as f:
-            package = f.read()
         constants = io.BytesIO()
         torch.save({name: value.detach().cpu() for name, value in extra.items()}, constants)
     except Exception as exc:
         message = f"{stage} failed: {type(exc).__name__}: {_first_lines(exc)}"
-        if stage == "trial":
+        if stage == "trial" and form == "package":
             message += f" (the package was built by the C++ compiler {compiler})"
         error = CompileError(message, kernel_name=job.name, target=_target(job))
         if job.repro is not None:
@@ -170,13 +211,53 @@ def build_package(job: ExportJob) -> dict[str, Any]:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return {
-        "package": package,
-        "constants": names,
+        **built,
+        "form": form,
+        "form_reason": form_reason,
         "extra_constants": constants.getvalue(),
         "stages": times,
         "max_abs_difference": difference,
         "compiler": compiler,
     }
+
+
+def _compile_package(job: ExportJob, program: Any, workdir: str) -> tuple[str, str]:
+    """AOTInductor's package of the program, built with a C++ compiler whose library loads
+    beside torch's (:mod:`._cxx`); returns the compiler, described, and the package's path."""
+    import torch
+
+    path = os.path.join(workdir, "model.pt2")
+    configs = {**job.inductor_configs, **PACKAGE_CONFIGS}
+    if "cpp.cxx" in configs:
+        compiler = repr(configs["cpp.cxx"])
+    else:  # Inductor's default, unless its C++ library cannot be loaded beside torch's
+        choice = _cxx.choose()
+        compiler = choice.describe()
+        if choice.replaced is not None:
+            configs["cpp.cxx"] = (None, choice.cxx)
+    torch._inductor.aoti_compile_and_package(program, package_path=path, inductor_configs=configs)
+    return compiler, path
+
+
+def _try_package(path: str, device_index: int, program: Any, own: dict[str, Any], args: Any,
+                 kwargs: dict[str, Any]) -> tuple[list[str], dict[str, Any], Any]:
+    """Load the package here, give it this copy's weights and run it once: the names of the
+    constants it needs, the values of those the model does not hold, and its output."""
+    import torch
+
+    runner = torch._inductor.aoti_load_package(path, device_index=device_index)
+    names = list(runner.get_constant_fqns())
+    found = {**dict(program.state_dict), **dict(program.constants)}
+    extra = {}
+    for name in names:
+        if name not in own:
+            if name not in found:
+                raise RuntimeError(f"the package needs a constant {name!r} that neither the model nor the "
+                                   "exported program holds")
+            extra[name] = found[name]
+    runner.load_constants({**{n: own[n] for n in names if n in own}, **extra}, check_full_update=True)
+    with torch.no_grad():
+        return names, extra, runner(*args, **kwargs)
 
 
 def model_tensors(model: Any) -> dict[str, Any]:

@@ -47,12 +47,18 @@ class ShapeStatus:
     compiler: str | None = None
     """The C++ compiler the worker built the package with, and why, when it is not
     Inductor's default (``docs/torch.md``, "The C++ compiler")."""
+    form: str | None = None
+    """What the worker built: ``"package"`` (AOTInductor's) or ``"python"`` (Inductor's
+    Python wrapper); None until it has answered."""
+    form_reason: str | None = None
+    """Why the worker built a package where the Python form was asked for."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"signature": self.signature, "state": self.state, "error": self.error, "repro": self.repro,
                 "seconds": self.seconds, "stages": dict(self.stages),
                 "max_abs_difference": self.max_abs_difference, "eager_calls": self.eager_calls,
-                "compiled_calls": self.compiled_calls, "compiler": self.compiler}
+                "compiled_calls": self.compiled_calls, "compiler": self.compiler,
+                "form": self.form, "form_reason": self.form_reason}
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,8 @@ class _Entry:
     stages: tuple[tuple[str, float], ...] = ()
     difference: float | None = None
     compiler: str | None = None
+    form: str | None = None
+    form_reason: str | None = None
     eager_calls: int = 0
     compiled_calls: int = 0
     done: cf.Future[None] = field(default_factory=cf.Future)
@@ -126,5 +134,5 @@ class _Entry:
             error=None if error is None else f"{type(error).__name__}: {error}",
             repro=getattr(error, "repro", None), seconds=self.seconds, stages=self.stages,
             max_abs_difference=self.difference, eager_calls=self.eager_calls, compiled_calls=self.compiled_calls,
-            compiler=self.compiler,
+            compiler=self.compiler, form=self.form, form_reason=self.form_reason,
         )
