@@ -50,3 +50,37 @@ def vec_isa_known() -> tuple[int, str]:
 
     known = cpu_vec_isa.valid_vec_isa_list.cache_info().currsize
     return known, str(cpu_vec_isa.pick_vec_isa()) if known else ""
+
+
+class Keyed(nn.Module):
+    """A parameter, a buffer, a tensor constant made during tracing, a plain int argument
+    and keyword inputs, with a structured output: every kind of input the Python form
+    binds."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+        self.register_buffer("shift", torch.linspace(-1, 1, width))
+        self.offset = torch.tensor([0.5])  # neither parameter nor buffer: a constant to export
+
+    def forward(self, x: torch.Tensor, times: int, *, gate: torch.Tensor, bias: torch.Tensor) -> dict:
+        y = self.proj(x) * times + self.shift + self.offset
+        return {"y": y * torch.sigmoid(gate), "parts": (y.sum(-1), bias * 2)}
+
+
+class Counts(nn.Module):
+    """Adds to a buffer at every call: a program that mutates its state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        return x * 2
+
+
+def keyed_inputs(seed: int = 0) -> tuple[tuple, dict]:
+    generator = torch.Generator().manual_seed(seed)
+    return ((torch.randn(4, 16, generator=generator), 3),
+            {"gate": torch.randn(4, 16, generator=generator), "bias": torch.randn(2, generator=generator)})

@@ -9,6 +9,7 @@ session-wide one (a ``Scheduler`` is not tied to an event loop) or makes its own
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import inspect
 import os
 import shutil
@@ -34,9 +35,10 @@ os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="aiocompile-tests-cache-"
 try:
     import pytest_asyncio  # noqa: F401
 
-    _RUNNERS = ["asyncio", "trio"]
-except ImportError:  # pragma: no cover - machines without pytest-asyncio run the trio half
-    _RUNNERS = ["trio"]
+    _PYTEST_ASYNCIO = True
+except ImportError:  # pragma: no cover - machines without it run the asyncio half with anyio's plugin
+    _PYTEST_ASYNCIO = False
+_TRIO = importlib.util.find_spec("trio") is not None
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -55,12 +57,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     # pytest-asyncio the ones marked asyncio, where it is None.
     if "anyio_backend" not in metafunc.fixturenames:
         metafunc.fixturenames.append("anyio_backend")
-    params = []
-    for runner in _RUNNERS:
-        if runner == "asyncio":
-            params.append(pytest.param(None, marks=pytest.mark.asyncio, id="asyncio"))
-        else:
-            params.append(pytest.param("trio", marks=pytest.mark.anyio, id="trio"))
+    params = [
+        pytest.param(None, marks=pytest.mark.asyncio, id="asyncio") if _PYTEST_ASYNCIO
+        else pytest.param("asyncio", marks=pytest.mark.anyio, id="asyncio"),
+        pytest.param("trio", marks=[pytest.mark.anyio, pytest.mark.skipif(not _TRIO, reason="trio is not installed")],
+                     id="trio"),
+    ]
     metafunc.parametrize("anyio_backend", params)
 
 

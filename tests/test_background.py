@@ -28,7 +28,7 @@ torch = pytest.importorskip("torch")
 import background_models  # noqa: E402  (needs torch)
 
 import aiocompile.torch as aiotorch  # noqa: E402
-from aiocompile.backends.inductor import _ahead  # noqa: E402
+from aiocompile.backends.inductor import _ahead, _graph  # noqa: E402
 from aiocompile.backends.inductor._states import TRANSITIONS  # noqa: E402
 
 TIMEOUT = 600
@@ -94,6 +94,8 @@ def bundle_manifest(bundle: str) -> dict:
     (dict(strict="yes"), TypeError, "strict"),
     (dict(timeout=-1), ValueError, "timeout"),
     (dict(scheduler="default"), TypeError, "scheduler"),
+    (dict(artifact="so"), ValueError, "'auto', 'package', 'python'"),
+    (dict(artifact=None), TypeError, "artifact"),
 ])
 def test_bad_options_are_refused_at_once(kwargs, error, match):
     model, _ = background_models.make_mlp()
@@ -464,3 +466,103 @@ def assert_same_failure(proc: subprocess.CompletedProcess, manifest: dict) -> No
     message's first line."""
     assert f"{manifest['error_type']}: " in proc.stderr, proc.stderr[-3000:]
     assert manifest["error"].strip().splitlines()[0] in proc.stderr, proc.stderr[-3000:]
+
+
+# -- the Python form ---------------------------------------------------------------------------
+
+
+def test_the_python_forms_plan_binds_weights_constants_and_argument_leaves_in_the_graphs_order():
+    torch.manual_seed(0)
+    model = background_models.Keyed().eval()
+    args, kwargs = background_models.keyed_inputs()
+    program = torch.export.export(model, args, dict(sorted(kwargs.items())))
+    plan = _graph.plan_of(program)
+    assert plan is not None
+    assert plan.inputs == (("weight", "proj.weight"), ("weight", "proj.bias"), ("weight", "shift"),
+                           ("constant", "offset"), ("input", 0), ("input", 1), ("input", 2), ("input", 3))
+    assert plan.constants == ("offset",)
+    # The leaves are the call's (args, kwargs) with keywords in name order, whatever order
+    # the call gives them in.
+    state = {**dict(program.state_dict), **dict(program.constants)}
+    reordered = {"gate": kwargs["gate"], "bias": kwargs["bias"]}
+    flat = _graph.flat_inputs(plan, lambda kind, name: state[name], args, reordered)
+    assert flat[4] is args[0] and flat[5] == 3 and flat[6] is kwargs["bias"] and flat[7] is kwargs["gate"]
+    # The graph run on those inputs gives the model's output in the model's structure.
+    out = torch.utils._pytree.tree_unflatten(list(program.graph_module(*flat)),
+                                             torch.utils._pytree.treespec_loads(plan.out_spec))
+    torch.testing.assert_close(out, model(*args, **kwargs))
+
+
+def test_a_program_whose_outputs_include_a_buffers_new_value_has_no_python_plan():
+    """``torch.export`` keeps an in-place update in the graph (AOTAutograd applies it to the
+    bound buffer: the next test); a functionalised program returns the new value instead,
+    which the plan would have to copy back, so it has none."""
+    program = torch.export.export(background_models.Counts().eval(), (torch.randn(3),))
+    assert _graph.plan_of(program) is not None
+    assert _graph.plan_of(program.run_decompositions()) is None
+
+
+@pytest.mark.parametrize(("variable", "names"), [
+    ("TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_FX_GRAPH_CACHE=0"),
+    ("TORCHINDUCTOR_AUTOGRAD_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE=0"),
+])
+def test_a_process_whose_environment_turns_inductors_caches_off_cannot_make_the_python_form(variable, names):
+    """The variables are read when torch is imported: a fresh interpreter."""
+    code = "from aiocompile.backends.inductor import _graph; print(_graph.unavailable())"
+    env = {**subprocess_env(), variable: "0"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr
+    assert names in done.stdout
+    env.pop(variable)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=TIMEOUT)
+    assert done.stdout.strip() == "None", done.stderr
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.usefixtures("fresh_inductor")
+def test_the_python_form_serves_compiled_with_the_models_own_weights(sched):
+    """On the CPU the default is a package; asked for, the Python form compiles there too
+    (Inductor's C++ kernels under a Python wrapper)."""
+    torch.manual_seed(0)
+    model = background_models.Keyed().eval()
+    args, kwargs = background_models.keyed_inputs()
+    with torch.no_grad():
+        expected = model(*args, **kwargs)
+    compiled = aiotorch.compile_in_background(model, scheduler=sched, artifact="python")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(*args, **kwargs), expected, rtol=0, atol=0)
+    shape = asyncio.run(compiled.ready(*args, **kwargs))
+    assert shape.state == "compiled", shape.error
+    assert (shape.form, shape.form_reason, shape.compiler) == ("python", None, None)
+    assert shape.max_abs_difference is not None and shape.max_abs_difference < 1e-4
+    with torch.no_grad():
+        # Keywords in another order are the same signature.
+        got = compiled(*args, bias=kwargs["bias"], gate=kwargs["gate"])
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    assert compiled.status().shapes[0].compiled_calls == 1
+    # The weights are the model's own, not a copy: changed in place, the compiled version
+    # uses them as they are.
+    with torch.no_grad():
+        model.proj.weight.mul_(2)
+        model.shift.add_(1)
+        expected = model(*args, **kwargs)
+        torch.testing.assert_close(compiled(*args, **kwargs), expected, rtol=1e-4, atol=1e-5)
+    assert compiled.status().shapes[0].compiled_calls == 2
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.usefixtures("fresh_inductor")
+def test_a_model_that_updates_a_buffer_in_place_updates_its_own_buffer_when_compiled(sched):
+    model = background_models.Counts().eval()
+    x = torch.randn(3)
+    compiled = aiotorch.compile_in_background(model, scheduler=sched, artifact="python")
+    with torch.no_grad():
+        compiled(x)
+    shape = asyncio.run(compiled.ready(x))
+    assert shape.state == "compiled" and shape.form == "python", shape.error
+    assert model.calls.item() == 1  # the eager call; the worker's trial updated its own copy
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), x * 2)
+        compiled(x)
+    assert compiled.status().shapes[0].compiled_calls == 2
+    assert model.calls.item() == 3

@@ -507,8 +507,8 @@ def compile_in_background(
       answered eagerly, and start nothing;
     - ``artifact``: what the worker builds. ``"package"``: an AOTInductor package (a C++
       wrapper, loaded with a ``dlopen``); ``"python"``: Inductor's Python wrapper and
-      kernels, as ``torch.compile`` runs them (a model that mutates a buffer gets a
-      package all the same); ``"auto"`` (default): the Python form for inputs on a GPU,
+      kernels, as ``torch.compile`` runs them (a program it cannot run gets a package
+      all the same, ``ShapeStatus.form_reason`` says why); ``"auto"`` (default): the Python form for inputs on a GPU,
       where a package's C++ build costs several times the whole compile, the package
       for inputs on the CPU, where the Python form's load costs the serving process
       seconds of CPU (``docs/torch.md``).

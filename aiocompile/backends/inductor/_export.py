@@ -13,7 +13,7 @@ call, and goes through four stages, each timed:
      shared C++ library (:mod:`._cxx`: its packages do not load beside torch);
    - ``"python"``: Inductor compiles the program's graph, weights lifted as inputs, into
      its Python wrapper and kernels (:mod:`._graph`), as ``torch.compile`` does; a program
-     that form cannot run (it mutates a buffer) gets a package instead;
+     that form cannot run gets a package instead (``form_reason`` says why);
 
 4. ``trial``: the package is loaded here (or the compiled graph called), given this copy's
    weights, and run once on the inputs beside the model itself; what comes back says how
@@ -167,8 +167,8 @@ def build_package(job: ExportJob) -> dict[str, Any]:
             if form_reason is None:
                 plan = _graph.plan_of(program)
                 if plan is None:
-                    form_reason = ("the program mutates a buffer or an input, or takes an input the Python "
-                                   "form does not bind")
+                    form_reason = ("the program returns a buffer's or an input's new value, or takes an input "
+                                   "the Python form does not bind")
         if plan is None:
             form = "package"
             compiler, path = _compile_package(job, program, workdir)
@@ -181,7 +181,7 @@ def build_package(job: ExportJob) -> dict[str, Any]:
         if plan is None:
             names, extra, got = _try_package(path, job.device_index, program, own, args, kwargs)
             with open(path, "rb") as f:
-                built = {"package": f.read(), "constants": names}
+                built: dict[str, Any] = {"package": f.read(), "constants": names}
         else:
             bound = {**own, **extra}
             with torch.no_grad():

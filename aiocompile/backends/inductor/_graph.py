@@ -20,8 +20,11 @@ host, against 6.9 s for stock ``torch.compile``'s whole first call). Stock
   compiles: with it, the load holds the interpreter lock for 0.8 s of CPU in pieces of at
   most 6.4 ms on the H100 host, without it 3.5 s in pieces of up to 159 ms.
 
-A program that mutates a buffer or an input, or takes inputs other than weights,
-constants and argument leaves, has no plan (:func:`plan_of` answers None), and a worker
+An update in place (a buffer's ``add_``) stays in the exported graph, and AOTAutograd
+applies it to the tensor bound there: the serving model's own buffer. A program that
+returns a buffer's or an input's new value instead (a functionalised one), or takes
+inputs other than weights, constants and argument leaves, has no plan (:func:`plan_of`
+answers None), and a worker
 whose environment turns Inductor's caches off cannot save the artifact
 (:func:`unavailable` says why): the worker builds a package instead, and says why.
 
@@ -62,7 +65,7 @@ class Plan:
 
 def plan_of(program: Any) -> Plan | None:
     """The plan of an exported program, or None when its graph is not one this form runs
-    (it mutates a buffer or an input, or takes an input of another kind)."""
+    (it returns a buffer's or an input's new value, or takes an input of another kind)."""
     from torch.export.graph_signature import InputKind, OutputKind
     from torch.utils import _pytree as pytree
 
@@ -92,11 +95,14 @@ def unavailable() -> str | None:
     import torch
 
     if torch.compiler.config.force_disable_caches:
-        return "the Python form is made of Inductor's cache entries, and TORCHINDUCTOR_FORCE_DISABLE_CACHES turns them off"
+        return ("the Python form is made of Inductor's cache entries, and TORCHINDUCTOR_FORCE_DISABLE_CACHES "
+                "turns them off")
     if not torch._inductor.config.fx_graph_cache:
-        return "the Python form is made of Inductor's FX graph cache entries, and TORCHINDUCTOR_FX_GRAPH_CACHE=0 turns that cache off"
+        return ("the Python form is made of Inductor's FX graph cache entries, and TORCHINDUCTOR_FX_GRAPH_CACHE=0 "
+                "turns that cache off")
     if not torch._functorch.config.enable_autograd_cache:
-        return "the Python form is made of AOTAutograd's cache entries, and TORCHINDUCTOR_AUTOGRAD_CACHE=0 turns that cache off"
+        return ("the Python form is made of AOTAutograd's cache entries, and TORCHINDUCTOR_AUTOGRAD_CACHE=0 "
+                "turns that cache off")
     if torch._inductor.config.freezing:
         return "the Python form cannot be made with Inductor's freezing on"
     return None
@@ -158,13 +164,18 @@ class GraphRunner:
 def load(artifact: bytes, plan: Plan, tensors: dict[str, Any]) -> GraphRunner:
     """The artifact loaded here (its kernels' binaries too), bound to ``tensors``: every
     weight and constant the plan names."""
+    from torch._inductor import config
     from torch._inductor.standalone_compile import AOTCompiledArtifact
 
     fd, path = tempfile.mkstemp(prefix="aiocompile-graph-")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(artifact)
-        compiled = AOTCompiledArtifact.load(path=path, format="binary")  # checks the torch build it was made by
+        # The wrapper's code hands each kernel to Inductor's compiler, which finds its
+        # binary; with more than one compile thread it would first start Inductor's
+        # process pool here (a subprocess, and its workers) for binaries already built.
+        with config.patch(compile_threads=1):
+            compiled = AOTCompiledArtifact.load(path=path, format="binary")  # checks the torch build it was made by
     finally:
         os.unlink(path)
     return GraphRunner(compiled, plan, tensors)
