@@ -5,8 +5,9 @@ beside stock ``torch.compile``, on the two transformer blocks of
 Each measurement is a fresh interpreter with empty Inductor and Triton caches (Inductor's
 caches on, as by default: the Python form is made of their entries), the model already
 run eagerly (CUDA and its libraries initialised before the clock), and the compile pools
-started before the clock, as in a server that starts them at start-up. Calls come one after another with a short pause between them (``--pause``),
-the way requests reach a model. Ways:
+started before the clock, as in a server that starts them at start-up. Calls come one
+after another with a short pause between them (``--pause``), the way requests reach a
+model. Ways:
 
 - ``stock``: ``torch.compile(model)``; its first call compiles (everything waits);
 - ``subprocess``: the same with ``TORCHINDUCTOR_FX_COMPILE_MODE=subprocess`` (Inductor's

@@ -292,10 +292,13 @@ def test_an_export_failure_bundle_reproduces_it(sched):
 
 @pytest.mark.timeout(TIMEOUT)
 @pytest.mark.usefixtures("fresh_inductor")
-def test_an_inductor_error_leaves_eager_serving_and_its_bundle_fails_the_same_way(sched, tmp_path):
+@pytest.mark.parametrize("artifact", ["package", "python"])
+def test_an_inductor_error_leaves_eager_serving_and_its_bundle_fails_the_same_way(sched, tmp_path, artifact):
+    """In either form: the bundle's script compiles in the form the worker did."""
     cxx = compiler(tmp_path, "broken-g++", 'echo "broken-g++: this compiler compiles nothing" >&2\nexit 1\n')
     model, x = background_models.make_mlp()
-    compiled = aiotorch.compile_in_background(model, options={"cpp.cxx": (None, cxx)}, scheduler=sched)
+    compiled = aiotorch.compile_in_background(model, options={"cpp.cxx": (None, cxx)}, scheduler=sched,
+                                              artifact=artifact)
     shape = asyncio.run(compiled.ready(x))
     assert shape.state == "failed" and "compile failed" in shape.error
     with torch.no_grad():
@@ -313,6 +316,8 @@ def test_an_inductor_error_leaves_eager_serving_and_its_bundle_fails_the_same_wa
     assert_same_failure(proc, manifest)
     assert "InvalidCxxCompiler" in proc.stderr and "broken-g++" in proc.stderr
     assert "InvalidCxxCompiler" in (bundle / "error.txt").read_text()
+    assert f"FORM = {artifact!r}" in (bundle / "repro.py").read_text()
+    assert ("standalone_compile" in proc.stderr) == (artifact == "python")
 
 
 @pytest.mark.timeout(TIMEOUT)

@@ -175,6 +175,7 @@ def background_script(job: ExportJob, stage: str, error_type: str) -> str:
         name=job.name, signature=job.signature, stage=stage, error_type=error_type,
         configs=configs_literal(job.inductor_configs), package_configs=repr(_package_configs()),
         device_index=job.device_index, main_dir=repr(main_dir), sys_path=repr([p for p in sys.path if p]),
+        form=repr(job.form),
     )
 
 
@@ -189,9 +190,10 @@ _BACKGROUND_SCRIPT = '''\
 
 It failed at {stage} with {error_type} (error.txt has the whole story). This script does
 what the compile worker did, each step in this process: load the model and the inputs
-kept here, torch.export, AOTInductor's compile and package, load the package and run it
-beside the model. Run it with the torch the failure happened with (bundle.json says
-which):
+kept here, torch.export, Inductor's compile in the worker's form (FORM: AOTInductor's
+package, or Inductor's Python wrapper through standalone_compile), and the compiled
+version run beside the model. Run it with the torch the failure happened with
+(bundle.json says which):
 
     python repro.py
 """
@@ -212,6 +214,7 @@ sys.path.extend(path for path in {sys_path} if path not in sys.path)
 INDUCTOR_CONFIGS = {configs}
 PACKAGE_CONFIGS = {package_configs}
 DEVICE_INDEX = {device_index}
+FORM = {form}
 
 
 def load_model():
@@ -245,8 +248,38 @@ def main():
     model = load_model()
     args, kwargs = torch.load(os.path.join(HERE, "inputs.pt"), weights_only=False)
     print("export", flush=True)
-    program = torch.export.export(model, tuple(args), dict(kwargs))
+    kwargs = dict(sorted(kwargs.items()))
+    program = torch.export.export(model, tuple(args), kwargs)
     print("compile", flush=True)
+    if FORM == "python":
+        got = python_form(program, args, kwargs)
+    else:
+        got = package(program, model, args, kwargs)
+    with torch.no_grad():
+        expected = model(*args, **kwargs)
+    print("compiled output equals eager:", all(
+        torch.allclose(a, b, rtol=1e-3, atol=1e-3) for a, b in zip(
+            torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(expected))))
+    print("no failure: this torch compiles the model")
+
+
+def python_form(program, args, kwargs):
+    """The graph, weights lifted as inputs, through Inductor's precompilation path."""
+    from torch.export.graph_signature import InputKind
+
+    state = {{**dict(program.state_dict), **dict(program.constants)}}
+    leaves = iter(torch.utils._pytree.tree_leaves((tuple(args), kwargs)))
+    flat = [next(leaves) if spec.kind == InputKind.USER_INPUT else state[spec.target]
+            for spec in program.graph_signature.input_specs]
+    with torch._inductor.config.patch(INDUCTOR_CONFIGS), torch.no_grad():
+        compiled = torch._inductor.standalone_compile(program.graph_module, flat,
+                                                      dynamic_shapes="from_example_inputs", aot=True)
+        compiled.save(path=os.path.join(tempfile.mkdtemp(prefix="repro-"), "artifact.bin"), format="binary")
+        print("trial", flush=True)
+        return torch.utils._pytree.tree_unflatten(list(compiled(*flat)), program.call_spec.out_spec)
+
+
+def package(program, model, args, kwargs):
     path = os.path.join(tempfile.mkdtemp(prefix="repro-"), "model.pt2")
     torch._inductor.aoti_compile_and_package(
         program, package_path=path, inductor_configs={{**INDUCTOR_CONFIGS, **PACKAGE_CONFIGS}})
@@ -257,12 +290,7 @@ def main():
                **dict(program.state_dict), **dict(program.constants)}}
     runner.load_constants({{name: tensors[name] for name in runner.get_constant_fqns()}}, check_full_update=True)
     with torch.no_grad():
-        got = runner(*args, **kwargs)
-        expected = model(*args, **kwargs)
-    print("compiled output equals eager:", all(
-        torch.allclose(a, b, rtol=1e-3, atol=1e-3) for a, b in zip(
-            torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(expected))))
-    print("no failure: this torch compiles the model")
+        return runner(*args, **kwargs)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ Nothing here imports torch at module level (the parent names these functions for
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import shutil
@@ -203,7 +204,8 @@ def build_package(job: ExportJob) -> dict[str, Any]:
             from aiocompile.backends.inductor import _bundles
 
             try:
-                error.repro = _bundles.background_failure(job, stage, exc, model=model, program=program,
+                built_as = job if form == job.form else dataclasses.replace(job, form=form)
+                error.repro = _bundles.background_failure(built_as, stage, exc, model=model, program=program,
                                                           since=started)
             except Exception as bundle_error:  # noqa: BLE001 - the compile's error is the one to report
                 error.output = f"the repro bundle could not be written: {bundle_error}"
