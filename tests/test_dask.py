@@ -43,6 +43,10 @@ def cluster_client():
                                       silence_logs=logging.CRITICAL) as cluster:
             with distributed.Client(cluster, set_as_default=False) as client:
                 yield client
+                # A worker a test killed may still be restarting: closing the cluster
+                # then races its registration (distributed's SpecCluster raised KeyError
+                # for its address in one run), so the close waits for both to be up.
+                client.wait_for_workers(2, timeout=120)
 
 
 @pytest.fixture
