@@ -92,8 +92,13 @@ def unavailable() -> str | None:
     artifact is made of Inductor's and AOTAutograd's cache entries, and the environment
     variables that turn those caches off are read once, when torch is imported, and win
     over any setting made later."""
+    import inspect
+
     import torch
 
+    standalone = getattr(torch._inductor, "standalone_compile", None)
+    if standalone is None or "aot" not in inspect.signature(standalone).parameters:
+        return f"this torch ({torch.__version__}) has no standalone_compile(aot=True), which makes the Python form"
     if torch.compiler.config.force_disable_caches:
         return ("the Python form is made of Inductor's cache entries, and TORCHINDUCTOR_FORCE_DISABLE_CACHES "
                 "turns them off")
