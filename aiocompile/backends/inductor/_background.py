@@ -24,11 +24,12 @@ thread beside eager calls also trips over the fake-tensor mode's thread state). 
 it runs in a worker process of an aiocompile scheduler (``_export.build_package``):
 
 1. here, in a thread: the model is pickled (``_parcel``) with the call's inputs;
-2. in a worker: ``torch.export``, AOTInductor's compile into a package without weights,
-   and a trial run of the package beside the model;
-3. here, in a thread: the package is loaded (``aoti_load_package``) and bound to this
-   process's own parameters and buffers (``load_constants(user_managed=True)``: no copy;
-   weights changed in place later are used as they are).
+2. in a worker: ``torch.export``, Inductor's compile in one of two forms (``artifact``:
+   Inductor's Python wrapper, :mod:`._graph`, the default on a GPU; an AOTInductor package
+   without weights, the default on the CPU), and a trial run beside the model;
+3. here, in a thread: the compiled version is loaded and bound to this process's own
+   parameters and buffers (no copy: weights changed in place later are used as they
+   are).
 
 Each signature's life is a small state machine (``_states.TRANSITIONS``): ``compiling`` then
 ``compiled`` or ``failed``; ``compiled`` becomes ``failed`` if the compiled version ever
@@ -59,7 +60,7 @@ __all__ = ["TRANSITIONS", "BackgroundCompiled", "BackgroundStatus", "ShapeStatus
 
 MODES = (None, "default", "max-autotune", "max-autotune-no-cudagraphs")
 """``mode=`` values: Inductor's own settings for the mode, less CUDA graphs (the compiled
-version is an AOTInductor package, which CUDA graph trees do not apply to)."""
+version is not run under CUDA graph trees)."""
 
 # Packing the model and loading packages: a lane of its own, so that a large model being
 # pickled never delays a kernel load.
@@ -263,7 +264,7 @@ class BackgroundCompiled:
                 self._parcel = None
 
     def _finish(self, entry: _Entry, job: _export.ExportJob, done: cf.Future[Any]) -> None:
-        """Load the package the worker built and switch the signature to it (in a lane's
+        """Load what the worker built and switch the signature to it (in a lane's
         thread), or record why there is none. Whatever goes wrong here fails the
         signature: nothing is left compiling for ever."""
         self._release_parcel()
@@ -513,9 +514,9 @@ def compile_in_background(
       for inputs on the CPU, where the Python form's load costs the serving process
       seconds of CPU (``docs/torch.md``).
 
-    The whole compile (``torch.export``, AOTInductor's lowering and compile, a trial
+    The whole compile (``torch.export``, Inductor's lowering and compile, a trial
     run) happens in a worker process; this process only packs the model, loads the
-    package and binds it to its own weights, in threads. A model that cannot be exported
+    compiled version and binds it to its own weights, in threads. A model that cannot be exported
     or compiled, a worker that crashes, a compile that times out: the signature stays
     eager, its error (and its repro bundle's directory) in ``status()``.
     """
@@ -534,13 +535,13 @@ def compile_in_background(
     if not isinstance(backend, str):
         raise TypeError(f"backend must be 'inductor', got {backend!r} ({type(backend).__name__})")
     if backend != "inductor":
-        raise ValueError(f"backend must be 'inductor' (the compile is AOTInductor's), got {backend!r}")
+        raise ValueError(f"backend must be 'inductor' (the compile is Inductor's), got {backend!r}")
     if mode is not None and not isinstance(mode, str):
         raise TypeError(f"mode must be a str or None, got {mode!r} ({type(mode).__name__})")
     if mode not in MODES:
         shown = ", ".join(repr(m) for m in MODES)
         raise ValueError(f"mode must be one of {shown}, got {mode!r}" + (
-            " (CUDA graphs do not apply to the compiled package)" if mode == "reduce-overhead" else ""))
+            " (CUDA graphs are not applied to the compiled version)" if mode == "reduce-overhead" else ""))
     if options is not None and not isinstance(options, Mapping):
         raise TypeError(f"options must be a dict of Inductor settings or None, got {type(options).__name__}")
     if options and mode not in (None, "default"):
