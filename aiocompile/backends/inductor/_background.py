@@ -559,13 +559,14 @@ def compile_in_background(
     configs = _inductor_configs(torch, mode, dict(options or {}))
     owned = False
     device = _model_device(model)
+    form = artifact if artifact != "auto" else ("python" if device == "cuda" else "package")
     # What loading the compiled version will need here, made from now on (a server wraps
     # its model at start-up), not beside the first compile's eager calls: the Python
     # form's imports hold the interpreter lock for seconds.
     if not disable:
-        _ahead.for_form(artifact if artifact != "auto" else ("python" if device == "cuda" else "package")).start()
+        _ahead.for_form(form).start()
     if scheduler is None:
-        scheduler, owned = _scheduler_for_background(device)
+        scheduler, owned = _scheduler_for_background(device, form)
     return BackgroundCompiled(model, inductor_configs=configs, scheduler=scheduler, owns_scheduler=owned,
                               strict=strict, timeout=timeout, disabled=disable, max_signatures=max_signatures,
                               artifact=artifact)
@@ -606,12 +607,13 @@ def _inductor_configs(torch: Any, mode: str | None, options: dict[str, Any]) -> 
     return {name: value for name, value in chosen.items() if "cudagraph" not in name}
 
 
-def _scheduler_for_background(device: str = "cpu") -> tuple[Scheduler, bool]:
+def _scheduler_for_background(device: str = "cpu", form: str = "package") -> tuple[Scheduler, bool]:
     """The scheduler ``aiocompile.torch.install()`` uses if installed (its workers start
     with torch); else a new one, owned by the caller: the environment's configuration, at
     most ``MAX_OWN_WORKERS`` workers, torch imported in its fork server, and its workers
     started at once, each importing what a compile needs while the program starts up
-    (and, for a model on a GPU, compiling a small one there: ``_export.warm_up``)."""
+    (for a package, Inductor's CPU check; for a model on a GPU, compiling a small one
+    there: ``_export.warm_up``)."""
     from aiocompile import torch as aiotorch
     from aiocompile._config import SchedulerConfig
 
@@ -621,7 +623,7 @@ def _scheduler_for_background(device: str = "cpu") -> tuple[Scheduler, bool]:
     config = SchedulerConfig.from_env()
     scheduler = Scheduler(config=config.with_changes(preload=(*config.preload, aiotorch.PRELOAD),
                                                      workers=min(config.workers, MAX_OWN_WORKERS)))
-    scheduler._warm_workers(_export.warm_up, (device,))
+    scheduler._warm_workers(_export.warm_up, (device, form))
     return scheduler, True
 
 

@@ -86,14 +86,15 @@ ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_", "TORCH_LOGS")
 _MODULES = ("torch", "torch.export", "torch._export", "torch._inductor.compile_fx", "torch._inductor.package")
 
 
-def warm_up(device: str = "cpu") -> float:
-    """Import what a background compile needs in this worker, and make Inductor's CPU
-    vector-ISA check (a test program built and loaded per instruction set, once per
-    process, which every package's compile needs: see :mod:`._isa`); for ``device="cuda"``,
-    also start Inductor's compile pool (without it, a graph's Triton kernels compile one
-    after another) and compile a one-layer model there in the Python form (Inductor's code
+def warm_up(device: str = "cpu", form: str = "package") -> float:
+    """Import what a background compile needs in this worker; for ``form="package"``, make
+    Inductor's CPU vector-ISA check (a test program built and loaded per instruction set,
+    once per process, which every package's compile needs: see :mod:`._isa`; 65 to 72 s
+    on the H100 host, and the Python form needs none of it); for ``device="cuda"``, start
+    Inductor's compile pool (without it, a graph's Triton kernels compile one after
+    another) and compile a one-layer model there in the Python form (Inductor's code
     generators imported, CUDA and Triton's driver ready: 6.7 s of a first compile on the
-    H100 host); returns the seconds it took (about 0 when done before)."""
+    H100 host). Returns the seconds it took (about 0 when done before)."""
     import importlib
     import sys
 
@@ -101,7 +102,8 @@ def warm_up(device: str = "cpu") -> float:
     for name in _MODULES:
         if name not in sys.modules:
             importlib.import_module(name)
-    _isa.make()
+    if form == "package":
+        _isa.make()
     if device == "cuda" and device not in _warmed:
         _warm_cuda()
         _warmed.add(device)
