@@ -8,8 +8,9 @@ Made by the load itself, they would add to the time until compiled and hold the 
 pieces long enough to be seen in the eager calls' latency.
 
 Each is an :class:`Ahead`: :meth:`~Ahead.start` runs it once per process in a thread of its
-own, from the first background compile's submission on; :meth:`~Ahead.wait` is called by
-the load, which then finds it made.
+own, from the moment a model is wrapped (``compile_in_background``; again, a no-op, at
+each compile's submission); :meth:`~Ahead.wait` is called by the load, which then finds
+it made.
 """
 
 from __future__ import annotations

@@ -219,7 +219,7 @@ class BackgroundCompiled:
             inputs = io.BytesIO()
             torch.save((tuple(args), dict(kwargs)), inputs)
             device_index = _device_index(torch, args, kwargs)
-            form = self._artifact if self._artifact != "auto" else ("python" if device_index >= 0 else "package")
+            form = _form(self._artifact, on_gpu=device_index >= 0)
             job = _export.ExportJob(
                 name=self._name, signature=entry.text, parcel=parcel, inputs=inputs.getvalue(),
                 inductor_configs=dict(self._configs), device_index=device_index,
@@ -559,7 +559,7 @@ def compile_in_background(
     configs = _inductor_configs(torch, mode, dict(options or {}))
     owned = False
     device = _model_device(model)
-    form = artifact if artifact != "auto" else ("python" if device == "cuda" else "package")
+    form = _form(artifact, on_gpu=device == "cuda")
     # What loading the compiled version will need here, made from now on (a server wraps
     # its model at start-up), not beside the first compile's eager calls: the Python
     # form's imports hold the interpreter lock for seconds.
@@ -573,6 +573,14 @@ def compile_in_background(
 
 
 ARTIFACTS = ("auto", "package", "python")
+
+
+def _form(artifact: str, *, on_gpu: bool) -> str:
+    """What ``artifact`` asks the worker to build: ``"auto"`` is the Python form on a GPU,
+    the package on the CPU."""
+    if artifact != "auto":
+        return artifact
+    return "python" if on_gpu else "package"
 
 
 def _model_device(model: Any) -> str:

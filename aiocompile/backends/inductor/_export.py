@@ -186,10 +186,8 @@ def build_package(job: ExportJob) -> dict[str, Any]:
             with open(path, "rb") as f:
                 built: dict[str, Any] = {"package": f.read(), "constants": names}
         else:
-            bound = {**own, **extra}
-            with torch.no_grad():
-                flat = _graph.flat_inputs(plan, lambda kind, name: bound[name], tuple(args), kwargs)
-                got = torch.utils._pytree.tree_unflatten(list(compiled(*flat)), program.call_spec.out_spec)
+            with torch.no_grad():  # called as the serving process will call it
+                got = _graph.GraphRunner(compiled, plan, {**own, **extra})(*args, **kwargs)
             built = {"artifact": artifact, "plan": plan}
         with torch.no_grad():
             expected = model(*args, **kwargs)

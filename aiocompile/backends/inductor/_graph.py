@@ -33,7 +33,6 @@ Nothing here imports torch at module level.
 
 from __future__ import annotations
 
-import io
 import os
 import tempfile
 from dataclasses import dataclass
@@ -202,11 +201,3 @@ def prepare() -> None:
     from torch._inductor.codecache import torch_key
 
     torch_key()
-
-
-def saved_constants(constants: dict[str, Any]) -> bytes:
-    import torch
-
-    buffer = io.BytesIO()
-    torch.save({name: value.detach().cpu() for name, value in constants.items()}, buffer)
-    return buffer.getvalue()
