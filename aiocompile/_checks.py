@@ -149,6 +149,20 @@ class Number(Rule):
 
 
 @dataclass(frozen=True)
+class SwitchableNumber(Number):
+    """A number that may be switched off: ``None`` as a value; in the environment, one of
+    the false words (``0``, ``false``, ``no``, ``off``) or ``none``."""
+
+    def parse(self, setting: str, text: str) -> Any:
+        if text.lower() in (*_FALSE_WORDS, "none"):
+            return None
+        return super().parse(setting, text)
+
+    def describe(self, unset: str = "use None") -> str:
+        return super().describe("set it to off" if unset == "leave it unset" else unset)
+
+
+@dataclass(frozen=True)
 class Choice(Rule):
     """One of a few values, all of one type (names, or warp sizes)."""
 

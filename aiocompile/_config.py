@@ -44,6 +44,9 @@ AIOCOMPILE_BENCHMARK_TIMEOUT
                            (``autotune()``) before it counts as hung (default: 60)
 AIOCOMPILE_TUNING_DEVICES  the devices given a benchmark process, comma-separated
                            (default: every visible device)
+AIOCOMPILE_TUNING_SCREEN   how far behind the fastest, after a short timing, a
+                           configuration may be and still be timed in full, or off:
+                           time every one in full (default: 1.25)
 AIOCOMPILE_BENCHMARK_AT_START
                            1: start the benchmark processes with the scheduler, not at
                            the first ``autotune()`` (default: 0)
@@ -183,6 +186,14 @@ class SchedulerConfig:
     tuning_devices: tuple[int, ...] | None = None
     """The devices ``autotune()`` benchmarks on, one process each; None: every visible
     device."""
+    tuning_screen: float | None = 1.25
+    """How ``autotune()`` spends the GPU's time. Each configuration is first timed
+    briefly, as soon as it has compiled (Triton's ``do_bench`` with a fifth of the
+    autotuner's warm-up and repetition times); those within this factor of the fastest
+    are then timed as the autotuner times them, in its order, and the fastest of those
+    wins. The others are left out, with their short timing and why. None: every
+    configuration is timed in full, as Triton does (also the case with a ``do_bench``
+    of the kernel's own, CUDA graphs, or fewer than four configurations)."""
     benchmark_at_start: bool = False
     """Start the benchmark processes ``autotune()`` times configurations in when the
     scheduler starts (``async with``, or the default scheduler's first use) rather than
@@ -249,6 +260,7 @@ SETTINGS: dict[str, _checks.Rule] = {
     "cost_history": _checks.FilePath(none="costs.json in cache_dir, or memory only"),
     "benchmark_timeout": _checks.BENCHMARK_TIMEOUT,
     "tuning_devices": _checks.Devices(none="every visible device"),
+    "tuning_screen": _checks.SwitchableNumber(at_least=1, at_most=100, none="every configuration timed in full"),
     "benchmark_at_start": _checks.Flag(),
     "repro_dir": _checks.SwitchablePath(none="no repro bundles"),
     "repro_keep": _checks.Number(integer=True, at_least=1),
@@ -278,6 +290,7 @@ ENVIRONMENT = (
     ("AIOCOMPILE_WORKER_NICE", "worker_nice"),
     ("AIOCOMPILE_BENCHMARK_TIMEOUT", "benchmark_timeout"),
     ("AIOCOMPILE_TUNING_DEVICES", "tuning_devices"),
+    ("AIOCOMPILE_TUNING_SCREEN", "tuning_screen"),
     ("AIOCOMPILE_BENCHMARK_AT_START", "benchmark_at_start"),
     ("AIOCOMPILE_REPRO_DIR", "repro_dir"),
     ("AIOCOMPILE_REPRO_KEEP", "repro_keep"),

@@ -189,6 +189,10 @@ class BenchmarkRecord:
     finished_at: float
     key: str | None = None
     """The compiled configuration's key (Triton's hash), when it compiled."""
+    round: str | None = None
+    """``"short"`` (the short timing that ranks configurations, see
+    ``SchedulerConfig.tuning_screen``), ``"full"`` (timed as the autotuner times), or None
+    (never timed: it did not compile)."""
 
     @property
     def duration(self) -> float:
@@ -322,9 +326,13 @@ class Statistics:
     """``autotune()`` calls that failed: every configuration failed, or the scheduler
     closed under them."""
     benchmarks: int = 0
-    """Configurations benchmarked (or given up on: see ``benchmark_outcomes``)."""
+    """Timings of configurations, short and full (or given up on: see
+    ``benchmark_outcomes``)."""
     benchmark_outcomes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(BENCHMARK_OUTCOMES, 0))
-    """Configurations by outcome (see ``BENCHMARK_OUTCOMES``)."""
+    """Those timings by outcome (see ``BENCHMARK_OUTCOMES``)."""
+    benchmarks_left_out: int = 0
+    """Configurations left out after their short timing, not timed in full (see
+    ``SchedulerConfig.tuning_screen``)."""
     benchmark_processes_started: int = 0
     benchmark_processes_lost: int = 0
     """Benchmark processes that died unasked: a crash, a fault, a hang, a failed start."""
@@ -401,15 +409,16 @@ class Metrics:
         self.by_backend: dict[str, _Durations] = {}
         self.slowest: list[tuple[float, str, str | None]] = []
         self.records: collections.deque[JobRecord] = collections.deque(maxlen=keep_records)
-        self.tunings = dict.fromkeys(("answered", "tuned", "hits", "failures"), 0)
+        self.tunings = dict.fromkeys(("answered", "tuned", "hits", "failures", "left_out"), 0)
         self.benchmark_outcomes = dict.fromkeys(BENCHMARK_OUTCOMES, 0)
         self.benchmark_time = _Durations()
         self.benchmark_records: collections.deque[BenchmarkRecord] = collections.deque(maxlen=keep_records)
 
-    def tuning(self, what: str) -> None:
-        """Count an ``autotune()`` call: ``answered``, ``tuned``, ``hits`` or ``failures``."""
+    def tuning(self, what: str, count: int = 1) -> None:
+        """Count an ``autotune()`` call: ``answered``, ``tuned``, ``hits`` or ``failures``;
+        or configurations ``left_out`` after their short timing."""
         with self._lock:
-            self.tunings[what] += 1
+            self.tunings[what] += count
 
     def benchmark(self, record: BenchmarkRecord, keep: bool = True) -> None:
         with self._lock:
@@ -495,6 +504,7 @@ class Metrics:
                 tuning_failures=self.tunings["failures"],
                 benchmarks=sum(self.benchmark_outcomes.values()),
                 benchmark_outcomes=dict(self.benchmark_outcomes),
+                benchmarks_left_out=self.tunings["left_out"],
                 benchmark_time=self.benchmark_time.summary(),
                 **pool,
             )

@@ -163,6 +163,9 @@ class SchedulerCollector(_Collector):
         for outcome in BENCHMARK_OUTCOMES:
             benchmarks.add_metric(values + [outcome], stats.benchmark_outcomes[outcome])
         yield benchmarks
+        yield counter("aiocompile_benchmarks_left_out",
+                      "Configurations left out after their short timing, not timed in full.",
+                      stats.benchmarks_left_out)
         yield histogram("aiocompile_benchmark_seconds", "Time of one configuration in a benchmark process.", None,
                         {"": histograms.benchmark_seconds})
         yield counter("aiocompile_benchmark_processes_started", "Benchmark processes started.",

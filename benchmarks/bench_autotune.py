@@ -92,7 +92,12 @@ def _profile(raw: dict[str, Any], starts: list[dict[str, Any]], wall: float, lau
 
     configs = raw.get("configs", [])
     compiled = [c["compiled_at"] for c in configs if "compiled_at" in c]
-    timed = sorted((c for c in configs if "bench_started_at" in c), key=lambda c: c["bench_started_at"])
+    # Every timing, short and full, in the order they ran on the GPU.
+    timed = sorted(({"label": c["label"], "bench_started_at": c[f"{p}bench_started_at"],
+                     "bench_finished_at": c[f"{p}bench_finished_at"], "seconds": c.get(f"{p}seconds", 0.0),
+                     "load_s": c.get(f"{p}load_s", 0.0), "round": p or "full"}
+                    for c in configs for p in ("short_", "") if f"{p}bench_started_at" in c),
+                   key=lambda c: c["bench_started_at"])
     busy = sum(c.get("seconds", 0.0) for c in timed)
     compile_end = max(compiled, default=None)
     profile: dict[str, Any] = {
@@ -108,8 +113,11 @@ def _profile(raw: dict[str, Any], starts: list[dict[str, Any]], wall: float, lau
         "load_s": round(sum(c.get("load_s", 0.0) for c in timed), 3),
         "first_load_s": round(timed[0].get("load_s", 0.0), 3) if timed else None,
         "decided": at(raw.get("decided_at")), "primed": at(raw.get("primed_at")), "launched": at(launched),
-        "timed_during_compiles": [c["label"] for c in timed
-                                  if compile_end is not None and c["bench_started_at"] < compile_end],
+        "timed_during_compiles": [c["label"] for c in timed if c["round"] == "full"
+                                  and compile_end is not None and c["bench_started_at"] < compile_end],
+        "short_timings": sum(1 for c in timed if c["round"] == "short_"),
+        "full_timings": sum(1 for c in timed if c["round"] == "full"),
+        "first_full": at(min((c["bench_started_at"] for c in timed if c["round"] == "full"), default=None)),
         # The GPU waiting on the next configuration (its compile, or its turn).
         "waits": [round(b["bench_started_at"] - a["bench_finished_at"], 3) for a, b in zip(timed, timed[1:])],
     }
@@ -213,6 +221,7 @@ async def _tune_and_launch(sched: Any, kernel: Any, args: tuple[Any, ...], kwarg
         "launch_compiles": len(compiles), "launch_benchmarks": len(benchmarks),
         "timings": {t.label: t.time_ms for t in best.timings},
         "failed": {t.label: t.reason for t in best.timings if t.time_ms is None},
+        "left_out": [t.label for t in best.timings if t.time_ms is not None and t.reason is not None],
         "compiled": stats.compiled, "workers": sched.config.workers,
         "benchmark_outcomes": {k: v for k, v in stats.benchmark_outcomes.items() if v},
         "benchmark_processes_started": stats.benchmark_processes_started,
@@ -242,15 +251,17 @@ def _profile_line(run: dict[str, Any], triton_run: dict[str, Any] | None) -> str
     waits = p.get("waits") or []
     parts.append(f"first compile sent {t(p.get('first_submitted'))}, compiled {t(p['first_compiled'])}.."
                  f"{t(p['compiles_done'])}")
-    parts.append(f"timed {t(p['first_timed'])}..{t(p['last_timed'])} (busy {t(p['process_busy_s'])} s, loading "
-                 f"{t(p['load_s'])} s of which the first {t(p['first_load_s'])} s, GPU waiting {sum(waits):.2f} s "
-                 f"between configurations)")
+    parts.append(f"timed {t(p['first_timed'])}..{t(p['last_timed'])} ({p.get('short_timings', 0)} short, "
+                 f"{p.get('full_timings', 0)} full from {t(p.get('first_full'))}; busy {t(p['process_busy_s'])} s, "
+                 f"loading {t(p['load_s'])} s of which the first {t(p['first_load_s'])} s, "
+                 f"GPU waiting {sum(waits):.2f} s between configurations)")
     parts.append(f"decided {t(p['decided'])} primed {t(p['primed'])} launched {t(p['launched'])}")
     line = " | ".join(parts)
     if "startup_before_clock" in run:
         line += f"\n  the program's start-up before the clock: {run['startup_before_clock']:.2f} s"
     if triton_run is not None:
-        theirs, ours = triton_run["timings"], run["timings"]
+        theirs = triton_run["timings"]
+        ours = {label: ms for label, ms in run["timings"].items() if label not in run.get("left_out", ())}
         during = set(p.get("timed_during_compiles", []))
 
         def ratios(labels: list[str]) -> list[float]:

@@ -102,15 +102,69 @@ async def test_tunes_in_benchmark_processes_and_primes_triton():
     assert launched.hash == best.kernel.key and kernel.best_config is best.config
 
 
-async def test_configurations_are_timed_in_the_autotuners_order():
+async def test_without_the_short_round_configurations_are_timed_in_full_in_the_autotuners_order():
     # Compiles end in any order (two workers, kernels of different sizes); the timings
     # start in the order of the autotuner's list, as Triton's do.
     blocks = [1024, 64, 512, 128, 256]
     kernel = tk.tuned([tk.config(b, cost=b, num_warps=8 if b >= 512 else 2) for b in blocks])
-    async with tuning_scheduler(devices=1) as sched:
-        await sched.autotune(kernel, x, out, 4096, 2.0, grid=tk.grid)
+    async with tuning_scheduler(devices=1, config=aiocompile.SchedulerConfig(tuning_screen=None)) as sched:
+        best = await sched.autotune(kernel, x, out, 4096, 2.0, grid=tk.grid)
         records = sorted(sched._metrics.benchmark_records, key=lambda r: r.started_at)
+        stats = sched.statistics()
     assert [int(r.config.split(",")[0].split("=")[1]) for r in records] == blocks
+    assert {r.round for r in records} == {"full"} and stats.benchmarks_left_out == 0
+    assert best.config.kwargs["BLOCK"] == 64 and all(t.reason is None for t in best.timings)
+
+
+def block(record):
+    return int(record.config.split(",")[0].split("=")[1])
+
+
+async def test_a_short_timing_leaves_out_the_far_slower_and_the_rest_are_timed_in_full_in_order():
+    blocks, costs = [1024, 64, 512, 128, 256, 32], [400, 110, 1000, 100, 200, 120]
+    kernel = tk.tuned([tk.config(b, cost=c, num_warps=8 if b >= 512 else 2) for b, c in zip(blocks, costs)])
+    async with tuning_scheduler(devices=1) as sched:
+        best = await sched.autotune(kernel, x, out, 4096, 2.0, grid=tk.grid)
+        records = sorted(sched._metrics.benchmark_records, key=lambda r: r.started_at)
+        stats = sched.statistics()
+    short = [r for r in records if r.round == "short"]
+    full = [r for r in records if r.round == "full"]
+    # Every configuration timed briefly; those within 1.25x of the fastest (100, 110, 120)
+    # timed in full after every short timing, in the autotuner's order.
+    assert sorted(block(r) for r in short) == sorted(blocks)
+    assert [block(r) for r in full] == [64, 128, 32]
+    assert min(r.started_at for r in full) >= max(r.finished_at for r in short)
+    assert best.config.kwargs["BLOCK"] == 128 and best.source == "tuned"
+    timings = {int(t.label.split(",")[0].split("=")[1]): t for t in best.timings}
+    assert [timings[b].time_ms for b in blocks] == [c / 1000 for c in costs]
+    assert [timings[b].reason is None for b in blocks] == [False, True, False, True, False, True]
+    assert "4.00x the fastest's, beyond 1.25x" in timings[1024].reason
+    assert stats.benchmarks == 9 and stats.benchmarks_left_out == 3 and stats.benchmark_outcomes["ok"] == 9
+    # Triton's autotuner sees what was measured, the short timings of those left out
+    # among them, and chooses the same from them.
+    assert min(kernel.configs_timings, key=kernel.configs_timings.get) is best.config
+
+
+async def test_one_configuration_near_the_fastest_is_chosen_from_its_short_timing():
+    kernel = tk.tuned([tk.config(64, cost=300), tk.config(128, cost=100), tk.config(256, cost=200),
+                       tk.config(512, cost=900)])
+    async with tuning_scheduler(devices=1) as sched:
+        best = await sched.autotune(kernel, x, out, 4096, 2.0, grid=tk.grid)
+        records = sched._metrics.benchmark_records
+    assert best.config.kwargs["BLOCK"] == 128 and [r.round for r in records] == ["short"] * 4
+
+
+async def test_when_every_configuration_timed_in_full_fails_those_left_out_are_ranked_by_their_short_timing():
+    kernel = tk.tuned([tk.config(64, cost=100, mode=si.FULL_FAILS), tk.config(128, cost=110, mode=si.FULL_FAILS),
+                       tk.config(256, cost=400), tk.config(512, cost=300)])
+    async with tuning_scheduler(devices=1) as sched:
+        best = await sched.autotune(kernel, x, out, 4096, 2.0, grid=tk.grid)
+        stats = sched.statistics()
+    assert best.config.kwargs["BLOCK"] == 512
+    timings = {int(t.label.split(",")[0].split("=")[1]): t for t in best.timings}
+    assert timings[64].time_ms is None and "only when timed in full" in timings[64].reason
+    assert (timings[512].time_ms, timings[512].reason) == (0.3, None)
+    assert stats.benchmark_outcomes["error"] == 2 and stats.benchmarks == 6
 
 
 async def test_a_decision_is_kept_in_memory_and_shared_by_concurrent_calls():

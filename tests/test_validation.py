@@ -138,8 +138,11 @@ def test_config_from_env():
            "AIOCOMPILE_START_METHOD": "spawn", "AIOCOMPILE_CANCEL_RUNNING": "kill",
            "AIOCOMPILE_MAX_WORKER_RSS": "1000000000", "AIOCOMPILE_IDLE_TIMEOUT": "30",
            "AIOCOMPILE_BENCHMARK_TIMEOUT": "12", "AIOCOMPILE_TUNING_DEVICES": "2, 0",
-           "AIOCOMPILE_BENCHMARK_AT_START": "1"}
+           "AIOCOMPILE_BENCHMARK_AT_START": "1", "AIOCOMPILE_TUNING_SCREEN": "1.5"}
     config = aiocompile.SchedulerConfig.from_env(env)
+    assert config.tuning_screen == 1.5 and aiocompile.SchedulerConfig().tuning_screen == 1.25
+    for off in ("off", "0", "none"):
+        assert aiocompile.SchedulerConfig.from_env({"AIOCOMPILE_TUNING_SCREEN": off}).tuning_screen is None
     assert config.benchmark_at_start is True and aiocompile.SchedulerConfig().benchmark_at_start is False
     assert (config.workers, config.timeout, config.max_crashes, config.start_method) == (3, 7.5, 4, "spawn")
     assert (config.benchmark_timeout, config.tuning_devices) == (12.0, (2, 0))
@@ -190,6 +193,7 @@ BAD_SETTINGS = [
     ("tuning_devices", (), ValueError), ("tuning_devices", (0, 0), ValueError), ("tuning_devices", (-1,), ValueError),
     ("tuning_devices", 0, TypeError), ("tuning_devices", (True,), TypeError), ("tuning_devices", "0,1", TypeError),
     ("benchmark_at_start", 1, TypeError), ("benchmark_at_start", None, TypeError),
+    ("tuning_screen", 0.9, ValueError), ("tuning_screen", INF, ValueError), ("tuning_screen", "1.2", TypeError),
     ("cache_url", "http://:s3cret@cache/", ValueError), ("cache_url", "redis://:s3cret@", ValueError),
     ("cache_url", b"redis://:s3cret@cache", TypeError),
     ("cache_url_ttl", 0, ValueError), ("cache_url_ttl", "60", TypeError),
@@ -251,7 +255,8 @@ BAD_ENVIRONMENT = [
     ("AIOCOMPILE_MAX_WORKER_RSS", "0"), ("AIOCOMPILE_CACHE_DIR_BYTES", "-1"), ("AIOCOMPILE_WORKER_NICE", "20"),
     ("AIOCOMPILE_METRICS", "maybe"), ("AIOCOMPILE_START_METHOD", "thread"), ("AIOCOMPILE_CANCEL_RUNNING", "maybe"),
     ("AIOCOMPILE_BENCHMARK_TIMEOUT", "0"), ("AIOCOMPILE_TUNING_DEVICES", "0,x"), ("AIOCOMPILE_TUNING_DEVICES", "1,1"),
-    ("AIOCOMPILE_BENCHMARK_AT_START", "sometimes"),
+    ("AIOCOMPILE_BENCHMARK_AT_START", "sometimes"), ("AIOCOMPILE_TUNING_SCREEN", "0.5"),
+    ("AIOCOMPILE_TUNING_SCREEN", "wide"),
     ("AIOCOMPILE_CACHE_URL", "http://cache/"), ("AIOCOMPILE_CACHE_URL_TIMEOUT", "0"),
     ("AIOCOMPILE_CACHE_URL_TTL", "never"),
     ("AIOCOMPILE_REPRO_KEEP", "0"), ("AIOCOMPILE_REPRO_DIR_BYTES", "lots"),

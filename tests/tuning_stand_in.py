@@ -10,7 +10,8 @@
   process, 4 hangs, 5 waits until ``COST`` benchmark processes are timing at once (a
   barrier through files: it fails unless configurations run side by side), 6 answers the
   sum of the first tensor argument as its time (the tensors really travelled), 7 answers
-  ``COST`` after sleeping 50 ms (time enough for other processes to take the rest).
+  ``COST`` after sleeping 50 ms (time enough for other processes to take the rest), 8
+  answers ``COST`` to a short timing and raises when timed in full.
   With ``STAND_IN_START_GATE`` set, a process's start waits until that file exists.
 """
 
@@ -23,7 +24,7 @@ import time
 from aiocompile._tuning._benchpool import Timing
 from aiocompile._tuning._inputs import rebuild, resolve
 
-OK, ERROR, FAULT, CRASH, HANG, BARRIER, SUM, SLOW = range(8)
+OK, ERROR, FAULT, CRASH, HANG, BARRIER, SUM, SLOW, FULL_FAILS = range(9)
 
 
 class StandInDriver:
@@ -113,6 +114,8 @@ class StandInTimer:
             return [float(resolve(first, tensors).sum())] * 3
         if mode == SLOW:
             time.sleep(0.05)
+        if mode == FULL_FAILS and task.screen is None:
+            raise RuntimeError("out of resource: only when timed in full")
         return [cost / 1000.0] * 3
 
 

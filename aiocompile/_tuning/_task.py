@@ -60,6 +60,9 @@ class BenchTask:
     """What the hooks are given, by name."""
     hooks: Hooks
     config_pre_hook: bytes | None = None
+    screen: tuple[float, float] | None = None
+    """A short timing, ``(warm-up ms, repetition ms)`` for ``triton.testing.do_bench``,
+    that only ranks configurations (see ``_rounds``); None: timed as the autotuner times."""
 
 
 @dataclass(frozen=True)

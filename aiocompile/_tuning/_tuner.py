@@ -11,8 +11,9 @@ One call goes through these steps:
    memory, or in ``cache_dir``, or a tuning. A tuning runs in a thread of its own, so that
    it is tied to no caller's event loop and a cancelled caller leaves it running for the
    others: every configuration is compiled through the scheduler (single flight, caches,
-   records, crash and timeout handling, as for any compile) and each one, as soon as it
-   has compiled, is timed in a benchmark process (``_benchpool``). A configuration that
+   records, crash and timeout handling, as for any compile) and timed in a benchmark
+   process (``_benchpool``), briefly as soon as it has compiled and then, if it is near
+   the fastest, as the autotuner times it (``_rounds``). A configuration that
    failed anywhere counts as infinitely slow, with its reason; the fastest wins, as
    Triton's ``min`` over its timings picks it; if none is left, ``AutotuneError`` lists
    each configuration and why.
@@ -41,6 +42,7 @@ from aiocompile._tuning import _plan
 from aiocompile._tuning._benchpool import BenchPool, GpuTiming, Outcome, Session, Timing
 from aiocompile._tuning._decisions import SUBDIRECTORY, Decision, Decisions
 from aiocompile._tuning._inputs import Inputs
+from aiocompile._tuning._rounds import Rounds, screen_for
 from aiocompile._tuning._task import BenchTask
 
 if TYPE_CHECKING:
@@ -60,7 +62,8 @@ class ConfigTiming:
     time_ms: float | None
     """The median, in milliseconds; None when it failed (Triton's ``inf``)."""
     reason: str | None
-    """Why it failed."""
+    """Why it failed; or, with a ``time_ms`` (its short timing), why it was left out of
+    the full timings (see ``SchedulerConfig.tuning_screen``)."""
 
 
 @dataclass(frozen=True)
@@ -356,9 +359,10 @@ class Tuner:
                 # (they are the launch's arguments): read beside the others.
                 tensors = len(plan.collector)
                 reading = _threads.LOADS.submit(plan.read_inputs)
-        benches: dict[cf.Future[Outcome], tuple[_plan.ConfigPlan, Any]] = {}
-        outcomes: dict[int, Outcome | None] = {}
+        outcomes: dict[int, Outcome] = {}
         session: Session | None = None
+        keys: dict[int, str | None] = {}
+        rounds: Rounds | None = None
         try:
             # The tensors, read while the configurations compile, go to the processes
             # ahead of the first configuration.
@@ -369,12 +373,25 @@ class Tuner:
             profile["inputs_read_at"] = time.time()
             profile["inputs_sent"] = session.sent
             pool.offer(session, devices)
-            # Each configuration is timed as soon as it and those before it have compiled:
-            # in the autotuner's order, as Triton times them. (The order matters on a GPU
-            # whose clocks drop as it warms up under timings run back to back: the
-            # configurations listed first, often the favourites, are timed first.)
-            ready: dict[int, Any] = {}
-            following = 0
+            screen = screen_for(plan.hooks.timing, sched.config.tuning_screen, len(plan.configs))
+            live = session
+
+            def submit(index: int, compiled: Any, settings: tuple[float, float] | None) -> cf.Future[Outcome]:
+                rows[index]["short_submitted_at" if settings else "submitted_at"] = time.time()
+                return pool.submit(live, _bench_task(plan, plan.configs[index], compiled, settings), devices)
+
+            def seen(index: int, outcome: Outcome, round_: str, last: bool) -> None:
+                prefix = "short_" if round_ == "short" else ""
+                rows[index].update({f"{prefix}bench_started_at": outcome.started_at,
+                                    f"{prefix}bench_finished_at": outcome.finished_at,
+                                    f"{prefix}time_ms": outcome.timings[0] if outcome.timings else None},
+                                   **{f"{prefix}{name}": value for name, value in (outcome.phases or {}).items()})
+                if last:
+                    bar.finished(plan.configs[index].label, ok=outcome.ok)
+                self._record(plan, plan.configs[index], outcome, keys.get(index), round_)
+
+            rounds = Rounds((planned.index for planned in plan.configs), submit, screen)
+            profile["screen"] = None if screen is None else [screen.warmup_ms, screen.rep_ms, screen.margin]
             pending = set(compiles)
             while pending:
                 done, pending = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
@@ -386,10 +403,10 @@ class Tuner:
                         failed[planned.index] = ("compile_error", _reason(exc))
                         bar.finished(f"{planned.label}: did not compile", ok=False)
                         bar.finished(planned.label, ok=False)
-                        ready[planned.index] = None
+                        rounds.compiled(planned.index, None)
                         continue
                     bar.finished(planned.label, ok=True)
-                    ready[planned.index] = future.result()
+                    keys[planned.index] = future.result().key
                     if loading is not None:
                         # The kernel's launcher (which Triton up to 3.6 builds with the C
                         # compiler, the same for every configuration) built here and kept in
@@ -397,35 +414,21 @@ class Tuner:
                         # its first configuration then finds it there.
                         _threads.LOADS.submit(functools.partial(_build_launcher, loading, future.result()))
                         loading = None
-                while following in ready:
-                    compiled = ready.pop(following)
-                    if compiled is not None:
-                        planned = plan.configs[following]
-                        task = _bench_task(plan, planned, compiled)
-                        rows[following]["submitted_at"] = time.time()
-                        benches[pool.submit(session, task, devices)] = (planned, compiled)
-                    following += 1
-            for future in cf.as_completed(benches):
-                planned, compiled = benches[future]
-                outcome = future.result()
-                outcomes[planned.index] = outcome
-                rows[planned.index].update(bench_started_at=outcome.started_at, bench_finished_at=outcome.finished_at,
-                                           time_ms=outcome.timings[0] if outcome.timings else None,
-                                           **(outcome.phases or {}))
-                bar.finished(planned.label, ok=outcome.ok)
-                self._record(plan, planned, outcome, compiled.key)
+                    rounds.compiled(planned.index, future.result())
+            outcomes = rounds.outcomes(seen)
         finally:
             bar.close()
             if session is not None:
                 pool.drop(session)
-            for future in benches:
-                future.cancel()
+            if rounds is not None:
+                rounds.cancel()
         for index, (status, reason) in failed.items():
             self._record_failure(plan, plan.configs[index], status, reason)
-        return self._choose(plan, key, device_name, outcomes, failed, time.perf_counter() - started)
+        left_out = {} if rounds is None else rounds.left_out
+        return self._choose(plan, key, device_name, outcomes, failed, left_out, time.perf_counter() - started)
 
-    def _choose(self, plan: _plan.TuningPlan, key: str, device_name: str, outcomes: dict[int, Outcome | None],
-                failed: dict[int, tuple[str, str]], seconds: float) -> Decision:
+    def _choose(self, plan: _plan.TuningPlan, key: str, device_name: str, outcomes: dict[int, Outcome],
+                failed: dict[int, tuple[str, str]], left_out: dict[int, str], seconds: float) -> Decision:
         import triton
 
         inf = float("inf")
@@ -434,8 +437,11 @@ class Tuner:
         for planned in plan.configs:
             outcome = outcomes.get(planned.index)
             if outcome is not None and outcome.ok and outcome.timings is not None:
-                timings[planned.index] = list(outcome.timings)
-                rows.append((planned.label, outcome.timings[0], None))
+                # Left out after the short round: its short timing is shown, and it is
+                # not among those the fastest is picked from.
+                why = left_out.get(planned.index)
+                timings[planned.index] = list(outcome.timings) if why is None else [inf, inf, inf]
+                rows.append((planned.label, outcome.timings[0], why))
             else:
                 timings[planned.index] = [inf, inf, inf]
                 reason = failed.get(planned.index, (None, None))[1] or (outcome.reason if outcome else None)
@@ -455,6 +461,8 @@ class Tuner:
         decision = Decision(key=key, kernel=plan.name, tuning_key=repr(plan.key), device_name=device_name,
                             triton_version=triton.__version__, config=_plan.config_id(best.config), label=best.label,
                             timings=tuple(rows), tuned_at=time.time())
+        if left_out:
+            self._sched._metrics.tuning("left_out", len(left_out))
         if any(o is not None and o.status == "start_failed" for o in outcomes.values()):
             # Chosen among the configurations some benchmark process could time: good for
             # this call, not to be kept (the next call tunes again).
@@ -469,13 +477,14 @@ class Tuner:
                   sum(1 for _, ms, _ in rows if ms is None))
         return decision
 
-    def _record(self, plan: _plan.TuningPlan, planned: _plan.ConfigPlan, outcome: Outcome, key: str | None) -> None:
+    def _record(self, plan: _plan.TuningPlan, planned: _plan.ConfigPlan, outcome: Outcome, key: str | None,
+                round_: str) -> None:
         timings = outcome.timings or (None, None, None)
         record = BenchmarkRecord(
             name=plan.name, config=planned.label, outcome=outcome.status, time_ms=timings[0],
             p20_ms=timings[1] if len(timings) > 1 else None, p80_ms=timings[2] if len(timings) > 2 else None,
             reason=outcome.reason, device=outcome.device, device_name=outcome.device_name, attempt=outcome.attempt,
-            pid=outcome.pid, started_at=outcome.started_at, finished_at=outcome.finished_at, key=key)
+            pid=outcome.pid, started_at=outcome.started_at, finished_at=outcome.finished_at, key=key, round=round_)
         self._emit(record)
 
     def _record_failure(self, plan: _plan.TuningPlan, planned: _plan.ConfigPlan, status: str, reason: str) -> None:
@@ -557,7 +566,8 @@ def _request_item(request: dict[str, Any]) -> dict[str, Any]:
             "attrs": request.pop("attrs"), "target": request.pop("target"), "options": request}
 
 
-def _bench_task(plan: _plan.TuningPlan, planned: _plan.ConfigPlan, compiled: Any) -> BenchTask:
+def _bench_task(plan: _plan.TuningPlan, planned: _plan.ConfigPlan, compiled: Any,
+                screen: tuple[float, float] | None) -> BenchTask:
     from aiocompile.backends.triton._kernel import TritonKernel
 
     # Only the binary travels: loading needs nothing else.
@@ -572,7 +582,7 @@ def _bench_task(plan: _plan.TuningPlan, planned: _plan.ConfigPlan, compiled: Any
     return BenchTask(name=plan.name, label=planned.label, config=dict(config.all_kwargs()),
                      kernel=binary_only.to_bytes(), grid=planned.grid, args=planned.args,
                      hook_args=planned.hook_args, hooks=plan.hooks,
-                     config_pre_hook=None if config.pre_hook is None else pickle.dumps(config.pre_hook))
+                     config_pre_hook=None if config.pre_hook is None else pickle.dumps(config.pre_hook), screen=screen)
 
 
 def _summary(reason: str) -> str:
