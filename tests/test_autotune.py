@@ -138,11 +138,26 @@ async def test_a_short_timing_leaves_out_the_far_slower_and_the_rest_are_timed_i
     timings = {int(t.label.split(",")[0].split("=")[1]): t for t in best.timings}
     assert [timings[b].time_ms for b in blocks] == [c / 1000 for c in costs]
     assert [timings[b].reason is None for b in blocks] == [False, True, False, True, False, True]
-    assert "4.00x the fastest's, beyond 1.25x" in timings[1024].reason
+    assert "at 4.000x the fastest's (beyond 1.25x" in timings[1024].reason
     assert stats.benchmarks == 9 and stats.benchmarks_left_out == 3 and stats.benchmark_outcomes["ok"] == 9
     # Triton's autotuner sees what was measured, the short timings of those left out
     # among them, and chooses the same from them.
     assert min(kernel.configs_timings, key=kernel.configs_timings.get) is best.config
+
+
+async def test_only_the_four_fastest_near_the_fastest_are_timed_in_full():
+    blocks, costs = [32, 64, 128, 256, 512, 1024, 2048], [104, 300, 101, 103, 100, 105, 102]
+    kernel = tk.tuned([tk.config(b, cost=c) for b, c in zip(blocks, costs)])
+    async with tuning_scheduler(devices=1) as sched:
+        best = await sched.autotune(kernel, x, out, 4096, 2.0, grid=tk.grid)
+        records = sorted(sched._metrics.benchmark_records, key=lambda r: r.started_at)
+        stats = sched.statistics()
+    assert [block(r) for r in records if r.round == "full"] == [128, 256, 512, 2048]  # the autotuner's order
+    assert best.config.kwargs["BLOCK"] == 512 and stats.benchmarks_left_out == 3
+    why = {int(t.label.split(",")[0].split("=")[1]): t.reason for t in best.timings}
+    assert "at 1.040x the fastest's (the 5th fastest: only the 4 fastest are timed in full)" in why[32]
+    assert "(the 6th fastest" in why[1024]
+    assert "at 3.000x the fastest's (beyond 1.25x: only those within it are timed in full)" in why[64]
 
 
 async def test_one_configuration_near_the_fastest_is_chosen_from_its_short_timing():
