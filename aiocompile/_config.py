@@ -198,7 +198,9 @@ class SchedulerConfig:
     """Start the benchmark processes ``autotune()`` times configurations in when the
     scheduler starts (``async with``, or the default scheduler's first use) rather than
     at the first tuning, so that a process's start (torch, Triton, the device's context:
-    seconds) overlaps the program's own start-up instead of the first tuning. Each one
+    seconds) overlaps the program's own start-up instead of the first tuning; this
+    process's own first costs of a tuning (hashing Triton, Triton's GPU driver) are paid
+    then too, in the background. Each one
     holds a CUDA context on its device (a few hundred MiB) whether anything is tuned or
     not, so it is off unless asked for. On a machine without a GPU it starts nothing."""
 

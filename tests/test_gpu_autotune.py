@@ -172,7 +172,11 @@ def test_benchmark_at_start_has_the_process_up_before_the_first_tuning():
     start = starts[0]
     assert start["launched_at"] <= start["opening_at"] <= start["ready_at"]
     assert start["import_torch_s"] > 0 and start["context_s"] > 0 and start["triton_driver_s"] > 0
-    assert all(row["load_s"] >= 0 and row["bench_s"] > 0 for row in profile["configs"])
+    # Each configuration's short timing, and the full one of those near the fastest.
+    assert all(row["short_load_s"] >= 0 and row["short_bench_s"] > 0 for row in profile["configs"])
+    full = [row for row in profile["configs"] if "bench_s" in row]
+    assert 1 < len(full) <= 4 or (not full and stats.benchmarks_left_out == len(gk.CONFIGS) - 1)
+    assert all(row["load_s"] >= 0 and row["bench_s"] > 0 for row in full)
     kernel[gk.grid](*gk.launch_args(a, b, c))
     torch.cuda.synchronize()
     torch.testing.assert_close(c, a @ b, atol=1e-2, rtol=1e-2)

@@ -182,8 +182,9 @@ class Tuner:
                 "benchmark_processes_lost": pool.lost if pool else 0}
 
     def start_soon(self) -> None:
-        """Start every benchmark process in the background (``benchmark_at_start``); if
-        that fails, it is logged, and the first tuning tries again."""
+        """Start every benchmark process in the background (``benchmark_at_start``), and
+        pay this process's first costs of a tuning; if that fails, it is logged, and the
+        first tuning tries again."""
 
         def start() -> None:
             try:
@@ -191,6 +192,13 @@ class Tuner:
                 devices = self.devices(self.timing.count_early())
                 if devices:
                     self.pool(devices).start(frozenset(devices))
+                    # And this process's own first costs of a tuning, beside them:
+                    # hashing Triton (a compile's key), and Triton's GPU driver (which
+                    # specialising the first configuration needs), about 0.4 s each on
+                    # the first request otherwise.
+                    _threads.KEYS.submit(self._sched._triton.warm_triton_key)
+                    if self.timing.loads_in_parent:
+                        _threads.LOADS.submit(_prime_parent_loading)
             except SchedulerClosed:
                 pass
             except Exception:
