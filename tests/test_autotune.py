@@ -528,6 +528,41 @@ async def test_benchmark_at_start_starts_the_processes_with_the_scheduler():
     assert not alive(started.values())
 
 
+IMPORT_AFTER_THE_START = """
+import asyncio, sys, time
+sys.path.insert(0, sys.argv[1])
+import aiocompile
+import tuning_stand_in as si
+from aiocompile._tuning._tuner import Tuner
+
+async def main():
+    sched = aiocompile.Scheduler(workers=1, config=aiocompile.SchedulerConfig(benchmark_at_start=True))
+    sched._tuner = Tuner(sched, si.StandInTiming(1))
+    async with sched:
+        await asyncio.sleep(1.0)
+        # The scheduler's start imported neither: the program may be importing them.
+        assert "triton" not in sys.modules and "torch" not in sys.modules, sorted(sys.modules)
+        import triton  # the program's own import, while the start waits for it
+        from triton.runtime.cache import triton_key
+        deadline = time.monotonic() + 60
+        while triton_key.cache_info().currsize == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        print("hashed" if triton_key.cache_info().currsize else "not hashed")
+
+asyncio.run(main())
+"""
+
+
+def test_benchmark_at_start_pays_the_first_costs_once_the_program_has_imported_triton():
+    # Importing a package from two threads at once can fail with a partially initialised
+    # module: the start never imports Triton itself, it waits for the program's import,
+    # then hashes Triton for the first compile's key.
+    done = subprocess.run([sys.executable, "-c", IMPORT_AFTER_THE_START, str(ROOT / "tests")], capture_output=True,
+                          text=True, env=subprocess_env(), timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "hashed"
+
+
 async def test_a_benchmark_process_that_dies_before_use_is_replaced_at_once():
     import signal
 

@@ -192,19 +192,31 @@ class Tuner:
                 devices = self.devices(self.timing.count_early())
                 if devices:
                     self.pool(devices).start(frozenset(devices))
-                    # And this process's own first costs of a tuning, beside them:
-                    # hashing Triton (a compile's key), and Triton's GPU driver (which
-                    # specialising the first configuration needs), about 0.4 s each on
-                    # the first request otherwise.
-                    _threads.KEYS.submit(self._sched._triton.warm_triton_key)
-                    if self.timing.loads_in_parent:
-                        _threads.LOADS.submit(_prime_parent_loading)
+                    threading.Thread(target=self._first_costs, name="aiocompile-tuning-start", daemon=True).start()
             except SchedulerClosed:
                 pass
             except Exception:
                 _log.warning("the benchmark processes could not be started with the scheduler", exc_info=True)
 
         self.starting = _threads.LOADS.submit(start)
+
+    def _first_costs(self, within: float = 300.0) -> None:
+        """This process's own first costs of a tuning, paid beside the benchmark
+        processes' start: hashing Triton (for the compiles' keys) and Triton's GPU driver
+        (which specialising the first configuration needs), about 0.4 s each on the
+        first request otherwise. Each waits until the program has imported what it needs
+        (Triton; then torch): importing a package from two threads at once can fail
+        with a partially initialised module, so this thread never starts an import the
+        program may be making."""
+        try:
+            if not _imported("triton", within):
+                return
+            started = time.monotonic()
+            self._sched._triton.warm_triton_key()
+            if self.timing.loads_in_parent and _imported("torch", within - (time.monotonic() - started)):
+                _prime_parent_loading()
+        except Exception:  # paid by the first tuning instead
+            _log.debug("the first costs of a tuning were not paid ahead", exc_info=True)
 
     async def warm(self) -> None:
         """Start every benchmark process now, without waiting for them."""
@@ -531,6 +543,19 @@ def _build_launcher(loading: cf.Future[None], kernel: Any) -> None:
         driver.active.launcher_cls(compiled.src, compiled.metadata)
     except Exception:  # built again where it is needed
         _log.debug("the launcher was not built ahead", exc_info=True)
+
+
+def _imported(name: str, within: float) -> bool:
+    """Whether module ``name`` is, or within ``within`` seconds becomes, fully imported
+    (by whichever thread imports it)."""
+    deadline = time.monotonic() + within
+    while True:
+        module = sys.modules.get(name)
+        if module is not None and not getattr(getattr(module, "__spec__", None), "_initializing", False):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
 
 
 def _check_and_expand_first(plan: _plan.TuningPlan) -> None:
