@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from aiocompile import _bridge, _checks, _threads
 from aiocompile._errors import AutotuneError, CompileError, SchedulerClosed
 from aiocompile._metrics import BenchmarkRecord
-from aiocompile._tuning import _plan
+from aiocompile._tuning import _plan, _priming
 from aiocompile._tuning._benchpool import BenchPool, GpuTiming, Outcome, Session, Timing
 from aiocompile._tuning._decisions import SUBDIRECTORY, Decision, Decisions
 from aiocompile._tuning._inputs import Inputs
@@ -50,7 +50,6 @@ if TYPE_CHECKING:
     from aiocompile.backends.triton._kernel import TritonKernel
 
 _log = logging.getLogger("aiocompile")
-_PRIME_LOCK = threading.Lock()
 _REASON_CHARS = 400
 
 
@@ -209,12 +208,12 @@ class Tuner:
         with a partially initialised module, so this thread never starts an import the
         program may be making."""
         try:
-            if not _imported("triton", within):
+            if not _priming.imported("triton", within):
                 return
             started = time.monotonic()
             self._sched._triton.warm_triton_key()
-            if self.timing.loads_in_parent and _imported("torch", within - (time.monotonic() - started)):
-                _prime_parent_loading()
+            if self.timing.loads_in_parent and _priming.imported("torch", within - (time.monotonic() - started)):
+                _priming.prime_parent_loading()
         except Exception:  # paid by the first tuning instead
             _log.debug("the first costs of a tuning were not paid ahead", exc_info=True)
 
@@ -359,7 +358,7 @@ class Tuner:
         if self.timing.loads_in_parent:
             # This process loads the chosen binary at the end: its own one-time set-up of
             # loading (Triton's driver) is paid now, beside the compiles, not then.
-            loading = _threads.LOADS.submit(_prime_parent_loading)
+            loading = _threads.LOADS.submit(_priming.prime_parent_loading)
         rows: dict[int, dict[str, Any]] = {index: {"label": _plan.describe(config)}
                                            for index, config in enumerate(plan.pruned)}
         profile["configs"] = [rows[index] for index in range(len(plan.pruned))]
@@ -432,7 +431,7 @@ class Tuner:
                         # compiler, the same for every configuration) built here and kept in
                         # Triton's cache while a benchmark process may still be starting:
                         # its first configuration then finds it there.
-                        _threads.LOADS.submit(functools.partial(_build_launcher, loading, future.result()))
+                        _threads.LOADS.submit(functools.partial(_priming.build_launcher, loading, future.result()))
                         loading = None
                     rounds.compiled(planned.index, future.result())
             outcomes = rounds.outcomes(seen)
@@ -526,70 +525,15 @@ class Tuner:
         sched = self._sched
         kernel: TritonKernel = await sched.compile_triton(plan.chain.jit, timeout=timeout, **chosen.spec.request())
         load = self.timing.loads_in_parent
-        await _threads.LOADS.run(lambda: _warmup_prime(plan, chosen, kernel, decision, load))
+        await _threads.LOADS.run(lambda: _priming.warmup_prime(plan, chosen, kernel, decision, load))
         timings = () if decision is None else tuple(ConfigTiming(*row) for row in decision.timings)
         return AutotuneResult(chosen.config, kernel, plan.key, source, timings, plan.device, device_name,
                               None if decision is None else decision.key)
 
 
-def _build_launcher(loading: cf.Future[None], kernel: Any) -> None:
-    try:
-        loading.result()
-        from triton.runtime import driver
-
-        from aiocompile.backends.triton._kernel import rebuild_compiled_kernel
-
-        compiled = rebuild_compiled_kernel(kernel)  # as a benchmark process rebuilds it
-        driver.active.launcher_cls(compiled.src, compiled.metadata)
-    except Exception:  # built again where it is needed
-        _log.debug("the launcher was not built ahead", exc_info=True)
-
-
-def _imported(name: str, within: float) -> bool:
-    """Whether module ``name`` is, or within ``within`` seconds becomes, fully imported
-    (by whichever thread imports it)."""
-    deadline = time.monotonic() + within
-    while True:
-        module = sys.modules.get(name)
-        if module is not None and not getattr(getattr(module, "__spec__", None), "_initializing", False):
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.05)
-
-
 def _check_and_expand_first(plan: _plan.TuningPlan) -> None:
     plan.check()
     next(plan.expanding(), None)
-
-
-def _prime_parent_loading() -> None:
-    from aiocompile.backends.triton import _kernel
-
-    try:
-        _kernel.prime_loading("cuda")
-    except Exception:  # paid again, or failing, when the chosen binary is loaded
-        _log.debug("loading was not primed ahead of a tuning", exc_info=True)
-
-
-def _warmup_prime(plan: _plan.TuningPlan, chosen: _plan.ConfigPlan, kernel: Any, decision: Decision | None,
-                  load: bool) -> None:
-    from aiocompile.backends.triton import _warmup
-
-    _warmup.prime(chosen.spec, kernel, load=load)
-    if plan.key is None:
-        return
-    tuner = plan.chain.tuner
-    by_label = {planned.label: planned.config for planned in plan.configs}
-    inf = float("inf")
-    with _PRIME_LOCK:
-        # A launch that tuned it meanwhile keeps its own choice, as a primed JIT keeps its
-        # own compile.
-        tuner.cache.setdefault(plan.key, chosen.config)
-        tuner.best_config = tuner.cache[plan.key]
-        if decision is not None:
-            tuner.configs_timings = {by_label[label]: ([ms, ms, ms] if ms is not None else [inf, inf, inf])
-                                     for label, ms, _ in decision.timings if label in by_label}
 
 
 def _request_item(request: dict[str, Any]) -> dict[str, Any]:
