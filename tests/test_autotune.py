@@ -216,6 +216,8 @@ async def test_a_failing_configuration_costs_only_its_own_inf():
     assert outcome["BLOCK=512"][0] == "crashed" and "SIGSEGV" in outcome["BLOCK=512"][1]
     assert outcome["BLOCK=1024"][0] == "timeout" and "3 s" in outcome["BLOCK=1024"][1]
     assert outcome["BLOCK=3"][0] == "compile_error" and "power of 2" in outcome["BLOCK=3"][1]
+    rounds = {label.split(",")[0]: r.round for label, r in records.items()}
+    assert rounds["BLOCK=3"] is None and rounds["BLOCK=256"] == "short"  # never timed; failed in the short round
     timings = {t.label.split(",")[0]: t for t in best.timings}
     assert timings["BLOCK=256"].time_ms is None and "illegal" in timings["BLOCK=256"].reason
     # The fault, the crash and the hang each cost their process; each was replaced (the
@@ -674,3 +676,13 @@ async def test_large_tensors_travel_through_shared_memory_gone_after_the_tuning(
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm here: the tensors went through the pipe")
     assert isinstance(wire, SharedInputs) and not os.path.exists(wire.path)  # removed when the tuning ended
+
+
+def test_the_short_round_is_a_fifth_of_the_autotuners_timing_and_only_where_it_can_save():
+    from aiocompile._tuning._rounds import Screen, screen_for
+
+    assert screen_for(("default",), 1.25, 8) == Screen(5.0, 20.0, 1.25)  # do_bench's 25 and 100 ms
+    assert screen_for(("do_bench", 50, 200), 1.5, 8) == Screen(10.0, 40.0, 1.5)  # warmup=, rep= of the autotuner
+    assert screen_for(("default",), None, 8) is None  # tuning_screen=None
+    assert screen_for(("default",), 1.25, 3) is None  # too few to save anything
+    assert screen_for(("cudagraph", 100), 1.25, 8) is None and screen_for(("custom", b""), 1.25, 8) is None
