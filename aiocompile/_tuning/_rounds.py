@@ -123,53 +123,62 @@ class Rounds:
         has ended)."""
         outcomes: dict[int, Outcome] = {}
         if self.screen is None:
-            for future in cf.as_completed(self._full):
-                index = self._full[future]
-                outcomes[index] = future.result()
-                seen(index, outcomes[index], "full", True)
+            self._wait_full(outcomes, seen)
             return outcomes
         short: dict[int, Outcome] = {}
+        medians: dict[int, float] = {}
         for future in cf.as_completed(self._short):
             index = self._short[future]
             outcome = short[index] = future.result()
-            if not outcome.ok or not outcome.timings:
+            if outcome.ok and outcome.timings:
+                medians[index] = outcome.timings[0]
+            else:
                 outcomes[index] = outcome
                 seen(index, outcome, "short", True)
-        usable = {index: outcome for index, outcome in short.items() if index not in outcomes}
-        if not usable:
+        if not medians:
             return outcomes
-        position = {index: place for place, index in enumerate(self._order)}
-        # The fastest first, equals in the autotuner's order.
-        ranked = sorted(usable, key=lambda index: (usable[index].timings[0], position[index]))  # type: ignore[index]
-        fastest = usable[ranked[0]].timings[0]  # type: ignore[index]
-        near = [index for index in ranked if usable[index].timings[0] <= fastest * self.screen.margin]  # type: ignore[index]
-        chosen = set(near[:FULL_AT_MOST])
-        kept = [index for index in self._order if index in chosen]
-        for index, outcome in usable.items():
-            if index not in chosen:
-                outcomes[index] = outcome
-                ratio = outcome.timings[0] / fastest if fastest > 0 else float("inf")  # type: ignore[index]
-                if index in near:
-                    why = f"the {_ordinal(ranked.index(index) + 1)} fastest: only the {FULL_AT_MOST} fastest are"
-                else:
-                    why = f"beyond {self.screen.margin:g}x: only those within it are"
-                self.left_out[index] = (f"left out after a short timing at {ratio:.3f}x the fastest's ({why} "
-                                        "timed in full)")
-            seen(index, outcome, "short", index not in chosen or len(kept) == 1)
+        kept = self._rank(medians, self.screen.margin)
+        for index in medians:
+            if index not in kept:
+                outcomes[index] = short[index]
+            seen(index, short[index], "short", index not in kept or len(kept) == 1)
         if len(kept) == 1:
-            outcomes[kept[0]] = usable[kept[0]]
+            outcomes[kept[0]] = short[kept[0]]
             return outcomes
         for index in kept:  # in the autotuner's order
             self._full[self._submit(index, self._compiled[index], None)] = index
-        for future in cf.as_completed(self._full):
-            index = self._full[future]
-            outcomes[index] = future.result()
-            seen(index, outcomes[index], "full", True)
+        self._wait_full(outcomes, seen)
         if not any(outcomes[index].ok for index in kept):
             # Every configuration timed in full failed there: those left out, which ran
             # in the short round, are what is left.
             self.left_out.clear()
         return outcomes
+
+    def _rank(self, medians: dict[int, float], margin: float) -> list[int]:
+        """The configurations to time in full, in the autotuner's order: the
+        ``FULL_AT_MOST`` fastest of those within ``margin`` of the fastest. Why each other
+        one is left out goes to ``left_out``."""
+        position = {index: place for place, index in enumerate(self._order)}
+        ranked = sorted(medians, key=lambda index: (medians[index], position[index]))  # equals: the autotuner's order
+        fastest = medians[ranked[0]]
+        near = [index for index in ranked if medians[index] <= fastest * margin]
+        chosen = set(near[:FULL_AT_MOST])
+        for place, index in enumerate(ranked):
+            if index in chosen:
+                continue
+            ratio = medians[index] / fastest if fastest > 0 else float("inf")
+            if index in near:
+                why = f"the {_ordinal(place + 1)} fastest: only the {FULL_AT_MOST} fastest are"
+            else:
+                why = f"beyond {margin:g}x: only those within it are"
+            self.left_out[index] = f"left out after a short timing at {ratio:.3f}x the fastest's ({why} timed in full)"
+        return [index for index in self._order if index in chosen]
+
+    def _wait_full(self, outcomes: dict[int, Outcome], seen: Seen) -> None:
+        for future in cf.as_completed(self._full):
+            index = self._full[future]
+            outcomes[index] = future.result()
+            seen(index, outcomes[index], "full", True)
 
     def cancel(self) -> None:
         for future in (*self._short, *self._full):
