@@ -148,15 +148,19 @@ class Number(Rule):
             raise self.bad_value(setting, text, "leave it unset") from None
 
 
+def _switched_off(text: str) -> bool:
+    """Whether an environment variable's text turns a switchable setting off: one of the
+    false words (``0``, ``false``, ``no``, ``off``) or ``none``."""
+    return text.lower() in (*_FALSE_WORDS, "none")
+
+
 @dataclass(frozen=True)
 class SwitchableNumber(Number):
-    """A number that may be switched off: ``None`` as a value; in the environment, one of
-    the false words (``0``, ``false``, ``no``, ``off``) or ``none``."""
+    """A number that may be switched off: ``None`` as a value; in the environment, see
+    ``_switched_off``."""
 
     def parse(self, setting: str, text: str) -> Any:
-        if text.lower() in (*_FALSE_WORDS, "none"):
-            return None
-        return super().parse(setting, text)
+        return None if _switched_off(text) else super().parse(setting, text)
 
     def describe(self, unset: str = "use None") -> str:
         return super().describe("set it to off" if unset == "leave it unset" else unset)
@@ -227,9 +231,7 @@ class SwitchablePath(FilePath):
     the false words (``0``, ``false``, ``no``, ``off``) or ``none``."""
 
     def parse(self, setting: str, text: str) -> Any:
-        if text.lower() in (*_FALSE_WORDS, "none"):
-            return None
-        return self.check(setting, text, unset="set it to off")
+        return None if _switched_off(text) else self.check(setting, text, unset="set it to off")
 
 
 _ENTRY = re.compile(r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*(?::[A-Za-z_]\w*)?$")

@@ -127,8 +127,8 @@ class TritonTimer:
                 raise
             post_hook(nargs, exception=None)
 
-        bench = _benchmarker(hooks.timing) if task.screen is None else _short(task.screen)
-        timings = bench(kernel_call, quantiles=_QUANTILES)
+        timing = hooks.timing if task.screen is None else ("do_bench", *task.screen)
+        timings = _benchmarker(timing)(kernel_call, quantiles=_QUANTILES)
         self._torch.cuda.synchronize()  # a fault shows here, against this configuration
         self.last_phases = {"load_s": loaded - began, "bench_s": time.perf_counter() - loaded}
         return [float(t) for t in timings]
@@ -153,13 +153,6 @@ def default_hooks(hooks: Any) -> tuple[Any, Any]:
         copies.clear()
 
     return pre_hook, post_hook
-
-
-def _short(screen: tuple[float, float]) -> Any:
-    import triton.testing
-
-    warmup, rep = screen
-    return lambda fn, quantiles: triton.testing.do_bench(fn, warmup=warmup, rep=rep, quantiles=quantiles)
 
 
 def _benchmarker(timing: tuple[Any, ...]) -> Any:

@@ -278,15 +278,21 @@ def _pickled(what: str, value: Any) -> bytes:
         ) from None
 
 
+DO_BENCH_DEFAULTS = (25.0, 100.0)
+"""``triton.testing.do_bench``'s warm-up and repetition milliseconds: what the driver's
+benchmarker (the autotuner's default) uses, and what ``warmup=``/``rep=`` left unset mean."""
+
+
 def _hooks(tuner: Any) -> Hooks:
     pre = _pickled("pre_hook", tuner.pre_hook) if getattr(tuner, "user_defined_pre_hook", False) else None
     post = _pickled("post_hook", tuner.post_hook) if getattr(tuner, "user_defined_post_hook", False) else None
     timing: tuple[Any, ...] = ("default",)
+    warmup, rep = DO_BENCH_DEFAULTS
     if getattr(tuner, "use_cuda_graph", False):
-        timing = ("cudagraph", tuner.num_reps if tuner.num_reps is not None else 100)
+        timing = ("cudagraph", tuner.num_reps if tuner.num_reps is not None else int(rep))
     elif getattr(tuner, "num_warmups", None) is not None or getattr(tuner, "num_reps", None) is not None:
-        timing = ("do_bench", tuner.num_warmups if tuner.num_warmups is not None else 25,
-                  tuner.num_reps if tuner.num_reps is not None else 100)
+        timing = ("do_bench", tuner.num_warmups if tuner.num_warmups is not None else int(warmup),
+                  tuner.num_reps if tuner.num_reps is not None else int(rep))
     elif tuner._do_bench is not None:
         timing = ("custom", _pickled("do_bench", tuner._do_bench))
     return Hooks(tuple(tuner.reset_to_zero), tuple(tuner.restore_value), pre, post, timing)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiocompile._tuning._benchpool import Outcome
+from aiocompile._tuning._plan import DO_BENCH_DEFAULTS
 
 MIN_CONFIGS = 4
 """Fewer configurations than this are timed in full at once: a short round would save
@@ -45,9 +46,6 @@ deviation 0.23%), and full timings run back to back after them 0.980x to 1.099x 
 later, the higher, as the GPU warmed): more of them would sharpen nothing."""
 SHORT_FRACTION = 0.2
 """The short round's share of the autotuner's warm-up and repetition times."""
-_DO_BENCH = (25.0, 100.0)
-"""``triton.testing.do_bench``'s warm-up and repetition milliseconds, which the driver's
-benchmarker (the autotuner's default) uses."""
 
 
 @dataclass(frozen=True)
@@ -70,7 +68,7 @@ def screen_for(timing: tuple[Any, ...], margin: float | None, configs: int) -> S
     if margin is None or configs < MIN_CONFIGS:
         return None
     if timing[0] == "default":
-        warmup, rep = _DO_BENCH
+        warmup, rep = DO_BENCH_DEFAULTS
     elif timing[0] == "do_bench":
         warmup, rep = float(timing[1]), float(timing[2])
     else:  # a benchmarker of the kernel's own: timed only as it says
