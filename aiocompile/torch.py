@@ -76,6 +76,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import os
+import sys
 import threading
 import warnings
 from collections.abc import Iterator
@@ -179,6 +180,7 @@ def install(scheduler: Scheduler | None = None, *, timeout: float | None = None,
     _checks.CALL_TIMEOUT.check("timeout", timeout)
     if scheduler is not None and scheduler.closed:
         raise ValueError("the scheduler is closed")
+    _use_torch_ptxas()
     # A scheduler of our own starts its fork server before this process imports Inductor
     # (seconds): the fork server's own import of torch is what the first kernels wait for.
     early = _early_scheduler() if scheduler is None else None
@@ -191,6 +193,32 @@ def install(scheduler: Scheduler | None = None, *, timeout: float | None = None,
     if warm and not _triton_kernels_possible():
         _warm(installation)
     return installation.scheduler
+
+
+def _use_torch_ptxas() -> None:
+    """Give this process's Triton the ptxas that Inductor's compile workers use (torch's
+    own, where torch ships one and ``TRITON_PTXAS_PATH`` names none), as Inductor does
+    itself when it compiles a kernel in this process; the workers, the fork server and the
+    benchmark processes inherit it.
+
+    Triton's cache key holds the ptxas version, which Triton asks once per process and
+    keeps, and Inductor asks for it as it generates code (``triton_hash_with_backend``),
+    before its first compile. So it is set here, before any of that, and a version Triton
+    already asked is forgotten. Otherwise the kernels Inductor loads in this process
+    itself (to time a fusion under max-autotune) find none of the workers' binaries in
+    Triton's cache and compile again here, each a second or so on the clock."""
+    try:
+        from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path
+    except ImportError:  # a torch without it: Inductor does not do it either
+        return
+    before = os.environ.get("TRITON_PTXAS_PATH")
+    _set_triton_ptxas_path()
+    if os.environ.get("TRITON_PTXAS_PATH") == before:
+        return
+    compiler = sys.modules.get("triton.backends.nvidia.compiler")
+    asked = getattr(compiler, "get_ptxas_version", None)
+    if asked is not None and hasattr(asked, "cache_clear"):
+        asked.cache_clear()
 
 
 def _early_scheduler() -> Scheduler | None:

@@ -370,6 +370,51 @@ def test_install_without_a_scheduler_makes_one_whose_workers_start_with_torch(as
     assert sched.closed
 
 
+def test_install_gives_this_process_the_ptxas_inductor_s_workers_use(async_compile, monkeypatch, tmp_path):
+    """Inductor's compile workers run torch's own ptxas, and Triton's cache key holds the
+    ptxas version, which Triton asks once per process. ``install()`` gives this process
+    that ptxas too (as Inductor does when it compiles here), forgetting a version Triton
+    asked already, so that the kernels Inductor compiles here itself find the workers'
+    binaries. A ``TRITON_PTXAS_PATH`` of the program's own is left as it is."""
+    import aiocompile.torch as aiotorch
+    from torch._inductor.runtime import compile_tasks
+
+    compiler = pytest.importorskip("triton.backends.nvidia.compiler")
+    ptxas = tmp_path / "ptxas"  # torch's, as far as this test goes: a real executable with its own version
+    ptxas.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 99.9, V99.9.1'\n")
+    ptxas.chmod(0o755)
+
+    def as_inductor_does() -> None:
+        if os.environ.get("TRITON_PTXAS_PATH") is None:
+            os.environ["TRITON_PTXAS_PATH"] = str(ptxas)
+
+    monkeypatch.setattr(compile_tasks, "_set_triton_ptxas_path", as_inductor_does)
+    monkeypatch.delenv("TRITON_PTXAS_PATH", raising=False)
+    compiler.get_ptxas_version.cache_clear()
+    try:
+        assert "release 99.9" not in compiler.get_ptxas_version(80)  # Triton's own, asked and kept
+        sched = aiocompile.Scheduler(config=NO_PRELOAD)
+        try:
+            aiotorch.install(sched, warm=False)
+            aiotorch.uninstall()
+        finally:
+            sched.close()
+        assert os.environ["TRITON_PTXAS_PATH"] == str(ptxas)
+        assert "release 99.9" in compiler.get_ptxas_version(80)
+
+        own = tmp_path / "own-ptxas"
+        monkeypatch.setenv("TRITON_PTXAS_PATH", str(own))
+        sched = aiocompile.Scheduler(config=NO_PRELOAD)
+        try:
+            aiotorch.install(sched, warm=False)
+            aiotorch.uninstall()
+        finally:
+            sched.close()
+        assert os.environ["TRITON_PTXAS_PATH"] == str(own)
+    finally:
+        compiler.get_ptxas_version.cache_clear()
+
+
 def test_install_for_a_cpu_build_of_torch_preloads_nothing(async_compile, monkeypatch):
     """Where only C++ kernels can come, which workers build without torch, the fork
     server imports neither torch nor Triton."""
