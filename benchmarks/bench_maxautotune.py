@@ -36,6 +36,11 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = ("stock", "aiocompile")
+# "-server": each prepared before the clock as a server would be at its start (stock:
+# Inductor's modules imported and its compile pool ready; aiocompile: installed, its workers
+# started and readied, its benchmark process started).
+SERVER_MODES = ("stock-server", "aiocompile-server")
+_RATIOS = (("aiocompile", "stock"), ("aiocompile-server", "stock-server"), ("aiocompile-server", "stock"))
 _AUTOTUNE_LINE = re.compile(r"AUTOTUNE benchmarking takes ([0-9.]+) seconds and ([0-9.]+) seconds precompiling "
                             r"for (\d+) choices")
 
@@ -73,8 +78,18 @@ def measure_in_child(mode: str, inductor_dir: str, triton_dir: str) -> None:
         from maxautotune_trace import Trace
 
         trace = Trace(time.time())
+    server = mode.endswith("-server")
+    if server and mode.startswith("stock"):
+        # What a server can do for stock Inductor at its start: import the compile's modules
+        # and start Inductor's own compile pool, waiting until it is ready.
+        import torch._inductor.compile_fx  # noqa: F401
+        import torch._inductor.select_algorithm  # noqa: F401
+        from torch._inductor.async_compile import AsyncCompile
+
+        AsyncCompile.warm_pool()
+        AsyncCompile.wait_pool_ready()
     started = time.perf_counter()
-    if mode == "aiocompile":
+    if mode.startswith("aiocompile"):
         import logging
 
         import aiocompile
@@ -89,6 +104,18 @@ def measure_in_child(mode: str, inductor_dir: str, triton_dir: str) -> None:
 
         os.environ["AIOCOMPILE_WORKERS"] = str(workers)
         sched = aiocompile.torch.install()
+        if server:
+            # A server installs at its start: every worker started and readied for Inductor,
+            # and the benchmark process, before the first request.
+            import asyncio
+
+            from torch._inductor.async_compile import AsyncCompile
+
+            AsyncCompile.warm_pool()
+            asyncio.run(sched.warm("cuda:90", benchmark=True))
+            while len(sched.worker_pids()) < workers or sched.statistics().busy_workers:
+                time.sleep(0.05)
+            started = time.perf_counter()
         sched.subscribe(lambda event: records.append(event) if isinstance(event, aiocompile.BenchmarkRecord)
                         else None)
         if trace is not None:
@@ -147,7 +174,7 @@ def measure(mode: str, timeout: float) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=2)
-    parser.add_argument("--modes", default=",".join(MODES), help="stock,aiocompile (both for a ratio)")
+    parser.add_argument("--modes", default=",".join(MODES), help="of stock,aiocompile,stock-server,aiocompile-server")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per measurement")
     parser.add_argument("--json", help="write every measurement here")
     parser.add_argument("--child", metavar="MODE", help=argparse.SUPPRESS)
@@ -155,7 +182,7 @@ def main() -> None:
     if args.child:
         child(args.child)
         return
-    modes = tuple(m for m in MODES if m in args.modes.split(","))
+    modes = tuple(m for m in (*MODES, *SERVER_MODES) if m in args.modes.split(","))
     runs: list[dict] = []
     for round_ in range(args.repeat):
         pair = {}
@@ -164,37 +191,36 @@ def main() -> None:
             run["round"] = round_ + 1
             runs.append(run)
             extra = ""
-            if mode == "aiocompile":
+            if mode.startswith("aiocompile"):
                 extra = (f", {run['compiled']} compiled in workers, choices {run['choices']}, "
                          f"{run['benchmark_seconds_in_processes']} s timing in benchmark processes; per choice "
                          f"there: rebuilt {run.get('per_choice_rebuild_s')} s, benchmark() "
                          f"{run.get('per_choice_benchmark_call_s')} s; Triton compiled "
                          f"{run.get('triton_compile_s_in_benchmark_processes')} s there, cache hits "
                          f"{run.get('triton_cache_hits')}")
-            print(f"round {round_ + 1} {mode:10} {run['seconds']:7.2f} s (matches eager: {run['matches_eager']}, "
+            print(f"round {round_ + 1} {mode:17} {run['seconds']:7.2f} s (matches eager: {run['matches_eager']}, "
                   f"{run['cubins']} cubins, "
                   f"Inductor: {run['inductor_choices']} choices, precompile {run['inductor_precompile_s']} s, "
                   f"benchmark {run['inductor_benchmark_s']} s{extra})", flush=True)
-        if len(pair) == len(MODES):
-            ratio = pair["aiocompile"]["seconds"] / pair["stock"]["seconds"]
-            print(f"round {round_ + 1} ratio      {ratio:7.2f}", flush=True)
-        for failure in pair.get("aiocompile", {}).get("failures", []):
-            print(f"    failed choice: {failure}")
+        for ours, theirs in _RATIOS:
+            if ours in pair and theirs in pair:
+                print(f"round {round_ + 1} {ours} / {theirs}: {pair[ours]['seconds'] / pair[theirs]['seconds']:.2f}",
+                      flush=True)
         for mode, run in pair.items():
+            for failure in run.get("failures", []):
+                print(f"    {mode} failed choice: {failure}")
             for line in run.get("trace", []):
                 print(f"    {mode} trace: {line}")
-    if len(modes) < len(MODES) or not runs:
+    if not runs:
         return
-    times = {mode: statistics.median(r["seconds"] for r in runs if r["mode"] == mode) for mode in MODES}
-    rounds: dict[int, dict[str, float]] = {}
-    for r in runs:
-        rounds.setdefault(r["round"], {})[r["mode"]] = r["seconds"]
-    per_round = statistics.median(p["aiocompile"] / p["stock"] for p in rounds.values())
     first = runs[0]
     print(f"\n{first['device']}, {first['cpus']} CPUs, torch {first['torch']}, {first['workers']} compile workers, "
           f"fp16 MLP 1024-4096-1024 batch 256, mode=max-autotune, median of {args.repeat}, fresh process and caches")
-    print(f"stock {times['stock']:.2f} s, aiocompile {times['aiocompile']:.2f} s, ratio "
-          f"{times['aiocompile'] / times['stock']:.2f} (per round {per_round:.2f})")
+    times = {mode: statistics.median(r["seconds"] for r in runs if r["mode"] == mode) for mode in modes}
+    print(", ".join(f"{mode} {seconds:.2f} s" for mode, seconds in times.items()))
+    for ours, theirs in _RATIOS:
+        if ours in times and theirs in times:
+            print(f"{ours} / {theirs}: {times[ours] / times[theirs]:.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(runs, f, indent=1)
