@@ -14,7 +14,7 @@ import bisect
 import collections
 import threading
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 __all__ = ["BenchmarkRecord", "JobRecord", "Statistics", "Summary", "WorkerEvent", "OUTCOMES", "FAILURES",
            "BENCHMARK_OUTCOMES"]
@@ -413,6 +413,32 @@ class Metrics:
         self.benchmark_outcomes = dict.fromkeys(BENCHMARK_OUTCOMES, 0)
         self.benchmark_time = _Durations()
         self.benchmark_records: collections.deque[BenchmarkRecord] = collections.deque(maxlen=keep_records)
+        # Records whose bookkeeping waits for the event loop's next turn (``later``).
+        self._later: collections.deque[Callable[[], None]] = collections.deque()
+
+    def later(self, bookkeeping: Callable[[], None]) -> bool:
+        """Keep ``bookkeeping`` (a record's making, counting and emitting) for ``drain``;
+        returns whether it is the first waiting, i.e. whether a drain should be scheduled.
+        Every read of these metrics drains first, so nothing kept here is ever missing
+        from what they say."""
+        later = self._later
+        later.append(bookkeeping)
+        return len(later) == 1
+
+    def drain(self) -> None:
+        """Do the bookkeeping kept by ``later``, oldest first (from any thread)."""
+        later = self._later
+        while later:
+            try:
+                bookkeeping = later.popleft()
+            except IndexError:  # another thread took the last one
+                return
+            bookkeeping()
+
+    def recent(self) -> list[JobRecord]:
+        self.drain()
+        with self._lock:
+            return list(self.records)
 
     def tuning(self, what: str, count: int = 1) -> None:
         """Count an ``autotune()`` call: ``answered``, ``tuned``, ``hits`` or ``failures``;
@@ -469,6 +495,7 @@ class Metrics:
                 del self.slowest[_SLOWEST:]
 
     def histograms(self) -> Histograms:
+        self.drain()
         with self._lock:
             return Histograms(
                 compile_seconds={name: d.histogram() for name, d in self.by_backend.items()},
@@ -478,6 +505,7 @@ class Metrics:
             )
 
     def snapshot(self, pool: dict[str, Any]) -> Statistics:
+        self.drain()
         with self._lock:
             outcomes = dict(self.outcomes)
             return Statistics(

@@ -16,6 +16,7 @@ threads.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 import functools
 import time
@@ -116,8 +117,35 @@ class Requests:
                 self._record(request, outcome, wall, arrived, entry, error=exc)
             raise
         self._cache.leave(entry)
-        self._record(request, _success_outcome(how, entry), wall, arrived, entry, result=result)
+        outcome = _success_outcome(how, entry)
+        if not self._record_later(request, outcome, wall, arrived, entry, result):
+            self._record(request, outcome, wall, arrived, entry, result=result)
         return result
+
+    def _record_later(self, request: Request, outcome: str, wall: float, arrived: float, entry: Entry,
+                      result: Any) -> bool:
+        """Leave a request's record to the event loop's next turn, if nobody would see it
+        before then: no listener, no event file, no logger at DEBUG (``statistics()`` and
+        every other read of the metrics makes the records still waiting first). Returns
+        False where it must be made now: a listener is told as it happens, and trio (or no
+        asyncio loop here) has no turn to leave it to.
+
+        The caller has its result at once, and the record is made while its next job is
+        already on its way to a worker: a trivial job's round trip is that much shorter.
+        Its times are read now."""
+        if not self.config.metrics or self._events.job_events_wanted():
+            return False
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return False
+        metrics = self._metrics
+        clock = (time.monotonic(), time.time())
+        size = getattr(result, "size", None)
+        if metrics.later(functools.partial(self._record, request, outcome, wall, arrived, entry, size=size,
+                                           clock=clock)):
+            loop.call_soon(metrics.drain)
+        return True
 
     def _stop_abandoned(self, entry: Entry) -> bool:
         """Nobody waits for this job any more: drop it if it has not started. A started
@@ -253,16 +281,19 @@ class Requests:
         *,
         result: Any = None,
         error: BaseException | None = None,
+        size: Any = None,
+        clock: tuple[float, float] | None = None,
     ) -> None:
         if not self.config.metrics:
             self._metrics.count(outcome)
             return
-        now, finished = time.monotonic(), time.time()
+        now, finished = (time.monotonic(), time.time()) if clock is None else clock
         job = entry.job if entry is not None else None
         # Only a request whose own job ran owns its timings; one that joined shares them.
         own = job if job is not None and outcome != "joined" else None
         details = entry.details if entry is not None and entry.details is not None and own is not None else {}
-        size = getattr(result, "size", None)
+        if result is not None:
+            size = getattr(result, "size", None)
         record = build(JobRecord, {
             "key": request.key,
             "name": request.name,

@@ -228,6 +228,7 @@ class Scheduler(JitHooks):
             self._costs.save()  # before the shared cache lets its connections go
         if self._shared is not None:
             self._shared.close(wait=True)  # and the shared cache (each write bounded by its timeout)
+        self._metrics.drain()
         self._events.close()  # after the pool: its last worker events reach the file
 
     def _check_open(self) -> None:
@@ -310,7 +311,7 @@ class Scheduler(JitHooks):
 
     def records(self) -> list[JobRecord]:
         """The timing records of the most recent requests (up to 1000), oldest first."""
-        return list(self._metrics.records)
+        return self._metrics.recent()
 
     def subscribe(self, listener: Listener) -> Callable[[], None]:
         """Call ``listener(event)`` with every ``JobRecord``, ``WorkerEvent`` and
@@ -323,6 +324,7 @@ class Scheduler(JitHooks):
         exception it raises is logged once and otherwise ignored. Nothing is reported when
         ``config.metrics`` is off.
         """
+        self._metrics.drain()  # records made before now are not its to see
         return self._events.subscribe(listener)
 
     def worker_pids(self) -> list[int]:

@@ -23,24 +23,23 @@ from jobs import big_result, echo, exit_now, pid, sleep_then
 import aiocompile
 from aiocompile import CompileTimeout, WorkerCrashedError
 from aiocompile._loop_reads import LOOP_GRACE as _LOOP_GRACE
-from aiocompile._loop_reads import LoopReads
 from aiocompile._pool import WorkerPool
 
 
 class Reads:
-    """Counts who read each answer: the loop (``LoopReads.on_readable`` that found it its
-    own), the supervisor (``_on_done``), or an answers thread (``_read_stream``)."""
+    """Counts who read each answer: the loop (``_answered`` called from
+    ``LoopReads.on_readable`` with a whole answer), the supervisor (``_on_done``), or an
+    answers thread (``_read_stream``)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.loop = 0
         self.supervisor = 0
         self.streamed = 0
-        in_loop, on_done, read_stream = LoopReads.on_readable, WorkerPool._on_done, WorkerPool._read_stream
+        answered, on_done, read_stream = WorkerPool._answered, WorkerPool._on_done, WorkerPool._read_stream
 
-        def answer_in_loop(reads, worker, reader):
-            mine = worker.reader is reader
-            in_loop(reads, worker, reader)
-            self.loop += mine and worker.reader is None and worker.job is None
+        def answer_in_loop(pool, worker, message, *, in_loop):
+            self.loop += in_loop and not message[7]  # a whole answer, not a header of one to stream
+            answered(pool, worker, message, in_loop=in_loop)
 
         def supervisor_done(pool, worker, message):
             self.supervisor += 1
@@ -50,7 +49,7 @@ class Reads:
             self.streamed += 1
             read_stream(pool, worker, message, fd)
 
-        monkeypatch.setattr(LoopReads, "on_readable", answer_in_loop)
+        monkeypatch.setattr(WorkerPool, "_answered", answer_in_loop)
         monkeypatch.setattr(WorkerPool, "_on_done", supervisor_done)
         monkeypatch.setattr(WorkerPool, "_read_stream", streamed)
 

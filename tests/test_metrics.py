@@ -5,6 +5,7 @@ import functools
 import io
 import json
 import logging
+import time
 import uuid
 
 import anyio
@@ -544,3 +545,28 @@ def test_a_record_made_in_a_hurry_is_the_record_its_constructor_makes():
         record.outcome = "error"  # type: ignore[misc]  # still frozen
     with pytest.raises(TypeError, match="every field"):
         build(JobRecord, {k: v for k, v in fields.items() if k != "error"})
+
+
+async def test_a_run_s_record_is_in_every_read_right_after_its_await(async_runner):
+    """Under asyncio, with nobody listening, a trivial run's record is made on the loop's
+    next turn (while the caller's next job is on its way): every read of the metrics still
+    has it as soon as the await returns, its times are the answer's, and without any read
+    the loop's next turn makes it. A listener is told before the await returns."""
+    async with aiocompile.Scheduler(workers=1) as sched:
+        await sched.run(jobs.echo, 0)
+        for i in range(1, 21):
+            before = time.time()
+            assert await sched.run(jobs.echo, i) == i
+            returned = time.time()
+            assert sched.statistics().outcomes["compiled"] == i + 1
+            record = sched.records()[-1]
+            assert record.outcome == "compiled" and before <= record.finished_at <= returned
+        await sched.run(jobs.echo, 21)
+        await anyio.sleep(0)
+        await anyio.sleep(0)
+        assert len(sched._metrics.records) == 22  # made by the loop, unread
+        seen: list = []
+        sched.subscribe(seen.append)
+        await sched.run(jobs.echo, 22)
+        assert [event.outcome for event in seen if isinstance(event, aiocompile.JobRecord)] == ["compiled"]
+    assert sched.statistics().outcomes["compiled"] == 23
