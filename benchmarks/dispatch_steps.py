@@ -1,0 +1,130 @@
+"""Where a trivial ``run()``'s round trip goes, step by step, beside anyio's round trip and a
+bare asyncio ping-pong (no pool, no supervision: the floor for two processes and a loop).
+
+For aiocompile, three steps, from timestamps taken in this process: ``call -> written``
+(the parent's work before the job's write, the write included), ``written -> readable``
+(the worker's wake-up, its work and answer, the parent's wake-up) and ``readable ->
+resumed`` (the parent's work from the answer to the caller's next line). The timestamps
+come from wrapping two internal functions (the job's write and the loop's read), so this is
+a diagnostic, not a figure to compare pools by: ``bench_dispatch.py`` is that.
+
+    python benchmarks/dispatch_steps.py [--calls 1000] [--rounds 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import pickle
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def _bare_worker(jobs: int, answers: int) -> None:
+    while True:
+        data = os.read(jobs, 4096)
+        if not data:
+            return
+        fn, args = pickle.loads(data)
+        os.write(answers, pickle.dumps(fn(*args)))
+
+
+async def measure(calls: int, rounds: int) -> dict[str, list[float]]:
+    import anyio
+    import anyio.to_process
+
+    import aiocompile
+    from aiocompile import _loop_reads, _supervisor
+
+    marks: dict[str, float] = {}
+    write_all, on_readable = _supervisor._write_all, _loop_reads.LoopReads.on_readable
+
+    def timed_write(fd: int, data: bytes) -> None:
+        write_all(fd, data)
+        marks["written"] = time.perf_counter()
+
+    def timed_read(reads: object, worker: object, reader: object) -> None:
+        marks["readable"] = time.perf_counter()
+        on_readable(reads, worker, reader)  # type: ignore[arg-type]
+
+    _supervisor._write_all = timed_write
+    _loop_reads.LoopReads.on_readable = timed_read  # type: ignore[method-assign]
+
+    loop = asyncio.get_running_loop()
+    sched = aiocompile.Scheduler(workers=1)
+    limiter = anyio.CapacityLimiter(1)
+    jobs_r, jobs_w = os.pipe()
+    answers_r, answers_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(jobs_w)
+        os.close(answers_r)
+        try:
+            _bare_worker(jobs_r, answers_w)
+        finally:
+            os._exit(0)
+    os.close(jobs_r)
+    os.close(answers_w)
+    os.set_blocking(answers_r, False)
+
+    async def bare() -> object:
+        answered: asyncio.Future[object] = loop.create_future()
+
+        def read() -> None:
+            loop.remove_reader(answers_r)
+            answered.set_result(pickle.loads(os.read(answers_r, 4096)))
+
+        loop.add_reader(answers_r, read)
+        os.write(jobs_w, pickle.dumps((abs, (-1,))))
+        return await answered
+
+    steps: dict[str, list[float]] = {name: [] for name in (
+        "call -> written", "written -> readable", "readable -> resumed", "aiocompile", "anyio to_process", "bare")}
+    try:
+        for _ in range(200):
+            await sched.run(abs, -1)
+            await anyio.to_process.run_sync(abs, -1, limiter=limiter)
+            await bare()
+        for _ in range(rounds):
+            for _ in range(calls):
+                started = time.perf_counter()
+                await sched.run(abs, -1)
+                resumed = time.perf_counter()
+                steps["call -> written"].append(marks["written"] - started)
+                steps["written -> readable"].append(marks["readable"] - marks["written"])
+                steps["readable -> resumed"].append(resumed - marks["readable"])
+                steps["aiocompile"].append(resumed - started)
+            for name, call in (("anyio to_process", lambda: anyio.to_process.run_sync(abs, -1, limiter=limiter)),
+                               ("bare", bare)):
+                for _ in range(calls):
+                    started = time.perf_counter()
+                    await call()
+                    steps[name].append(time.perf_counter() - started)
+    finally:
+        os.close(jobs_w)
+        os.waitpid(pid, 0)
+        await sched.aclose()
+        _supervisor._write_all = write_all
+        _loop_reads.LoopReads.on_readable = on_readable  # type: ignore[method-assign]
+    return steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=1000, help="calls per way and round")
+    parser.add_argument("--rounds", type=int, default=8)
+    args = parser.parse_args()
+    steps = asyncio.run(measure(args.calls, args.rounds))
+    print(f"{args.calls * args.rounds} calls each, one worker, {os.cpu_count()} CPUs, Python {sys.version.split()[0]}")
+    for name, values in steps.items():
+        values.sort()
+        pick = lambda p: values[int(p * (len(values) - 1))] * 1e6  # noqa: B023, E731
+        print(f"{name:22} p50 {pick(0.5):7.1f} µs   p10 {pick(0.1):7.1f}   p90 {pick(0.9):7.1f}")
+
+
+if __name__ == "__main__":
+    main()
