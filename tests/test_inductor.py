@@ -376,8 +376,9 @@ def test_install_gives_this_process_the_ptxas_inductor_s_workers_use(async_compi
     that ptxas too (as Inductor does when it compiles here), forgetting a version Triton
     asked already, so that the kernels Inductor compiles here itself find the workers'
     binaries. A ``TRITON_PTXAS_PATH`` of the program's own is left as it is."""
-    import aiocompile.torch as aiotorch
     from torch._inductor.runtime import compile_tasks
+
+    import aiocompile.torch as aiotorch
 
     compiler = pytest.importorskip("triton.backends.nvidia.compiler")
     ptxas = tmp_path / "ptxas"  # torch's, as far as this test goes: a real executable with its own version
