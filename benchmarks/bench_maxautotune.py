@@ -116,6 +116,8 @@ def measure_in_child(mode: str, inductor_dir: str, triton_dir: str) -> None:
             while len(sched.worker_pids()) < workers or sched.statistics().busy_workers:
                 time.sleep(0.05)
             started = time.perf_counter()
+            if trace is not None:
+                trace.started = time.time()  # the timeline starts with the clock
         sched.subscribe(lambda event: records.append(event) if isinstance(event, aiocompile.BenchmarkRecord)
                         else None)
         if trace is not None:

@@ -390,7 +390,10 @@ def test_install_gives_this_process_the_ptxas_inductor_s_workers_use(async_compi
             os.environ["TRITON_PTXAS_PATH"] = str(ptxas)
 
     monkeypatch.setattr(compile_tasks, "_set_triton_ptxas_path", as_inductor_does)
-    monkeypatch.delenv("TRITON_PTXAS_PATH", raising=False)
+    # Set first, so that the variable's absence is what the test's end puts back (deleting
+    # an absent variable would record nothing to restore).
+    monkeypatch.setenv("TRITON_PTXAS_PATH", "")
+    monkeypatch.delenv("TRITON_PTXAS_PATH")
     compiler.get_ptxas_version.cache_clear()
     try:
         assert "release 99.9" not in compiler.get_ptxas_version(80)  # Triton's own, asked and kept
