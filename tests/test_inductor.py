@@ -394,26 +394,24 @@ def test_install_gives_this_process_the_ptxas_inductor_s_workers_use(async_compi
     # an absent variable would record nothing to restore).
     monkeypatch.setenv("TRITON_PTXAS_PATH", "")
     monkeypatch.delenv("TRITON_PTXAS_PATH")
-    compiler.get_ptxas_version.cache_clear()
-    try:
-        assert "release 99.9" not in compiler.get_ptxas_version(80)  # Triton's own, asked and kept
+    def install_and_uninstall() -> None:
         sched = aiocompile.Scheduler(config=NO_PRELOAD)
         try:
             aiotorch.install(sched, warm=False)
             aiotorch.uninstall()
         finally:
             sched.close()
+
+    compiler.get_ptxas_version.cache_clear()
+    try:
+        assert "release 99.9" not in compiler.get_ptxas_version(80)  # Triton's own, asked and kept
+        install_and_uninstall()
         assert os.environ["TRITON_PTXAS_PATH"] == str(ptxas)
         assert "release 99.9" in compiler.get_ptxas_version(80)
 
         own = tmp_path / "own-ptxas"
         monkeypatch.setenv("TRITON_PTXAS_PATH", str(own))
-        sched = aiocompile.Scheduler(config=NO_PRELOAD)
-        try:
-            aiotorch.install(sched, warm=False)
-            aiotorch.uninstall()
-        finally:
-            sched.close()
+        install_and_uninstall()
         assert os.environ["TRITON_PTXAS_PATH"] == str(own)
     finally:
         compiler.get_ptxas_version.cache_clear()
