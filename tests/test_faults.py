@@ -314,7 +314,9 @@ async def test_no_descriptor_or_semaphore_leaks():
                 await sched.run(jobs.exit_now, 1)
         await close_and_check(sched)
     assert fds() == fd_before
-    assert semaphores() == sem_before
+    # /dev/shm is the machine's: other processes' semaphores come and go meanwhile. None of
+    # the ones there now may be new.
+    assert semaphores() <= sem_before
 
 
 async def test_a_worker_that_grows_too_big_is_replaced_after_its_job():
