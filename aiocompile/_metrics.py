@@ -394,6 +394,10 @@ class Histograms:
     benchmark_seconds: tuple[list[int], float] = ([0] * (len(BUCKETS) + 1), 0.0)
 
 
+# Records left for a drain, at most (see ``Metrics.later``).
+_LATER_MAX = 64
+
+
 class Metrics:
     """Counters behind ``statistics()``; written from event loops and the supervisor."""
 
@@ -420,9 +424,14 @@ class Metrics:
         """Keep ``bookkeeping`` (a record's making, counting and emitting) for ``drain``;
         returns whether it is the first waiting, i.e. whether a drain should be scheduled.
         Every read of these metrics drains first, so nothing kept here is ever missing
-        from what they say."""
+        from what they say. A drain scheduled on a loop that stopped before running it
+        leaves the records waiting; past ``_LATER_MAX`` of them they are made here and now,
+        so that they never pile up."""
         later = self._later
         later.append(bookkeeping)
+        if len(later) > _LATER_MAX:
+            self.drain()
+            return False
         return len(later) == 1
 
     def drain(self) -> None:

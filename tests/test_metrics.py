@@ -570,3 +570,18 @@ async def test_a_run_s_record_is_in_every_read_right_after_its_await(async_runne
         await sched.run(jobs.echo, 22)
         assert [event.outcome for event in seen if isinstance(event, aiocompile.JobRecord)] == ["compiled"]
     assert sched.statistics().outcomes["compiled"] == 23
+
+
+
+def test_records_left_for_a_drain_that_never_runs_do_not_pile_up():
+    """A drain scheduled on a loop that stops before running it leaves the records
+    waiting: past a bound they are made at once, each exactly once, and a read makes the
+    rest."""
+    from aiocompile._metrics import Metrics
+
+    metrics, made = Metrics(), []
+    scheduled = [metrics.later(functools.partial(made.append, i)) for i in range(200)]
+    assert scheduled[0] and not all(scheduled)
+    assert len(metrics._later) <= 64 and len(made) >= 136 and made == list(range(len(made)))
+    metrics.snapshot({})
+    assert made == list(range(200))
