@@ -15,40 +15,40 @@ __version__ = "0.1.0"
 
 # Public name -> the private module that defines it.
 _EXPORTS = {
-    "AiocompileError": "aiocompile._errors",
-    "AutotuneError": "aiocompile._errors",
-    "AutotuneResult": "aiocompile._tuning._tuner",
-    "BenchmarkRecord": "aiocompile._metrics",
-    "CompileError": "aiocompile._errors",
-    "CompileTimeout": "aiocompile._errors",
-    "CompilerNotFound": "aiocompile._errors",
+    "AiocompileError": "aiocompile.errors",
+    "AutotuneError": "aiocompile.errors",
+    "AutotuneResult": "aiocompile._tuning.tuner",
+    "BenchmarkRecord": "aiocompile.records",
+    "CompileError": "aiocompile.errors",
+    "CompileTimeout": "aiocompile.errors",
+    "CompilerNotFound": "aiocompile.errors",
     "CudaBinary": "aiocompile.backends.cuda._binary",
     "CudaKernel": "aiocompile.backends.cuda._binary",
-    "JobRecord": "aiocompile._metrics",
+    "JobRecord": "aiocompile.records",
     "NativeLibrary": "aiocompile.backends.cpp._library",
-    "Scheduler": "aiocompile._scheduler",
-    "SchedulerClosed": "aiocompile._errors",
-    "SchedulerConfig": "aiocompile._config",
-    "Statistics": "aiocompile._metrics",
-    "Summary": "aiocompile._metrics",
-    "Target": "aiocompile._target",
+    "Scheduler": "aiocompile._core.scheduler",
+    "SchedulerClosed": "aiocompile.errors",
+    "SchedulerConfig": "aiocompile._core.config",
+    "Statistics": "aiocompile.records",
+    "Summary": "aiocompile.records",
+    "Target": "aiocompile._base.target",
     "TritonKernel": "aiocompile.backends.triton._kernel",
     "TritonSource": "aiocompile.backends.triton",
-    "WorkerCrashedError": "aiocompile._errors",
-    "WorkerEvent": "aiocompile._metrics",
-    "WorkerPool": "aiocompile._pool",
-    "autotune": "aiocompile._default",
-    "compile_cpp": "aiocompile._default",
-    "compile_cuda": "aiocompile._default",
-    "compile_many": "aiocompile._default",
-    "compile_triton": "aiocompile._default",
-    "default_scheduler": "aiocompile._default",
-    "inductor_triton": "aiocompile._default",
-    "run": "aiocompile._default",
-    "statistics": "aiocompile._default",
-    "wait": "aiocompile._default",
-    "warm": "aiocompile._default",
-    "warmup": "aiocompile._default",
+    "WorkerCrashedError": "aiocompile.errors",
+    "WorkerEvent": "aiocompile.records",
+    "WorkerPool": "aiocompile._pool.pool",
+    "autotune": "aiocompile._core.default",
+    "compile_cpp": "aiocompile._core.default",
+    "compile_cuda": "aiocompile._core.default",
+    "compile_many": "aiocompile._core.default",
+    "compile_triton": "aiocompile._core.default",
+    "default_scheduler": "aiocompile._core.default",
+    "inductor_triton": "aiocompile._core.default",
+    "run": "aiocompile._core.default",
+    "statistics": "aiocompile._core.default",
+    "wait": "aiocompile._core.default",
+    "warm": "aiocompile._core.default",
+    "warmup": "aiocompile._core.default",
 }
 
 __all__ = [
@@ -104,8 +104,9 @@ def __dir__() -> list[str]:
 
 
 if _typing.TYPE_CHECKING:
-    from aiocompile._config import SchedulerConfig
-    from aiocompile._default import (
+    from aiocompile._base.target import Target
+    from aiocompile._core.config import SchedulerConfig
+    from aiocompile._core.default import (
         autotune,
         compile_cpp,
         compile_cuda,
@@ -119,7 +120,14 @@ if _typing.TYPE_CHECKING:
         warm,
         warmup,
     )
-    from aiocompile._errors import (
+    from aiocompile._core.scheduler import Scheduler
+    from aiocompile._pool.pool import WorkerPool
+    from aiocompile._tuning.tuner import AutotuneResult
+    from aiocompile.backends.cpp._library import NativeLibrary
+    from aiocompile.backends.cuda._binary import CudaBinary, CudaKernel
+    from aiocompile.backends.triton import TritonSource
+    from aiocompile.backends.triton._kernel import TritonKernel
+    from aiocompile.errors import (
         AiocompileError,
         AutotuneError,
         CompileError,
@@ -128,12 +136,4 @@ if _typing.TYPE_CHECKING:
         SchedulerClosed,
         WorkerCrashedError,
     )
-    from aiocompile._metrics import BenchmarkRecord, JobRecord, Statistics, Summary, WorkerEvent
-    from aiocompile._pool import WorkerPool
-    from aiocompile._scheduler import Scheduler
-    from aiocompile._target import Target
-    from aiocompile._tuning._tuner import AutotuneResult
-    from aiocompile.backends.cpp._library import NativeLibrary
-    from aiocompile.backends.cuda._binary import CudaBinary, CudaKernel
-    from aiocompile.backends.triton import TritonSource
-    from aiocompile.backends.triton._kernel import TritonKernel
+    from aiocompile.records import BenchmarkRecord, JobRecord, Statistics, Summary, WorkerEvent

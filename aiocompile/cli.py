@@ -62,11 +62,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from aiocompile._config import SETTINGS, SchedulerConfig
-from aiocompile._diskcache import DiskCache, make_private_dir, write_private
-from aiocompile._errors import CompileError
-from aiocompile._scheduler import Scheduler
-from aiocompile._target import parse_target
+from aiocompile._base.target import parse_target
+from aiocompile._cache.disk import DiskCache, make_private_dir, write_private
+from aiocompile._core.config import SETTINGS, SchedulerConfig
+from aiocompile._core.scheduler import Scheduler
+from aiocompile.errors import CompileError
 
 
 def _load_kernel_set(spec: str) -> list[dict[str, Any]]:
@@ -300,7 +300,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _report_bundles(root: str) -> None:
-    from aiocompile._repro import format_bundles, list_bundles
+    from aiocompile._observe.repro import format_bundles, list_bundles
 
     if not root:
         try:
@@ -315,7 +315,7 @@ def _report_bundles(root: str) -> None:
 
 
 def _report_events(args: argparse.Namespace) -> None:
-    from aiocompile._report import draw_timeline, read_events, summary_table
+    from aiocompile._observe.report import draw_timeline, read_events, summary_table
 
     try:
         events = read_events(args.events)
@@ -339,7 +339,7 @@ def _report_events(args: argparse.Namespace) -> None:
 
 
 def _read_decision_files(files: Sequence[str]) -> list[Any]:
-    from aiocompile._tuning._decisions import import_text
+    from aiocompile._tuning.decisions import import_text
 
     decisions = []
     for name in files:
@@ -354,7 +354,7 @@ def _read_decision_files(files: Sequence[str]) -> list[Any]:
 
 
 def _import_decisions(directory: Path, files: Sequence[str], secret: Any) -> int:
-    from aiocompile._tuning._decisions import write_all
+    from aiocompile._tuning.decisions import write_all
 
     decisions = _read_decision_files(files)
     disk = write_all(directory, decisions, secret)
@@ -365,7 +365,7 @@ def _import_decisions(directory: Path, files: Sequence[str], secret: Any) -> int
 
 
 def _decisions(args: argparse.Namespace) -> int:
-    from aiocompile._tuning._decisions import export_text, read_all
+    from aiocompile._tuning.decisions import export_text, read_all
 
     secret = SchedulerConfig.from_env().cache_key
     directory = Path(args.directory)

@@ -14,7 +14,7 @@
 aiocompile and Triton as here (the workers import them by name; a different Triton would
 build a different kernel, refused here).
 
-What the scheduler makes of a cluster (see ``aiocompile._foreign`` for the rules it shares
+What the scheduler makes of a cluster (see ``aiocompile._foreign.pool`` for the rules it shares
 with any executor):
 
 - **A worker that dies** (Dask reports ``KilledWorker``) costs only the jobs it held, which
@@ -44,7 +44,7 @@ with any executor):
   the caller's script. Functions given to ``run()`` go by reference, or by value with
   cloudpickle.
 - **The job's environment** travels too, but for what names a place on this machine: see
-  ``aiocompile._remote``.
+  ``aiocompile._foreign.remote``.
 
 A compile cluster is best made of single-threaded worker processes with nannies
 (``dask worker --nthreads 1 --nworkers N``): a compile holds its thread, job settings are
@@ -68,10 +68,10 @@ from typing import Any, Callable
 
 import distributed
 
-from aiocompile import _checks
-from aiocompile._errors import CompileError, SchedulerClosed
-from aiocompile._executors import WorkerLost
-from aiocompile._remote import is_framed, origin, run_on_dask_worker, unframe_answer
+from aiocompile._base import checks
+from aiocompile._foreign.executors import WorkerLost
+from aiocompile._foreign.remote import is_framed, origin, run_on_dask_worker, unframe_answer
+from aiocompile.errors import CompileError, SchedulerClosed
 
 __all__ = ["DaskExecutor", "executor"]
 
@@ -100,12 +100,12 @@ def executor(
     asynchronous client or bad values, and Dask's own ``OSError`` for an address where no
     scheduler answers.
     """
-    _checks.Flag().check("configure_cluster", configure_cluster)
+    checks.Flag().check("configure_cluster", configure_cluster)
     if resources is not None:
         if not isinstance(resources, Mapping) or not all(isinstance(k, str) for k in resources):
             raise TypeError(f"resources must be a mapping of resource names to amounts, got {resources!r}")
         for name, amount in resources.items():
-            _checks.Number(above=0).check(f"resources[{name!r}]", amount)
+            checks.Number(above=0).check(f"resources[{name!r}]", amount)
     own = False
     if isinstance(client, str):
         if not client.strip():
@@ -163,7 +163,7 @@ def _kill_worker_process(dask_worker: Any = None) -> tuple[str, int] | None:
 
 class DaskExecutor(cf.Executor):
     """A ``concurrent.futures.Executor`` over a Dask client, made for the scheduler's
-    foreign pool (``aiocompile._foreign``): it runs as many jobs at once as the cluster has
+    foreign pool (``aiocompile._foreign.pool``): it runs as many jobs at once as the cluster has
     worker threads (``capacity``), reports a worker's death as the loss of the jobs it held
     (``WorkerLost``), stops a running job by restarting its worker (``kill``), and has its
     workers run ``job_runner``, whose answers travel as bytes. Make one with

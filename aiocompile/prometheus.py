@@ -57,10 +57,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from aiocompile._metrics import BENCHMARK_OUTCOMES, BUCKETS, OUTCOMES
+from aiocompile.records import BENCHMARK_OUTCOMES, BUCKETS, OUTCOMES
 
 if TYPE_CHECKING:
-    from aiocompile._scheduler import Scheduler
+    from aiocompile._core.scheduler import Scheduler
 
 try:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -97,7 +97,7 @@ class SchedulerCollector(_Collector):
     def _target(self) -> Scheduler:
         if self._scheduler is not None:
             return self._scheduler
-        from aiocompile._default import default_scheduler
+        from aiocompile._core.default import default_scheduler
 
         return default_scheduler()
 

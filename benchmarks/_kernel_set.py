@@ -154,7 +154,7 @@ def triton_args(spec: dict) -> tuple:
     """(ASTSource, GPUTarget, options) for ``triton.compile``, from one spec."""
     from triton.compiler import ASTSource
 
-    from aiocompile._target import parse_target
+    from aiocompile._base.target import parse_target
 
     kernel = spec["kernel"]
     signature = dict(spec["signature"])

@@ -54,7 +54,7 @@ MODES = ("triton", "aiocompile", "aiocompile-server", "aiocompile-warm")
 
 
 def _label(config: Any) -> str:
-    from aiocompile._tuning._plan import describe
+    from aiocompile._tuning.plan import describe
 
     return describe(config)
 

@@ -141,7 +141,7 @@ def close(torch, got, expected) -> bool:  # type: ignore[no-untyped-def]
 
 def background(torch, model, x, expected, timed, pause, timeout, quiet, artifact) -> dict:  # type: ignore[no-untyped-def]
     import aiocompile.torch as aiotorch
-    from aiocompile.backends.inductor import _export
+    from aiocompile._torch import export as _export
 
     compiled = aiotorch.compile_in_background(model, artifact=artifact)
     sched = compiled.scheduler

@@ -37,7 +37,7 @@ COMMON = textwrap.dedent('''
     def compile_one(label, target, spec):
         import triton
         from triton.compiler import ASTSource
-        from aiocompile._target import parse_target
+        from aiocompile._base.target import parse_target
         spec = dict(spec)
         kernel, signature, constexprs = spec.pop("kernel"), dict(spec.pop("signature")), spec.pop("constexprs", {})
         for name in constexprs:

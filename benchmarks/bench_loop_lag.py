@@ -91,7 +91,7 @@ async def in_the_loop(target):
     import triton
     from triton.compiler import ASTSource
 
-    from aiocompile._target import parse_target
+    from aiocompile._base.target import parse_target
 
     gpu_target = parse_target(target).to_gpu_target() if target else None
     ticker = Ticker()

@@ -148,7 +148,7 @@ def main() -> None:
 
     import anyio._backends._asyncio  # noqa: F401 - anyio's asyncio backend, imported on first use
 
-    import aiocompile._scheduler  # noqa: F401
+    import aiocompile._core.scheduler  # noqa: F401
     from aiocompile.backends._native import _compiler
 
     compiler = _compiler.identify(_compiler.find("cpp", None))

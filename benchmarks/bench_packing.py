@@ -1,7 +1,7 @@
 """What packing a model for a background compile costs the serving thread: the wait for the
 interpreter lock.
 
-``compile_in_background`` packs the model (``aiocompile/backends/inductor/_parcel.py``) in a
+``compile_in_background`` packs the model (``aiocompile/_torch/parcel.py``) in a
 thread of the serving process, right after the call that met a new signature, while
 further calls go on. Copying the weights holds the interpreter lock. A serving thread that
 lets go of the lock (a GPU synchronisation, a socket's write; here ``time.sleep(0)``, then
@@ -54,17 +54,17 @@ class Weights(nn.Module):
 
 
 def one(model: Any, offered: bool) -> dict[str, float]:
-    from aiocompile.backends.inductor import _parcel
+    from aiocompile._torch import parcel
 
     # Without the offer: the packer's sleep(0) before each tensor made a no-op.
-    _parcel.time = time if offered else types.SimpleNamespace(sleep=lambda seconds: None)  # type: ignore[assignment]
+    parcel.time = time if offered else types.SimpleNamespace(sleep=lambda seconds: None)  # type: ignore[assignment]
     waits: list[float] = []
     done = threading.Event()
     took: list[float] = []
 
     def pack() -> None:
         started = time.perf_counter()
-        _parcel.pack(model)
+        parcel.pack(model)
         took.append(time.perf_counter() - started)
         done.set()
 
@@ -80,7 +80,7 @@ def one(model: Any, offered: bool) -> dict[str, float]:
                 total += value
         packer.join()
     finally:
-        _parcel.time = time
+        parcel.time = time
     waits.sort()
     return {"pack_ms": took[0] * 1e3, "waits": len(waits), "wait_p50_ms": waits[len(waits) // 2] * 1e3,
             "wait_p99_ms": waits[min(len(waits) - 1, int(len(waits) * 0.99))] * 1e3, "wait_max_ms": waits[-1] * 1e3}
@@ -96,9 +96,9 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     model = model_with(args.tensors, args.kib, args.by_value)
-    from aiocompile.backends.inductor import _parcel
+    from aiocompile._torch import parcel
 
-    print(f"packed as: {_parcel.pack(model).how}")
+    print(f"packed as: {parcel.pack(model).how}")
     rows: dict[str, list[dict[str, float]]] = {"offered": [], "not offered": []}
     for round_ in range(args.rounds):
         for way in (("not offered", "offered") if round_ % 2 == 0 else ("offered", "not offered")):

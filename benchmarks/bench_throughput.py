@@ -141,7 +141,7 @@ def _pin(pids: list[int]) -> None:
 async def _predictions(sched: Any, specs: list[dict], history: str | None) -> list[float | None] | None:
     """What a scheduler with the cost history ``history`` held before the batch predicted
     for each spec (the keys come from the batch's own memo now, at no cost)."""
-    from aiocompile._costs import CostHistory
+    from aiocompile._core.costs import CostHistory
 
     items = [{"kernel": spec["kernel"], "signature": spec["signature"], "constexprs": spec.get("constexprs"),
               "target": spec.get("target"), "attrs": None,

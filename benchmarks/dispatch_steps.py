@@ -38,10 +38,10 @@ async def measure(calls: int, rounds: int) -> dict[str, list[float]]:
     import anyio.to_process
 
     import aiocompile
-    from aiocompile import _loop_reads, _supervisor
+    from aiocompile._pool import loop_reads, supervisor
 
     marks: dict[str, float] = {}
-    write_all, on_readable = _supervisor._write_all, _loop_reads.LoopReads.on_readable
+    write_all, on_readable = supervisor._write_all, loop_reads.LoopReads.on_readable
 
     def timed_write(fd: int, data: bytes) -> None:
         write_all(fd, data)
@@ -51,8 +51,8 @@ async def measure(calls: int, rounds: int) -> dict[str, list[float]]:
         marks["readable"] = time.perf_counter()
         on_readable(reads, worker, reader)  # type: ignore[arg-type]
 
-    _supervisor._write_all = timed_write
-    _loop_reads.LoopReads.on_readable = timed_read  # type: ignore[method-assign]
+    supervisor._write_all = timed_write
+    loop_reads.LoopReads.on_readable = timed_read  # type: ignore[method-assign]
 
     loop = asyncio.get_running_loop()
     sched = aiocompile.Scheduler(workers=1)
@@ -108,8 +108,8 @@ async def measure(calls: int, rounds: int) -> dict[str, list[float]]:
         os.close(jobs_w)
         os.waitpid(pid, 0)
         await sched.aclose()
-        _supervisor._write_all = write_all
-        _loop_reads.LoopReads.on_readable = on_readable  # type: ignore[method-assign]
+        supervisor._write_all = write_all
+        loop_reads.LoopReads.on_readable = on_readable  # type: ignore[method-assign]
     return steps
 
 

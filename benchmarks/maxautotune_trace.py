@@ -95,8 +95,8 @@ class Trace:
 
     def hook_aiocompile(self, sched: Any) -> None:
         """aiocompile's side: every job and worker event, and the parent's ``ready()``."""
-        from aiocompile._metrics import JobRecord, WorkerEvent
         from aiocompile.backends.inductor import _backend
+        from aiocompile.records import JobRecord, WorkerEvent
 
         def on_event(event: Any) -> None:
             if isinstance(event, JobRecord):

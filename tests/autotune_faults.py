@@ -43,9 +43,9 @@ def inject(monkeypatch, faults):
     """Make the ``n``-th choice (counting every choice the tuning pool is given, in
     order, from 0) of ``faults = {n: how}`` a ``Faulty`` one while it is timed; returns
     the labels of the choices made faulty."""
-    from aiocompile.backends.inductor import _autotune
+    from aiocompile._torch import autotune
 
-    real = _autotune.TuningPool.benchmark
+    real = autotune.TuningPool.benchmark
     seen = [0]
     made = {}
 
@@ -56,7 +56,7 @@ def inject(monkeypatch, faults):
             seen[0] += 1
             if how is not None:
                 swapped.append((choice, choice.bmreq))
-                made[_autotune._label(choice)] = how
+                made[autotune._label(choice)] = how
                 choice.bmreq = Faulty(choice.bmreq, how)
         try:
             return real(self, choices)
@@ -64,7 +64,7 @@ def inject(monkeypatch, faults):
             for choice, bmreq in swapped:
                 choice.bmreq = bmreq
 
-    monkeypatch.setattr(_autotune.TuningPool, "benchmark", benchmark)
+    monkeypatch.setattr(autotune.TuningPool, "benchmark", benchmark)
     return made
 
 

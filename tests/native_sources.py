@@ -5,8 +5,8 @@ import os
 import anyio
 import pytest
 
-from aiocompile._errors import CompilerNotFound
 from aiocompile.backends._native import _compiler
+from aiocompile.errors import CompilerNotFound
 
 ADD = 'extern "C" int add(int a, int b) { return a + b; }\n'
 

@@ -1,4 +1,4 @@
-"""Admission in bounded slices of the event loop's time (``aiocompile._admission``), and
+"""Admission in bounded slices of the event loop's time (``aiocompile._core.admission``), and
 bursts of requests that must neither hold the loop nor lose a wake-up of the pool."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 from jobs import echo
 
 import aiocompile
-from aiocompile import _admission
-from aiocompile._admission import Gate
+from aiocompile._core import admission
+from aiocompile._core.admission import Gate
 
 
 class Soon:
@@ -114,7 +114,7 @@ def test_a_cancelled_waiter_is_skipped_and_costs_no_turn():
 
 async def test_a_burst_is_admitted_a_slice_at_a_time_while_the_loop_keeps_serving(monkeypatch):
     # No time at all per slice: one admission per turn of the loop, whatever the machine.
-    monkeypatch.setattr(_admission, "BUDGET", 0.0)
+    monkeypatch.setattr(admission, "BUDGET", 0.0)
     async with aiocompile.Scheduler(workers=2, config=aiocompile.SchedulerConfig(preload=())) as sched:
         await sched.run(echo, -1)
         seen: list[int] = []  # requests admitted so far, at each turn of a ticker
@@ -160,7 +160,7 @@ async def test_one_request_after_another_costs_the_loop_no_turn_of_its_own(monke
 
 
 async def test_a_request_cancelled_while_it_waits_its_turn_is_never_counted(monkeypatch):
-    monkeypatch.setattr(_admission, "BUDGET", 0.0)
+    monkeypatch.setattr(admission, "BUDGET", 0.0)
     async with aiocompile.Scheduler(workers=1, config=aiocompile.SchedulerConfig(preload=())) as sched:
         await sched.run(echo, -1)
         with anyio.fail_after(60):

@@ -1,5 +1,5 @@
 """Whatever a job answers, its caller gets a result or an exception, and nothing else is
-touched (``aiocompile._answers``): exceptions this process cannot rebuild, large answers
+touched (``aiocompile._pool.answers``): exceptions this process cannot rebuild, large answers
 streamed by an answers thread, and a worker that dies while its answer is read.
 
 Under asyncio an idle worker's answer is read by the event loop, under trio by the pool's
@@ -17,8 +17,8 @@ import pytest
 
 import aiocompile
 from aiocompile import CompileError
-from aiocompile._errors import RemoteTraceback
-from aiocompile._pool import WorkerPool
+from aiocompile._pool.pool import WorkerPool
+from aiocompile.errors import RemoteTraceback
 
 CONFIG = aiocompile.SchedulerConfig(workers=1, preload=())
 

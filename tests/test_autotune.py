@@ -16,8 +16,8 @@ import tuning_stand_in as si
 from conftest import ROOT, alive, subprocess_env, wait_until
 
 import aiocompile
-from aiocompile._tuning._plan import describe
-from aiocompile._tuning._tuner import Tuner
+from aiocompile._tuning.plan import describe
+from aiocompile._tuning.tuner import Tuner
 
 torch = pytest.importorskip("torch", reason="launch arguments are torch tensors")
 
@@ -386,7 +386,7 @@ TUNE_IN_A_CHILD = textwrap.dedent('''
     import torch
     from triton.runtime import driver
     import aiocompile, tuning_kernels as tk, tuning_stand_in as si
-    from aiocompile._tuning._tuner import Tuner
+    from aiocompile._tuning.tuner import Tuner
 
     driver.set_active(si.StandInDriver())
     kernel = tk.tuned([tk.config(64, cost=9), tk.config(128, cost=4), tk.config(256, cost=7)])
@@ -438,7 +438,7 @@ async def test_a_restarted_process_finds_the_decision_and_tunes_nothing(tmp_path
     async with tuning_scheduler(cache_dir=cache) as sched:
         again = await sched.autotune(kernel, torch.ones(4096), torch.empty(4096), 4096, 2.0, grid=tk.grid)
     assert again.source == "tuned"
-    from aiocompile._tuning._decisions import Decision
+    from aiocompile._tuning.decisions import Decision
 
     assert Decision.from_bytes(files[0].read_bytes()).label == again.label
 
@@ -461,7 +461,7 @@ ABANDONED = textwrap.dedent('''
     import asyncio, os, sys, time
     sys.path.insert(0, sys.argv[1])
     import aiocompile, tuning_stand_in as si
-    from aiocompile._tuning._tuner import Tuner
+    from aiocompile._tuning.tuner import Tuner
 
     async def main():
         sched = aiocompile.Scheduler(workers=1)
@@ -535,7 +535,7 @@ import asyncio, sys, time
 sys.path.insert(0, sys.argv[1])
 import aiocompile
 import tuning_stand_in as si
-from aiocompile._tuning._tuner import Tuner
+from aiocompile._tuning.tuner import Tuner
 
 async def main():
     sched = aiocompile.Scheduler(workers=1, config=aiocompile.SchedulerConfig(benchmark_at_start=True))
@@ -654,7 +654,7 @@ async def test_the_tensors_reach_a_process_while_it_starts(tmp_path, monkeypatch
 
 
 async def test_large_tensors_travel_through_shared_memory_gone_after_the_tuning():
-    from aiocompile._tuning._inputs import SHARE_ABOVE, SharedInputs
+    from aiocompile._tuning.inputs import SHARE_ABOVE, SharedInputs
 
     n = 1 << 19  # 2 MiB of float32: above SHARE_ABOVE
     big, big_out = torch.arange(n, dtype=torch.float32), torch.empty(n)
@@ -679,7 +679,7 @@ async def test_large_tensors_travel_through_shared_memory_gone_after_the_tuning(
 
 
 def test_the_short_round_is_a_fifth_of_the_autotuners_timing_and_only_where_it_can_save():
-    from aiocompile._tuning._rounds import Screen, screen_for
+    from aiocompile._tuning.rounds import Screen, screen_for
 
     assert screen_for(("default",), 1.25, 8) == Screen(5.0, 20.0, 1.25)  # do_bench's 25 and 100 ms
     assert screen_for(("do_bench", 50, 200), 1.5, 8) == Screen(10.0, 40.0, 1.5)  # warmup=, rep= of the autotuner

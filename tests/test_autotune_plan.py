@@ -9,8 +9,8 @@ import pytest
 import tuning_kernels as tk
 from tuning_stand_in import StandInDriver
 
-from aiocompile._tuning import _plan
-from aiocompile._tuning._inputs import InputCollector, rebuild
+from aiocompile._tuning import plan as _plan
+from aiocompile._tuning.inputs import InputCollector, rebuild
 
 torch = pytest.importorskip("torch", reason="launch arguments are torch tensors")
 
@@ -208,7 +208,7 @@ def test_values_that_cannot_travel():
 
 
 def test_a_benchmark_process_moves_only_as_its_table_allows():
-    from aiocompile._tuning._benchproc import TRANSITIONS, BenchProcess, InvalidTransition, State
+    from aiocompile._tuning.benchproc import TRANSITIONS, BenchProcess, InvalidTransition, State
 
     events = {event for _, event in TRANSITIONS}
     assert {target for target in TRANSITIONS.values()} | {State.STARTING} == set(State)

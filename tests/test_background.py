@@ -28,8 +28,9 @@ torch = pytest.importorskip("torch")
 import background_models  # noqa: E402  (needs torch)
 
 import aiocompile.torch as aiotorch  # noqa: E402
-from aiocompile.backends.inductor import _ahead, _graph  # noqa: E402
-from aiocompile.backends.inductor._states import TRANSITIONS  # noqa: E402
+from aiocompile._torch import ahead  # noqa: E402
+from aiocompile._torch import graph as _graph  # noqa: E402
+from aiocompile._torch.states import TRANSITIONS  # noqa: E402
 
 TIMEOUT = 600
 # The module's scheduler starts its fork server (torch imported) in whichever test uses it
@@ -45,7 +46,7 @@ def repro_root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def sched(repro_root):
     """Workers that start with torch imported; a job that kills one fails at once."""
-    from aiocompile._config import TRITON_PRELOAD
+    from aiocompile._core.config import TRITON_PRELOAD
 
     config = aiocompile.SchedulerConfig(workers=2, preload=(TRITON_PRELOAD, aiotorch.PRELOAD), max_crashes=1,
                                         repro_dir=str(repro_root))
@@ -154,13 +155,13 @@ exec g++ "$@"
         assert status.shapes[0].eager_calls == 21 and status.shapes[0].compiled_calls == 0
         # What loading the package will need here (Inductor's CPU vector-ISA check) is
         # made while the worker compiles, not after.
-        assert _ahead.VEC_ISA.started
+        assert ahead.VEC_ISA.started
     finally:
         (gate / "release").touch()
 
     shape = asyncio.run(compiled.ready(x))
     assert shape.state == "compiled" and shape.error is None
-    assert _ahead.VEC_ISA.wait(0) and _ahead.VEC_ISA.seconds is not None
+    assert ahead.VEC_ISA.wait(0) and ahead.VEC_ISA.seconds is not None
     assert [stage for stage, _ in shape.stages] == ["load", "export", "compile", "trial"]
     assert shape.max_abs_difference is not None and shape.max_abs_difference < 1e-4
     assert shape.seconds is not None and shape.seconds > 0
@@ -364,7 +365,7 @@ def test_a_worker_warmed_for_packages_has_made_inductors_cpu_check_before_any_co
     # Every package's compile needs Inductor's CPU vector-ISA check (a test program built
     # and loaded per instruction set, once per process): a worker warmed for background
     # compiles has it made, so no compile waits for it.
-    from aiocompile.backends.inductor import _export
+    from aiocompile._torch import export
 
     config = aiocompile.SchedulerConfig(workers=1, preload=(aiotorch.PRELOAD,), repro_dir=None)
     own = aiocompile.Scheduler(config=config)
@@ -372,12 +373,12 @@ def test_a_worker_warmed_for_packages_has_made_inductors_cpu_check_before_any_co
         assert asyncio.run(own.run(background_models.vec_isa_known)) == (0, "")
         # Warmed for the Python form, which needs no such check (it took 65 to 72 s on a
         # GPU host), it makes none.
-        asyncio.run(own.run(_export.warm_up, "cpu", "python"))
+        asyncio.run(own.run(export.warm_up, "cpu", "python"))
         assert asyncio.run(own.run(background_models.vec_isa_known)) == (0, "")
-        assert asyncio.run(own.run(_export.warm_up)) > 0
+        assert asyncio.run(own.run(export.warm_up)) > 0
         known, isa = asyncio.run(own.run(background_models.vec_isa_known))
         assert known == 1 and isa
-        assert asyncio.run(own.run(_export.warm_up)) < 0.5  # made once per process
+        assert asyncio.run(own.run(export.warm_up)) < 0.5  # made once per process
     finally:
         own.close(grace=0)
 

@@ -125,7 +125,7 @@ TWO_KERNELS = (
 
 
 def test_a_build_with_a_key_writes_signed_files_private_to_its_user(tmp_path):
-    from aiocompile._sealed import unseal
+    from aiocompile._cache.sealed import unseal
 
     kernel_set = tmp_path / "two_kernels.py"
     kernel_set.write_text(TWO_KERNELS.format(tests=str(ROOT / "tests")))
@@ -163,7 +163,7 @@ def test_a_build_into_a_directory_others_can_write_stops_before_compiling(tmp_pa
 
 
 def _decision(key_char, kernel="matmul_kernel"):
-    from aiocompile._tuning._decisions import Decision
+    from aiocompile._tuning.decisions import Decision
 
     return Decision(key=key_char * 64, kernel=kernel, tuning_key="(4096, 4096, 4096)", device_name="NVIDIA H100",
                     triton_version="3.6.0", config='{"kwargs": [["BLOCK", 128]], "pre_hook": null}',
@@ -173,7 +173,7 @@ def _decision(key_char, kernel="matmul_kernel"):
 
 
 def test_decisions_travel_by_export_and_import(tmp_path):
-    from aiocompile._tuning._decisions import read_all, write_all
+    from aiocompile._tuning.decisions import read_all, write_all
 
     source, target = tmp_path / "gpu-host", tmp_path / "fleet"
     made = [_decision("a"), _decision("b", "l2norm_fwd_kernel")]
@@ -198,7 +198,7 @@ def test_decisions_travel_by_export_and_import(tmp_path):
 
 
 def test_build_carries_decisions_into_its_directory(tmp_path):
-    from aiocompile._tuning._decisions import export_text, read_all
+    from aiocompile._tuning.decisions import export_text, read_all
 
     kernels = tmp_path / "one_kernel.py"
     tests = str(ROOT / "tests")

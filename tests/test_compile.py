@@ -10,7 +10,7 @@ from conftest import example_spec
 from triton_kernels import ADD_SIGNATURE, add_kernel, type_error_kernel
 
 import aiocompile
-from aiocompile._errors import RemoteTraceback
+from aiocompile.errors import RemoteTraceback
 
 TARGETS = {
     # target: (binary, assembly, what the assembly must say)

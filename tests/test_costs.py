@@ -9,7 +9,7 @@ import pytest
 from triton_kernels import ADD_SIGNATURE, MATMUL_SIGNATURE, add_kernel, axpy_kernel, tile_matmul_kernel
 
 import aiocompile
-from aiocompile._costs import PRIORS, TERMS, CostHistory, longest_first
+from aiocompile._core.costs import PRIORS, TERMS, CostHistory, longest_first
 
 AXPY_SIGNATURE = {"x_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*fp32", "alpha": "fp32", "n": "i32"}
 

@@ -20,8 +20,8 @@ from test_faults import gather
 from triton_kernels import ADD_SIGNATURE, add_kernel
 
 import aiocompile
-from aiocompile import _serialize
-from aiocompile._remote import unframe_answer
+from aiocompile._foreign.remote import unframe_answer
+from aiocompile._pool import serialize
 
 distributed = pytest.importorskip("distributed")
 aiocompile_dask = pytest.importorskip("aiocompile.dask")
@@ -88,7 +88,7 @@ async def test_compiles_run_on_the_cluster(dask_client):
 def test_answers_travel_as_checksummed_bytes(dask_client):
     executor = aiocompile_dask.executor(dask_client)
     try:
-        payload = _serialize.dumps((jobs.echo, ("value",), {}))
+        payload = serialize.dumps((jobs.echo, ("value",), {}))
         raw = dask_client.submit(executor.job_runner, payload, {}, [], pure=False).result()
         assert isinstance(raw, bytes)
         assert unframe_answer(raw)[:2] == (True, "value")

@@ -18,8 +18,8 @@ from conftest import ROOT, subprocess_env
 from triton_kernels import ADD_SIGNATURE, add_kernel
 
 import aiocompile
-from aiocompile._diskcache import untrusted
-from aiocompile._sealed import payload, seal, unseal
+from aiocompile._cache.disk import untrusted
+from aiocompile._cache.sealed import payload, seal, unseal
 
 KEY = b"the fleet's cache key"
 OTHER_UID = 65534  # nobody

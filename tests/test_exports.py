@@ -36,7 +36,7 @@ def test_every_export_is_documented():
 
 def test_import_is_light():
     code = ("import sys, aiocompile; print(' '.join(str(m in sys.modules) for m in "
-            "('triton', 'torch', 'anyio', 'aiocompile._scheduler', 'redis', 'distributed', 'dask')))")
+            "('triton', 'torch', 'anyio', 'aiocompile._core.scheduler', 'redis', 'distributed', 'dask')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False"] * 7
 

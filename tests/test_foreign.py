@@ -14,8 +14,8 @@ from test_faults import gather
 from triton_kernels import ADD_SIGNATURE, add_kernel
 
 import aiocompile
-from aiocompile._errors import RemoteTraceback
-from aiocompile._foreign import ForeignPool
+from aiocompile._foreign.pool import ForeignPool
+from aiocompile.errors import RemoteTraceback
 
 
 def stdlib_pool(workers=2):

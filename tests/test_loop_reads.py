@@ -22,8 +22,8 @@ from jobs import big_result, echo, exit_now, pid, sleep_then
 
 import aiocompile
 from aiocompile import CompileTimeout, WorkerCrashedError
-from aiocompile._loop_reads import LOOP_GRACE as _LOOP_GRACE
-from aiocompile._pool import WorkerPool
+from aiocompile._pool.loop_reads import LOOP_GRACE as _LOOP_GRACE
+from aiocompile._pool.pool import WorkerPool
 
 
 class Reads:

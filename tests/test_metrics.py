@@ -15,8 +15,8 @@ from conftest import wait_until
 from triton_kernels import ADD_SIGNATURE, add_kernel, type_error_kernel
 
 import aiocompile
-from aiocompile._metrics import FAILURES, OUTCOMES
-from aiocompile._progress import Progress
+from aiocompile._observe.progress import Progress
+from aiocompile.records import FAILURES, OUTCOMES
 
 SCALE_SOURCE = '''
 import triton
@@ -450,7 +450,7 @@ def test_progress_shows_in_a_notebook_without_a_terminal(monkeypatch):
 def _stand_in_tuning(sched, devices=1):
     from tuning_stand_in import StandInTiming
 
-    from aiocompile._tuning._tuner import Tuner
+    from aiocompile._tuning.tuner import Tuner
 
     sched._tuner = Tuner(sched, StandInTiming(devices))
     return sched
@@ -532,8 +532,8 @@ async def test_progress_covers_compiles_and_benchmarks(monkeypatch, stand_in_dri
 
 
 def test_a_record_made_in_a_hurry_is_the_record_its_constructor_makes():
-    from aiocompile._frozen import build
-    from aiocompile._metrics import JobRecord
+    from aiocompile._base.frozen import build
+    from aiocompile.records import JobRecord
 
     fields = dict(key="k", name="add", backend="triton", target="cuda:90", outcome="compiled", error=None,
                   queued_at=1.0, started_at=1.5, finished_at=2.0, queue_wait=0.5, run_time=0.4, load_time=0.01,
@@ -577,7 +577,7 @@ def test_records_left_for_a_drain_that_never_runs_do_not_pile_up():
     """A drain scheduled on a loop that stops before running it leaves the records
     waiting: past a bound they are made at once, each exactly once, and a read makes the
     rest."""
-    from aiocompile._metrics import Metrics
+    from aiocompile.records import Metrics
 
     metrics, made = Metrics(), []
     scheduled = [metrics.later(functools.partial(made.append, i)) for i in range(200)]

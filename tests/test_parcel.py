@@ -1,4 +1,4 @@
-"""Packing a model for a worker (``aiocompile/backends/inductor/_parcel.py``): by reference
+"""Packing a model for a worker (``aiocompile/_torch/parcel.py``): by reference
 or by value, and the interpreter lock offered to the serving thread before each tensor."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 
 import background_models  # noqa: E402  (needs torch)
 
-from aiocompile.backends.inductor import _parcel  # noqa: E402
+from aiocompile._torch import parcel as _parcel  # noqa: E402
 
 
 class Counting:

@@ -166,7 +166,7 @@ def test_a_timeout_kills_only_that_job_s_worker():
 def test_a_spurious_wake_up_of_the_fork_server_channel_is_harmless():
     # The supervisor may be told the control socket is readable after the message there
     # was already taken; that must not read as the fork server's end.
-    from aiocompile._launch import ZygoteLauncher
+    from aiocompile._pool.launch import ZygoteLauncher
 
     launcher = ZygoteLauncher(preload=())
     try:

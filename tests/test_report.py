@@ -14,8 +14,8 @@ from test_faults import gather
 from triton_kernels import ADD_SIGNATURE, add_kernel, type_error_kernel
 
 import aiocompile
-from aiocompile._events import JsonLinesSink
-from aiocompile._report import draw_timeline, read_events, summary_table
+from aiocompile._observe.events import JsonLinesSink
+from aiocompile._observe.report import draw_timeline, read_events, summary_table
 from aiocompile.cli import main
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -15,7 +15,7 @@ import pytest
 from conftest import ROOT, subprocess_env
 
 import aiocompile
-from aiocompile._repro import ReproRoot, environment, list_bundles, root_of
+from aiocompile._observe.repro import ReproRoot, environment, list_bundles, root_of
 
 
 def write(root: ReproRoot, name: str, size: int = 10, **info) -> str:

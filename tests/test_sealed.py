@@ -2,7 +2,7 @@
 
 import pytest
 
-from aiocompile._sealed import MAGIC, BadSeal, NotSealed, SealError, payload, seal, unseal
+from aiocompile._cache.sealed import MAGIC, BadSeal, NotSealed, SealError, payload, seal, unseal
 
 SECRET = b"the build's secret"
 DATA = b"AIOCOMPILE-TRITON\n" + bytes(range(256)) * 8

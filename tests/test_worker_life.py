@@ -1,4 +1,4 @@
-"""A worker's life (``aiocompile._workers``): every transition, one by one, and in the pool a
+"""A worker's life (``aiocompile._pool.handle``): every transition, one by one, and in the pool a
 kill that can only reach the job it was meant for."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import pytest
 from jobs import echo, pid, sleep_then
 
 from aiocompile import WorkerPool
-from aiocompile._jobs import Job
-from aiocompile._launch import WorkerProcess
-from aiocompile._worker import _Inbox
-from aiocompile._workers import TRANSITIONS, UNDELIVERED, InvalidTransition, State, Worker
+from aiocompile._pool.child import _Inbox
+from aiocompile._pool.handle import TRANSITIONS, UNDELIVERED, InvalidTransition, State, Worker
+from aiocompile._pool.job import Job
+from aiocompile._pool.launch import WorkerProcess
 
 
 def new_worker(state: State = State.STARTING) -> Worker:
@@ -195,7 +195,7 @@ def test_a_wake_up_written_while_the_supervisor_drains_its_pipe_is_never_lost(mo
     empty. The supervisor must still hear every later wake-up: here, shutdown's."""
     import os
 
-    from aiocompile import _pool
+    from aiocompile._pool import pool as _pool
 
     with WorkerPool(1, preload=()) as pool:
         assert pool.submit(echo, 0).result(timeout=60) == 0
@@ -244,7 +244,7 @@ def test_the_worker_reads_messages_whole_however_they_arrive_and_stops_at_the_pa
 
 
 def test_a_worker_measures_its_memory_after_a_millisecond_of_jobs_not_after_each_trivial_one():
-    from aiocompile._worker import _JobState
+    from aiocompile._pool.child import _JobState
 
     state = _JobState()
     measured: list[int] = []

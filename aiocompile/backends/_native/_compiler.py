@@ -32,7 +32,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from aiocompile._errors import CompilerNotFound
+from aiocompile.errors import CompilerNotFound
 
 __all__ = ["Compiler", "find", "host_compiler", "identify"]
 

@@ -2,7 +2,7 @@
 printed, how long it took, and its failure as a ``CompileError``.
 
 The compiler runs as a child of the worker, in the worker's process group (see
-``aiocompile._worker.lead_own_group``): when the job is killed (its timeout, or
+``aiocompile._pool.child.lead_own_group``): when the job is killed (its timeout, or
 ``cancel_running="kill"``), the group is, and the compiler driver dies with every program
 it started (cc1plus, as, ld; cicc, ptxas, fatbinary).
 
@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from aiocompile._errors import CompileError
+from aiocompile.errors import CompileError
 
 __all__ = ["Ran", "failure", "run", "scratch"]
 

@@ -20,8 +20,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from aiocompile import _checks
-from aiocompile._costs import source_features
+from aiocompile._base import checks
+from aiocompile._core.costs import source_features
 from aiocompile.backends import Request
 from aiocompile.backends._native import _compiler
 from aiocompile.backends._native._backend import NativeBackend, key_of, keyed_headers, record_details
@@ -80,12 +80,12 @@ class CppBackend(NativeBackend):
     def check(self, *, source: Any = None, flags: Any = (), include_dirs: Any = (), libraries: Any = (),
               compiler: Any = None, name: Any = None) -> _Checked:
         return _Checked(
-            source=_checks.SOURCE.check("source", source),
-            flags=_checks.NATIVE_FLAGS.check("flags", flags),
-            include_dirs=_checks.INCLUDE_DIRS.check("include_dirs", include_dirs),
-            libraries=_checks.LIBRARIES.check("libraries", libraries),
-            compiler=_checks.COMPILER.check("compiler", compiler),
-            name=_checks.NATIVE_NAME.check("name", name),
+            source=checks.SOURCE.check("source", source),
+            flags=checks.NATIVE_FLAGS.check("flags", flags),
+            include_dirs=checks.INCLUDE_DIRS.check("include_dirs", include_dirs),
+            libraries=checks.LIBRARIES.check("libraries", libraries),
+            compiler=checks.COMPILER.check("compiler", compiler),
+            name=checks.NATIVE_NAME.check("name", name),
         )
 
     def build(self, checked: _Checked) -> Request:

@@ -108,7 +108,7 @@ class NativeLibrary:
         """Load the library into this process (``dlopen``, which runs its static
         initialisers) in a thread, so that the event loop keeps running. Returns the
         library itself. Cancelling the await does not stop the load."""
-        from aiocompile._threads import LOADS
+        from aiocompile._base.threads import LOADS
 
         await LOADS.run(self._library.handle)
         return self
@@ -118,7 +118,7 @@ class NativeLibrary:
         ``restype`` and ``argtypes`` set where given (``restype=None`` for ``void``;
         ctypes' default is ``int``). Loads the library in the calling thread if
         ``load()`` has not. ``AttributeError`` if it exports no such symbol."""
-        from aiocompile import _checks
+        from aiocompile._base import checks
 
-        _checks.SYMBOL.check("name", name)
+        checks.SYMBOL.check("name", name)
         return self._library.symbol(name, restype, argtypes)

@@ -30,8 +30,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from aiocompile import _checks
-from aiocompile._costs import source_features
+from aiocompile._base import checks
+from aiocompile._core.costs import source_features
 from aiocompile.backends import Request
 from aiocompile.backends._native import _compiler
 from aiocompile.backends._native._backend import NativeBackend, key_of, keyed_headers, record_details
@@ -123,9 +123,9 @@ class CudaBackend(NativeBackend):
 
     def check(self, *, source: Any = None, arch: Any = "sm_90", output: Any = "cubin", flags: Any = (),
               include_dirs: Any = (), compiler: Any = None, name: Any = None) -> _Checked:
-        source = _checks.SOURCE.check("source", source)
-        archs = tuple(dict.fromkeys(_checks.GPU_ARCHS.check("arch", arch)))
-        output = _checks.GPU_OUTPUT.check("output", output)
+        source = checks.SOURCE.check("source", source)
+        archs = tuple(dict.fromkeys(checks.GPU_ARCHS.check("arch", arch)))
+        output = checks.GPU_OUTPUT.check("output", output)
         vendors = {"hip" if a.startswith("gfx") else "cuda" for a in archs}
         if len(vendors) > 1:
             raise ValueError(f"arch mixes NVIDIA and AMD architectures ({', '.join(archs)}): compile for each apart")
@@ -144,10 +144,10 @@ class CudaBackend(NativeBackend):
                              "PTX: output='ptx', or 'fatbin' to carry it)")
         return _Checked(
             source=source, archs=archs, output=output, vendor=vendor,
-            flags=_checks.NATIVE_FLAGS.check("flags", flags),
-            include_dirs=_checks.INCLUDE_DIRS.check("include_dirs", include_dirs),
-            compiler=_checks.COMPILER.check("compiler", compiler),
-            name=_checks.NATIVE_NAME.check("name", name),
+            flags=checks.NATIVE_FLAGS.check("flags", flags),
+            include_dirs=checks.INCLUDE_DIRS.check("include_dirs", include_dirs),
+            compiler=checks.COMPILER.check("compiler", compiler),
+            name=checks.NATIVE_NAME.check("name", name),
         )
 
     def label(self, spec: Mapping[str, Any]) -> str:

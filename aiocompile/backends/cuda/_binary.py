@@ -148,7 +148,7 @@ class CudaBinary:
         """Load the code on the current GPU (a ``"shared"`` library: into this process), in
         a thread, so that the event loop keeps running. Returns the binary itself.
         Cancelling the await does not stop the load."""
-        from aiocompile._threads import LOADS
+        from aiocompile._base.threads import LOADS
 
         device = _current_device()
         await LOADS.run(lambda: self._ensure_loaded(device))
@@ -157,9 +157,9 @@ class CudaBinary:
     def kernel(self, name: str) -> CudaKernel:
         """The kernel ``name`` (its symbol: an ``extern "C"`` kernel's own name, else its
         mangled name), loading the code on the current GPU first if need be."""
-        from aiocompile import _checks
+        from aiocompile._base import checks
 
-        _checks.SYMBOL.check("name", name)
+        checks.SYMBOL.check("name", name)
         if self.output == "shared":
             raise TypeError(f"{self.name} is a shared library: its kernels are launched by its own host code; "
                             "call that with symbol()")
@@ -178,9 +178,9 @@ class CudaBinary:
     def symbol(self, name: str, *, restype: Any = _UNSET, argtypes: Sequence[Any] | None = None) -> Any:
         """A host function of a ``"shared"`` library, through ctypes (as
         ``NativeLibrary.symbol``)."""
-        from aiocompile import _checks
+        from aiocompile._base import checks
 
-        _checks.SYMBOL.check("name", name)
+        checks.SYMBOL.check("name", name)
         if self._library is None:
             raise TypeError(f"{self.name} is a {self.output}, not a shared library: use kernel()")
         return self._library.symbol(name, restype, argtypes)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch._inductor import exc as _inductor_exc
 
-from aiocompile._errors import CompileError
+from aiocompile.errors import CompileError
 
 __all__ = ["InductorCUDACompileError", "InductorCppCompileError", "build_error"]
 

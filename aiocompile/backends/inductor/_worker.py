@@ -15,8 +15,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from aiocompile._errors import CompileError
 from aiocompile.backends.triton._worker import StageTimes
+from aiocompile.errors import CompileError
 
 PRELOAD = "aiocompile.backends.inductor._worker:prepare_process"
 """The fork server preload entry (see ``SchedulerConfig.preload``) that imports torch's
@@ -45,7 +45,7 @@ def _threads() -> int | None:
 
 
 def prepare_process() -> None:
-    """Preload hook (see ``aiocompile._zygote.Preload``): import torch and most of
+    """Preload hook (see ``aiocompile._pool.zygote.Preload``): import torch and most of
     Inductor in the fork server, so that every worker forked from it starts with them.
     That takes seconds (3 to 6.5 s measured on a 16-CPU H200 host); a worker that does it
     itself makes its first kernel wait that long, and 16 doing it at once compete for the

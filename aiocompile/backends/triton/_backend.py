@@ -34,13 +34,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiocompile._errors import CompileError
-from aiocompile._target import Target, parse_target
+from aiocompile._base.target import Target, parse_target
 from aiocompile.backends import BackendContext, Request
 from aiocompile.backends.triton import _worker as _triton_worker
 from aiocompile.backends.triton._check import check_options, constexpr_defaults, fill_defaults, normalize
 from aiocompile.backends.triton._kernel import TritonKernel
 from aiocompile.backends.triton._ship import KernelRef, SourceBundle, SourceModule, exec_source_module, ship, unwrap_jit
+from aiocompile.errors import CompileError
 
 __all__ = ["TritonBackend", "TritonKernel", "TritonSource", "TritonSpec"]
 

@@ -12,7 +12,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from aiocompile._target import Target
+from aiocompile._base.target import Target
 
 _SCALARS = frozenset({
     "i1", "i8", "i16", "i32", "i64", "u1", "u8", "u16", "u32", "u64", "B",

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any, Callable
 
-from aiocompile._target import Target, parse_target
+from aiocompile._base.target import Target, parse_target
 
 # -- TritonKernel -----------------------------------------------------------------------------
 
@@ -171,7 +171,7 @@ class TritonKernel:
     async def load(self) -> TritonKernel:
         """Load the binary on the current GPU and build its launcher, in a thread so that
         the event loop keeps running. Returns the kernel itself."""
-        from aiocompile._threads import LOADS
+        from aiocompile._base.threads import LOADS
 
         device = _current_device()
         await LOADS.run(lambda: self._ensure_loaded(device))

@@ -30,7 +30,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiocompile._target import Target, parse_target
+from aiocompile._base.target import Target, parse_target
 
 _PRIME_LOCK = threading.Lock()
 

@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from aiocompile._errors import CompileError
-from aiocompile._worker import environment
+from aiocompile._pool.child import environment
 from aiocompile.backends.triton._ship import Resolver
+from aiocompile.errors import CompileError
 
 _resolver = Resolver()
 _warm_kernels: dict[str, Any] = {}
@@ -50,7 +50,7 @@ def _compile_tiny(target: Any, block: int) -> float:
 
 
 def prepare_process() -> Iterator[None]:
-    """Preload hook (see ``aiocompile._zygote.Preload``): import Triton and compute its
+    """Preload hook (see ``aiocompile._pool.zygote.Preload``): import Triton and compute its
     expensive one-time state, so that processes forked afterwards have it for free.
 
     ``triton_key()`` hashes all of Triton's sources and its shared library (about 0.4 s)

@@ -1,0 +1,103 @@
+"""Threads for the blocking work the parent process does itself: computing keys, loading
+binaries, restoring Inductor kernels.
+
+Why not ``anyio.to_thread.run_sync`` for each call: it starts a new thread whenever none
+is idle, so thirty-two requests arriving together start thirty-two threads from the event
+loop's thread. ``Thread.start()`` waits until the new thread has run, and for that the
+new thread needs the GIL, which a busy thread (hashing a kernel source, building a
+launcher) gives up only every switch interval (5 ms). The loop sat through those waits
+one after the other: 25 to 45 ms in a row on 2 CPUs. A lane is a few long-lived threads,
+started once per process; work waits in its queue instead.
+
+A lane's executor belongs to the process that made it: after ``fork()`` the child gets a
+fresh one (the parent's threads do not exist there, but its executor would believe they
+do and never start one).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import threading
+import time
+from typing import Callable, TypeVar
+
+from aiocompile._base import bridge
+
+T = TypeVar("T")
+
+
+class Lane:
+    """A named pool of ``threads`` threads, created on first use in each process."""
+
+    def __init__(self, name: str, threads: int) -> None:
+        self.name = name
+        self.threads = threads
+        self._lock = threading.Lock()
+        self._executor: cf.ThreadPoolExecutor | None = None
+        self._pid = -1
+
+    def submit(self, fn: Callable[[], T]) -> cf.Future[T]:
+        return self._get().submit(_then_yield, fn)
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        """``fn()`` in one of the lane's threads, awaited without holding the loop.
+
+        Cancelling the await does not stop ``fn``: it runs to its end and its result is
+        dropped (what runs here is keys and loads, harmless to finish)."""
+        return await bridge.wait(self.submit(fn))
+
+    def _get(self) -> cf.ThreadPoolExecutor:
+        pid = os.getpid()
+        executor = self._executor
+        if executor is None or self._pid != pid:
+            with self._lock:
+                if self._executor is None or self._pid != pid:
+                    self._executor = cf.ThreadPoolExecutor(self.threads, thread_name_prefix=self.name)
+                    self._pid = pid
+                executor = self._executor
+        return executor
+
+
+def _then_yield(fn: Callable[[], T]) -> T:
+    """``fn()``, then a moment without the interpreter lock. A lane's thread runs Python
+    task after task (a burst of keys to hash); an event loop waiting for the lock would
+    otherwise get it only when the interpreter's switch interval (5 ms) runs out."""
+    try:
+        return fn()
+    finally:
+        time.sleep(0)
+
+
+# Keys are computed one at a time anyway (a backend's key computation is serialised:
+# Triton's hashing is not thread-safe and runs under the GIL), so one thread serves them.
+KEYS = Lane("aiocompile-keys", 1)
+# Loads wait on the driver and on the host C compiler (Triton <= 3.6 builds a launcher per
+# signature), so a few run side by side.
+LOADS = Lane("aiocompile-load", min(4, os.cpu_count() or 1))
+
+
+def preload_async_backend(library: str) -> None:
+    """Import, in a lane's thread, the parts of anyio that its first use would otherwise
+    import in the event loop's thread (25 ms and more there, all holding the loop)."""
+
+    def imports() -> None:
+        import importlib
+
+        for name in ("anyio.abc", "anyio.to_thread", "anyio.lowlevel", f"anyio._backends._{library}"):
+            try:
+                importlib.import_module(name)
+            except ImportError:  # a private module renamed in some anyio: nothing to warm
+                pass
+
+    LOADS.submit(imports)
+
+
+def preload_for_current_loop() -> bool:
+    """``preload_async_backend`` for the library running here; False outside a loop."""
+    try:
+        library = bridge.current_library()
+    except RuntimeError:
+        return False
+    preload_async_backend(library)
+    return True

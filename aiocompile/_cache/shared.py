@@ -1,0 +1,313 @@
+"""The shared cache: compiled results in a Redis server, shared by a fleet of machines.
+
+A tier behind the memory cache and ``cache_dir``: read when both miss, before compiling;
+written after a compile. A fleet so compiles each kernel once: a machine with an empty
+local cache finds what another machine compiled, and compiles nothing. (A result found
+here is written to ``cache_dir`` too, so the next process on this machine reads its disk.)
+
+Entries are what the disk cache's files hold (``_sealed``): the backend's checksummed
+bytes, sealed with HMAC-SHA256 when a secret is set (``cache_key``,
+``AIOCOMPILE_CACHE_KEY``). With a secret, an entry not sealed with it is never loaded,
+whoever wrote it; without one, anyone able to write to the server can plant kernels that
+every reader will run, and the scheduler says so once, at WARNING. Each key is
+``aiocompile:<key>``; an entry lives ``ttl`` seconds after it was last written or read,
+and one larger than ``max_entry`` bytes is not written. The server's own memory bound
+(``maxmemory`` with an ``allkeys-lru`` or ``volatile-lru`` policy) bounds the whole.
+
+The server being down, slow or flapping never fails a compile and never holds one up for
+long: every command has a short ``timeout`` (connecting too), redis-py's own retries are
+off, and a circuit breaker (``_breaker``) stops asking a server that failed several times
+in a row, for ``retry_after`` seconds at a time. What cannot be read is a miss; what
+cannot be written is left out. Each failure is counted (``statistics().shared_errors``)
+and each kind logged once at WARNING.
+
+All of it runs in the cache's own threads with the synchronous client, never on an event
+loop: the request path continues from whichever thread finishes a step, for callers of any
+event loop (asyncio, uvloop, trio, several at once) and of none (Inductor's synchronous
+compiles). ``redis.asyncio`` ties its connections to one asyncio loop, and would serve
+neither trio nor the rest.
+
+The cost history of ``_costs`` is kept here too, so that a fresh build machine starts with
+the fleet's (``read_costs``, ``write_costs``): a hash ``aiocompile:costs`` of one JSON entry
+per compile key, bounded to the newest entries, living ``ttl`` seconds after its last
+write. It is read and written from the caller's thread, outside the request path, and
+counts in none of the statistics above: a server that fails it is only logged (at DEBUG),
+and one left alone by the breaker is not asked.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import logging
+import threading
+import urllib.parse
+from typing import Any, Callable
+
+from aiocompile._cache.breaker import Breaker
+from aiocompile._cache.sealed import BadSeal, NotSealed, Undecodable, open_entry, wrap
+
+PREFIX = "aiocompile:"
+COSTS = PREFIX + "costs"
+_log = logging.getLogger("aiocompile")
+# Writes queued beyond this many are dropped: a slow server must not make memory grow.
+_MAX_QUEUED_WRITES = 64
+
+
+def redact(url: str) -> str:
+    """``url`` without its password, for messages."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+class SharedCache:
+    """One Redis server as a cache tier: ``lookup`` and ``store`` by key, under the rules
+    above. Counts hits, misses, writes, and what it could not do or use."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        ttl: float | None,
+        max_entry: int | None,
+        timeout: float,
+        retry_after: float,
+        secret: bytes | str | None = None,
+    ) -> None:
+        try:
+            import redis
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
+        except ImportError as exc:
+            raise ImportError("cache_url needs the redis package: pip install 'aiocompile[redis]'") from exc
+        self.url = redact(url)
+        self._errors_class = redis.RedisError
+        self._response_error = redis.ResponseError
+        self._client = redis.Redis.from_url(
+            url, socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0),
+            retry_on_timeout=False, health_check_interval=0)
+        self._ttl = None if ttl is None else max(1, int(round(ttl)))
+        self._max_entry = max_entry
+        self._secret = secret.encode() if isinstance(secret, str) else secret
+        self._breaker = Breaker(failures=3, cooldown=retry_after)
+        self._executor = cf.ThreadPoolExecutor(4, thread_name_prefix="aiocompile-shared")
+        self._lock = threading.Lock()
+        self._getex = self._ttl is not None
+        self._queued_writes = 0
+        self._warned: set[str] = set()
+        self.hits = 0
+        self.misses = 0
+        self.writes = 0
+        self.errors = 0
+        self.skipped = 0
+        self.corrupt = 0
+        self.refused = 0
+        if self._secret is None:
+            _log.warning("the shared cache %s is not signed: anyone able to write to it can plant kernels that this "
+                         "process will run. Set a cache key (cache_key, AIOCOMPILE_CACHE_KEY) on every machine that "
+                         "builds or reads it", self.url)
+
+    @property
+    def state(self) -> str:
+        """The breaker's state: "closed" (in use), "open" (left alone for now), "half-open"."""
+        return self._breaker.state
+
+    @property
+    def opened(self) -> int:
+        return self._breaker.opened
+
+    def close(self, wait: bool = True) -> None:
+        """Finish (``wait``) or drop the writes still queued, then let the connections go."""
+        self._executor.shutdown(wait=wait, cancel_futures=not wait)
+        try:
+            self._client.close()
+        except Exception:  # noqa: BLE001 - closing what may already be broken
+            pass
+
+    # -- called on the request path (any thread) -----------------------------------------
+
+    def lookup(self, key: str, decode: Callable[[bytes], Any]) -> cf.Future[Any] | None:
+        """A future of ``load(key, decode)`` in the cache's threads; None, at once, when the
+        breaker is open (counted in ``skipped``): compile without waiting."""
+        if not self._breaker.allow():
+            with self._lock:
+                self.skipped += 1
+            return None
+        try:
+            return self._executor.submit(self._load, key, decode)
+        except RuntimeError:  # closed
+            return None
+
+    def store(self, key: str, encode: Callable[[], bytes]) -> None:
+        """Queue writing ``encode()`` for ``key``. Never raises, never waits: the result
+        was answered already, and a copy that cannot be kept is counted, no more."""
+        with self._lock:
+            if self._queued_writes >= _MAX_QUEUED_WRITES:
+                self.skipped += 1
+                return
+            self._queued_writes += 1
+        try:
+            self._executor.submit(self._store, key, encode)
+        except RuntimeError:  # closed, or the interpreter is exiting: the copy is lost
+            with self._lock:
+                self._queued_writes -= 1
+
+    # -- the cost history (the caller's thread) ---------------------------------------------
+
+    def read_costs(self) -> dict[str, Any]:
+        """The fleet's cost history: each compile key's entry as stored (``_costs`` checks
+        them); empty when there is none, the server fails, or the breaker is open."""
+        if self._breaker.state == "open":
+            return {}
+        try:
+            raw = self._client.hgetall(COSTS)
+        except Exception as exc:  # noqa: BLE001 - no history is an order of work, no more
+            _log.debug("aiocompile: cannot read the cost history from %s: %s", self.url, exc)
+            return {}
+        costs: dict[str, Any] = {}
+        for key, value in raw.items():
+            try:
+                costs[key.decode() if isinstance(key, bytes) else str(key)] = json.loads(value)
+            except (ValueError, UnicodeDecodeError):
+                continue
+        return costs
+
+    def write_costs(self, entries: dict[str, list[Any]], limit: int) -> bool:
+        """Add ``entries`` to the fleet's cost history, keeping its newest ``limit``
+        entries. Returns whether it was written."""
+        if self._breaker.state == "open":
+            return False
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.hset(COSTS, mapping={key: json.dumps(entry, separators=(",", ":")) for key, entry in entries.items()})
+            if self._ttl is not None:
+                pipe.expire(COSTS, self._ttl)
+            pipe.hlen(COSTS)
+            size = pipe.execute()[-1]
+            if isinstance(size, int) and size > limit:
+                self._trim_costs(limit)
+        except Exception as exc:  # noqa: BLE001 - not kept this time, sent with the next save
+            _log.debug("aiocompile: cannot write the cost history to %s: %s", self.url, exc)
+            return False
+        return True
+
+    def _trim_costs(self, limit: int) -> None:
+        # Another machine may be adding entries meanwhile: this drops only the oldest of
+        # those read, and a later write trims again.
+        def when(item: tuple[Any, Any]) -> float:
+            try:
+                value = json.loads(item[1])[4]
+                return float(value) if isinstance(value, (int, float)) else 0.0
+            except (ValueError, IndexError, KeyError, TypeError):
+                return 0.0  # not an entry: first to go
+
+        entries = sorted(self._client.hgetall(COSTS).items(), key=when)
+        oldest = [key for key, _ in entries[:max(0, len(entries) - limit)]]
+        if oldest:
+            self._client.hdel(COSTS, *oldest)
+
+    # -- in the cache's threads ------------------------------------------------------------------
+
+    def _load(self, key: str, decode: Callable[[bytes], Any]) -> tuple[Any, float] | None:
+        """The result stored for ``key`` and the seconds decoding it took, or None for a
+        miss: nothing stored, the server failing, or an entry that is not trusted or does
+        not decode. Never raises."""
+        name = PREFIX + key
+        try:
+            if self._getex:
+                try:
+                    blob = self._client.getex(name, ex=self._ttl)  # read, and live on
+                except self._response_error as exc:
+                    if "unknown command" not in str(exc).lower():
+                        raise
+                    self._getex = False  # a server older than Redis 6.2
+                    blob = self._client.get(name)
+            else:
+                blob = self._client.get(name)
+        except Exception as exc:  # noqa: BLE001 - whatever the client raised, it is a miss
+            self._failed("read", exc)
+            return None
+        self._breaker.succeeded()
+        if blob is None:
+            with self._lock:
+                self.misses += 1
+            return None
+        try:
+            found = open_entry(blob if isinstance(blob, bytes) else str(blob).encode(), self._secret, key, decode)
+        except NotSealed:
+            self._untrusted("unsigned", key, "not signed, and a cache key is set")
+            return None
+        except BadSeal as exc:
+            if self._secret is None:
+                self._damaged(key, exc)
+            else:
+                self._untrusted("signature", key, str(exc))
+            return None
+        except Undecodable as exc:
+            self._damaged(key, exc.__cause__ or exc)
+            return None
+        with self._lock:
+            self.hits += 1
+        return found
+
+    def _store(self, key: str, encode: Callable[[], bytes]) -> None:
+        try:
+            data = wrap(encode(), self._secret, key)
+            if self._max_entry is not None and len(data) > self._max_entry:
+                with self._lock:
+                    self.skipped += 1
+                return
+            if not self._breaker.allow():
+                with self._lock:
+                    self.skipped += 1
+                return
+            try:
+                self._client.set(PREFIX + key, data, ex=self._ttl)
+            except Exception as exc:  # noqa: BLE001 - a copy that cannot be kept is counted, no more
+                self._failed("write", exc)
+                return
+            self._breaker.succeeded()
+            with self._lock:
+                self.writes += 1
+        except Exception:  # noqa: BLE001 - a result that does not encode is not shared, and that is all
+            _log.debug("aiocompile: a result could not be encoded for the shared cache", exc_info=True)
+        finally:
+            with self._lock:
+                self._queued_writes -= 1
+
+    # -- what went wrong --------------------------------------------------------------------------
+
+    def _failed(self, operation: str, exc: BaseException) -> None:
+        self._breaker.failed()
+        with self._lock:
+            self.errors += 1
+        _log.debug("shared cache %s at %s failed: %s", operation, self.url, exc, exc_info=exc)
+        self._warn_once(f"{operation}:{type(exc).__name__}",
+                        "cannot %s the shared cache %s (%s: %s); kernels are compiled, or not shared, instead%s",
+                        "read from" if operation == "read" else "write to", self.url, type(exc).__name__, exc,
+                        "" if self._breaker.state == "closed" else "; it is left alone for a while")
+
+    def _damaged(self, key: str, exc: BaseException) -> None:
+        with self._lock:
+            self.corrupt += 1
+        _log.debug("shared cache entry %s does not decode: %s", key, exc)
+        self._warn_once("corrupt", "entries of the shared cache %s do not decode (the first: %s: %s: %s); their "
+                        "kernels are compiled instead", self.url, key, type(exc).__name__, exc)
+
+    def _untrusted(self, kind: str, key: str, reason: str) -> None:
+        with self._lock:
+            self.refused += 1
+        _log.debug("shared cache entry %s is not trusted: %s", key, reason)
+        self._warn_once(f"refused:{kind}", "entries of the shared cache %s are not trusted and not loaded (the first: "
+                        "%s, %s); their kernels are compiled instead", self.url, key, reason)
+
+    def _warn_once(self, cause: str, message: str, *args: Any) -> None:
+        with self._lock:
+            if cause in self._warned:
+                return
+            self._warned.add(cause)
+        _log.warning(message, *args)

@@ -1,0 +1,225 @@
+"""A job's record, the pool's counters, and the events a pool reports.
+
+Shared by aiocompile's own pool (``_pool``) and the pool over a foreign executor
+(``_foreign``): a job is the same thing in both, whoever runs it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from aiocompile._pool import serialize
+from aiocompile._pool.child import job_env
+from aiocompile._pool.handle import UNDELIVERED
+from aiocompile.errors import CompileTimeout, SchedulerClosed, WorkerCrashedError
+from aiocompile.records import WorkerEvent
+
+logger = logging.getLogger("aiocompile")
+
+
+@dataclass(eq=False)
+class Job:
+    """One unit of work and everything measured about it. Fields are written by the
+    supervisor thread and are final once ``future`` is done."""
+
+    id: int
+    payload: bytes
+    future: cf.Future[Any]
+    timeout: float | None
+    max_crashes: int
+    name: str | None
+    key: str | None
+    env: dict[str, str]
+    sys_path: list[str]
+    warm_only: bool = False
+    submitted_at: float = field(default_factory=time.monotonic)
+    started_at: float | None = None
+    attempt_started_at: float | None = None
+    finished_at: float | None = None
+    run_time: float | None = None
+    attempts: int = 0
+    crashes: int = 0
+    worker_pid: int | None = None
+    worker_rss: int = 0
+    output_size: int = 0
+    last_exitcode: int | None = None
+    last_output: str = ""
+
+    @property
+    def queue_wait(self) -> float | None:
+        if self.started_at is None:
+            return None
+        return self.started_at - self.submitted_at
+
+    # -- its outcome (in whichever thread decides it) -------------------------------------
+
+    def succeed(self, result: Any) -> None:
+        """Its result; a future already done (cancelled, failed at shutdown) keeps its own.
+        Two threads may settle one job at once (its answer, and its timeout or the pool
+        closing): the first one wins, and the other is no error."""
+        if self._may_finish():
+            try:
+                self.future.set_result(result)
+            except cf.InvalidStateError:
+                pass
+
+    def fail(self, exc: BaseException) -> None:
+        if self._may_finish():
+            try:
+                self.future.set_exception(exc)
+            except cf.InvalidStateError:
+                pass
+
+    def _may_finish(self) -> bool:
+        if self.finished_at is None:
+            self.finished_at = time.monotonic()
+        # A queued job never started is RUNNING once it has an outcome.
+        if self.future.running():
+            return True  # the usual case: a worker answered
+        try:
+            return self.future.set_running_or_notify_cancel()
+        except RuntimeError:  # finished already, or started meanwhile in another thread
+            return self.future.running()
+
+    def stopped_error(self, reason: str) -> BaseException:
+        """What it fails with when stopped on purpose: cancelled by its caller, or the
+        scheduler closing (``reason`` says so)."""
+        return cf.CancelledError() if reason == "cancelled" else SchedulerClosed(reason)
+
+    def after_death(self, reason: str | None, exitcode: int | None, tail: str, machinery_failed: bool,
+                    counters: PoolCounters) -> bool:
+        """Its worker died holding it: ``reason`` says why it was killed, None if it was
+        not (a crash). Fails it, or returns True: it is to run again."""
+        self.last_exitcode = exitcode
+        self.last_output = tail
+        self.finished_at = time.monotonic()
+        if reason == UNDELIVERED:
+            self.attempts -= 1  # it never reached the worker
+            return True
+        if reason == "timeout":
+            counters.timeouts += 1
+            self.fail(CompileTimeout(f"did not finish within {self.timeout:g} s; its worker was killed",
+                                     timeout=self.timeout, kernel_name=self.name, key=self.key, output=tail))
+            return False
+        if reason is not None:
+            counters.killed += 1
+            self.fail(self.stopped_error(reason))
+            return False
+        counters.worker_crashes += 1
+        if machinery_failed:
+            # The fork server died and took its workers with it: not this job's doing, so
+            # it runs again without counting against it.
+            counters.retries += 1
+            return True
+        self.crashes += 1
+        if self.crashes >= self.max_crashes:
+            self.fail(WorkerCrashedError(
+                f"killed its worker {self.crashes} time(s), last with {signal_name(exitcode)}",
+                exitcode=exitcode, attempts=self.attempts, kernel_name=self.name, key=self.key, output=tail))
+            return False
+        counters.retries += 1
+        return True
+
+    @classmethod
+    def create(
+        cls,
+        job_id: int,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+        *,
+        timeout: float | None,
+        max_crashes: int,
+        name: str | None,
+        key: str | None,
+        warm_only: bool = False,
+    ) -> Job:
+        """A job for ``fn(*args, **kwargs)``, pickled now (``TypeError`` if it cannot be),
+        carrying this process's job environment and import path as they are now."""
+        return cls(
+            id=job_id,
+            payload=serialize.dumps((fn, args, kwargs or {})),
+            future=cf.Future(),
+            timeout=timeout,
+            max_crashes=max_crashes,
+            name=name,
+            key=key,
+            env=job_env(),
+            sys_path=_import_path(),
+            warm_only=warm_only,
+        )
+
+
+# sys.path as the last job carried it: jobs share one copy while it stays the same.
+_path_seen: list[str] = []
+
+
+def _import_path() -> list[str]:
+    """A copy of ``sys.path``, the same list for as long as ``sys.path`` does not change
+    (so "unchanged" is told by identity); it must not be modified."""
+    global _path_seen
+    seen = _path_seen
+    if seen != sys.path:
+        seen = _path_seen = list(sys.path)
+    return seen
+
+
+@dataclass
+class PoolCounters:
+    """What the pool has done; written by the supervisor thread only."""
+
+    workers_started: int = 0
+    worker_crashes: int = 0
+    retries: int = 0
+    timeouts: int = 0
+    killed: int = 0
+    recycled: int = 0
+    idle_stopped: int = 0
+    queue_depth_max: int = 0
+
+
+def death_statuses(kill_reason: str | None, machinery_failed: bool) -> tuple[str, str]:
+    """(worker_exited status, job_ended status) for a worker that died holding a job."""
+    if kill_reason == UNDELIVERED:
+        return "crashed", "lost"
+    if kill_reason == "timeout":
+        return "timeout", "timeout"
+    if kill_reason is not None:
+        return "killed", "cancelled" if kill_reason == "cancelled" else "closed"
+    return "crashed", "lost" if machinery_failed else "crashed"
+
+
+def signal_name(code: int | None) -> str:
+    if code is None:
+        return "an unknown status"
+    if code < 0:
+        import signal
+
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def emit_event(listener: Callable[[WorkerEvent], None] | None, event: str, pid: int | None,
+               job: Job | None = None, **fields: Any) -> None:
+    """Report a ``WorkerEvent`` to ``listener``, with monotonic times made wall-clock."""
+    if listener is None:
+        return
+    now = time.time()
+    if job is not None:
+        started = job.attempt_started_at
+        fields.update(
+            job_id=job.id, name=job.name, key=job.key, attempt=job.attempts, warm_up=job.warm_only,
+            started_at=None if started is None else now - (time.monotonic() - started),
+        )
+    try:
+        listener(WorkerEvent(event, now, pid, **fields))
+    except Exception:  # pragma: no cover - the listener guards its own callbacks
+        logger.exception("aiocompile: reporting a worker event failed")

@@ -1,0 +1,191 @@
+"""Answers read by an asyncio event loop itself.
+
+A job sent from an event loop's thread to an idle worker, when its caller asks for it
+(``direct=True``: small answers, as ``Scheduler.run`` gets), has its answer read by that
+event loop (``add_reader`` on a duplicate of the worker's socket), which spares the answer
+a hop through the supervisor thread. The supervisor still owns the worker: it watches the
+deadline, kills on timeout, and takes back the socket the moment the loop sees anything
+but one whole, small answer (the worker's end, a partial or large message), or when the
+loop does not read a waiting answer within ``LOOP_GRACE`` seconds (a loop that is
+blocked, stopped or closed).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import socket
+import struct
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+from aiocompile._pool.child import parse_message
+from aiocompile._pool.handle import LoopReader, Worker
+
+if TYPE_CHECKING:
+    from aiocompile._pool.pool import WorkerPool
+
+logger = logging.getLogger("aiocompile")
+
+# An answer an event loop was to read, still unread after this long (the loop is blocked,
+# stopped or closed), is read by the supervisor instead; it looks this often.
+LOOP_GRACE = 1.0
+AUDIT_PERIOD = 0.25
+# Larger answers are never read in an event loop: unpickling them is the supervisor's work.
+LOOP_READ_MAX = 64 * 1024
+
+
+class LoopReads:
+    """The loop-read half of a :class:`~aiocompile._pool.pool.WorkerPool`."""
+
+    def __init__(self, pool: WorkerPool) -> None:
+        self._pool = pool
+
+    def reader_for(self, worker: Worker, loop: Any) -> LoopReader | None:
+        """The registration through which ``loop`` reads ``worker``'s answer (under the
+        pool's lock): the one it already has, or a new duplicate of the socket registered
+        with it; None if that cannot be. A registration stays while the same loop keeps
+        using the worker: adding and removing a reader cost as much as the rest of reading."""
+        registered = worker.registration
+        if registered is not None:
+            if registered.loop is loop:
+                registered.waiting_since = None
+                return registered
+            if registered.loop.is_closed():
+                # A closed loop's selector is closed: nothing refers to the descriptor.
+                registered.close()
+            # Otherwise it stays registered in that loop, which drops it the next time the
+            # socket is readable (see on_readable).
+            worker.registration = None
+        try:
+            fd = worker.proc.conn.fileno()
+            if worker.peek is None:
+                worker.peek = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, 0, os.dup(fd))
+            reader = LoopReader(loop, os.dup(fd))
+        except (OSError, ValueError):
+            return None
+        try:
+            loop.add_reader(reader.fd, self.on_readable, worker, reader)
+        except (NotImplementedError, RuntimeError, OSError, ValueError):
+            reader.close()
+            return None
+        worker.registration = reader
+        return reader
+
+    def on_readable(self, worker: Worker, reader: LoopReader) -> None:
+        """The loop's callback: the worker's socket is readable. Reads one whole, small
+        answer to a job this loop holds. Anything else unregisters: the worker's end, a
+        partial or large message (the supervisor is woken to read those), or an answer to
+        a job someone else reads (the supervisor, another loop)."""
+        pool = self._pool
+        data: bytes | memoryview | None = None
+        with pool._lock:
+            mine = worker.reader is reader
+            if mine:
+                data = None if worker.peek is None else whole_message(worker.peek)
+                if data is _NOTHING_YET:
+                    return  # readiness seen for an earlier answer, already read
+                if data is None:
+                    worker.reader = None
+            if data is None and worker.registration is reader:
+                worker.registration = None
+        if data is None:
+            try:
+                reader.loop.remove_reader(reader.fd)
+            except (RuntimeError, OSError, ValueError):  # pragma: no cover - a closing loop
+                pass
+            reader.close()
+            if mine:
+                pool._wake()
+            return
+        pool._answered(worker, parse_message(data), in_loop=True)
+
+    def audit(self, workers: list[Worker]) -> None:
+        """In the supervisor: take back the sockets of answers an event loop has left
+        unread for ``LOOP_GRACE`` seconds, and at once those of a closed loop."""
+        now = time.monotonic()
+        for worker in workers:
+            reader = worker.reader
+            if reader is None:
+                continue
+            closed = reader.loop.is_closed()
+            if not closed:
+                if not readable_now(worker.proc.conn):
+                    reader.waiting_since = None
+                    continue
+                if reader.waiting_since is None:
+                    reader.waiting_since = now
+                if now - reader.waiting_since < LOOP_GRACE:
+                    continue
+            with self._pool._lock:
+                if worker.reader is not reader:
+                    continue  # the loop has just read it
+                worker.reader = None
+                if closed and worker.registration is reader:
+                    worker.registration = None
+                    reader.close()  # a closed loop's selector is closed: nothing refers to it
+            if not closed:
+                logger.debug("aiocompile: an event loop left an answer unread for %.1f s; the supervisor reads it",
+                             now - (reader.waiting_since or now))
+
+
+def running_loop() -> Any:
+    """The asyncio event loop running in this thread, or None."""
+    asyncio = sys.modules.get("asyncio")
+    if asyncio is None:
+        return None
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def readable_now(conn: Any) -> bool:
+    """Whether reading ``conn`` would return at once (data, or its end)."""
+    try:
+        poller = select.poll()
+        poller.register(conn.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
+    except (OSError, ValueError):
+        return True  # closed: reading it fails at once
+
+
+_HEADER = struct.Struct("!i")
+_NOTHING_YET = b""
+# Or-ing the flags anew costs a Python-level call of IntFlag.__or__ per answer.
+_PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)
+_FIRST_LOOK = 4096
+_WAITALL = int(socket.MSG_WAITALL)
+
+
+def whole_message(peek: socket.socket) -> bytes | memoryview | None:
+    """One message from a worker's socket, through its duplicate ``peek``, if all of it
+    has arrived and it is at most ``LOOP_READ_MAX`` bytes long, read without blocking;
+    else None, and nothing is read; ``_NOTHING_YET`` if nothing at all is there.
+    (``multiprocessing.connection`` frames a message with
+    its length: 4 bytes, or -1 and 8 more.) Two system calls, a peek then the read; three
+    for an answer of more than a few kilobytes."""
+    try:
+        # A first look of a few kilobytes: most answers fit, and a buffer of the largest
+        # size allowed costs its allocation on every answer.
+        head = peek.recv(_FIRST_LOOK, _PEEK)
+        if len(head) >= 4:
+            size = _HEADER.unpack_from(head)[0]
+            if len(head) == _FIRST_LOOK and _FIRST_LOOK < 4 + size <= 4 + LOOP_READ_MAX:
+                head = peek.recv(4 + size, _PEEK)
+    except BlockingIOError:
+        return _NOTHING_YET
+    except OSError:
+        return None  # a broken socket
+    if len(head) < 4:
+        return None  # the worker's end, or not yet a whole header
+    size = _HEADER.unpack_from(head)[0]
+    if size < 0 or size > LOOP_READ_MAX or 4 + size > len(head):
+        return None  # large, or not all there yet
+    try:
+        data = peek.recv(4 + size, _WAITALL)
+    except OSError:  # pragma: no cover - all of it was there
+        return None
+    return memoryview(data)[4:]

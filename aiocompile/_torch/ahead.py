@@ -1,0 +1,81 @@
+"""Work the serving process's first load will need, done while the worker compiles.
+
+Loading a compiled version here needs things a process makes once and keeps: for a
+package, Inductor's CPU vector-ISA check (:mod:`._isa`, 72 s on the H100 host); for the
+Python form, the modules that load its artifact and Triton's backend hash (:mod:`._graph`,
+2.7 s of the serving process's CPU there, most of it holding the interpreter lock).
+Made by the load itself, they would add to the time until compiled and hold the lock in
+pieces long enough to be seen in the eager calls' latency.
+
+Each is an :class:`Ahead`: :meth:`~Ahead.start` runs it once per process in a thread of its
+own, from the moment a model is wrapped (``compile_in_background``; again, a no-op, at
+each compile's submission); :meth:`~Ahead.wait` is called by the load, which then finds
+it made.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from aiocompile._torch import graph, isa
+
+_logger = logging.getLogger("aiocompile")
+
+
+class Ahead:
+    """One piece of work, made at most once per process in a thread of its own."""
+
+    def __init__(self, name: str, work: Callable[[], Any]) -> None:
+        self.name = name
+        self._work = work
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self.started = False
+        self.seconds: float | None = None
+        """How long it took, once it has run without raising."""
+
+    def start(self) -> None:
+        """Begin the work in a thread of its own, unless it has begun already."""
+        with self._lock:
+            if self.started:
+                return
+            self.started = True
+        threading.Thread(target=self._run, name=f"aiocompile-{self.name}", daemon=True).start()
+
+    def _run(self) -> None:
+        began = time.perf_counter()
+        try:
+            self._work()
+            self.seconds = time.perf_counter() - began
+            _logger.debug("%s, made for loads here, took %.2f s", self.name, self.seconds)
+        except Exception as exc:  # noqa: BLE001 - whoever needs it next meets the failure and reports it
+            _logger.debug("%s, made for loads here, failed: %s: %s", self.name, type(exc).__name__, exc)
+        finally:
+            self._done.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for work that has begun (at most ``timeout`` seconds); True when there is
+        none or it has ended. A load that runs while it does would repeat it."""
+        with self._lock:
+            if not self.started:
+                return True
+        return self._done.wait(timeout)
+
+
+def _vec_isa() -> None:
+    if isa.make() is None:
+        raise RuntimeError("the check failed")
+
+
+VEC_ISA = Ahead("vec-isa", _vec_isa)
+"""Inductor's CPU vector-ISA check, which a package's load needs."""
+GRAPH_LOAD = Ahead("graph-load", graph.prepare)
+"""The modules a Python-form load imports, and Triton's backend hash."""
+
+
+def for_form(form: str) -> Ahead:
+    return GRAPH_LOAD if form == "python" else VEC_ISA

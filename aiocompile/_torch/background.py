@@ -1,0 +1,644 @@
+"""Compiling a model in the background while it serves eagerly.
+
+``compile_in_background(model)`` returns a :class:`BackgroundCompiled`: a callable that
+answers every call at once, eagerly until a compiled version for the call's inputs is
+ready, compiled from then on.
+
+How a call is answered
+----------------------
+
+Each call is keyed by its *signature*: the shape, strides, dtype and device of every
+tensor argument, the value of every other argument, and the model's ``training`` flag.
+The first call with a new signature starts its compile and is answered eagerly, as is
+every call with that signature until the compiled version is loaded; the switch happens
+between calls (an assignment), so no call fails or waits for it. A call that would record
+autograd history (grad enabled and a parameter or an input requiring grad) is answered
+eagerly whatever is compiled: the compiled version is for inference.
+
+Where the work happens
+----------------------
+
+Tracing and Inductor's lowering are Python and hold the interpreter lock for seconds; in
+the serving process they would slow every eager call (and ``torch.export`` in a second
+thread beside eager calls also trips over the fake-tensor mode's thread state). So all of
+it runs in a worker process of an aiocompile scheduler (``export.build_package``):
+
+1. here, in a thread: the model is pickled (``_parcel``) with the call's inputs;
+2. in a worker: ``torch.export``, Inductor's compile in one of two forms (``artifact``:
+   Inductor's Python wrapper, :mod:`._graph`, the default on a GPU; an AOTInductor package
+   without weights, the default on the CPU), and a trial run beside the model;
+3. here, in a thread: the compiled version is loaded and bound to this process's own
+   parameters and buffers (no copy: weights changed in place later are used as they
+   are).
+
+Each signature's life is a small state machine (``_states.TRANSITIONS``): ``compiling`` then
+``compiled`` or ``failed``; ``compiled`` becomes ``failed`` if the compiled version ever
+raises (that call, and every later one, is answered eagerly). A signature that cannot be
+compiled at all (an input that is not a plain tensor or a plain value) is ``eager``.
+A failed compile leaves the error, and the directory of its repro bundle, in
+``status()``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import io
+import os
+import tempfile
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from aiocompile._base import bridge, threads
+from aiocompile._core.scheduler import Scheduler
+from aiocompile._observe import repro as _repro
+from aiocompile._torch import ahead, export, graph
+from aiocompile._torch import parcel as _parcel
+from aiocompile._torch.states import TRANSITIONS, BackgroundStatus, ShapeStatus, _Entry
+from aiocompile.backends import Request
+from aiocompile.errors import CompileError, CompileTimeout, WorkerCrashedError
+
+__all__ = ["TRANSITIONS", "BackgroundCompiled", "BackgroundStatus", "ShapeStatus", "compile_in_background"]
+
+MODES = (None, "default", "max-autotune", "max-autotune-no-cudagraphs")
+"""``mode=`` values: Inductor's own settings for the mode, less CUDA graphs (the compiled
+version is not run under CUDA graph trees)."""
+
+# Packing the model and loading packages: a lane of its own, so that a large model being
+# pickled never delays a kernel load.
+_LANE = threads.Lane("aiocompile-background", 2)
+
+
+class BackgroundCompiled:
+    """A model that answers every call at once: eagerly, or compiled where a compiled
+    version for the call's inputs is ready. Made by :func:`compile_in_background`.
+
+    Calling it is thread-safe. ``ready(*inputs)`` compiles ahead of traffic;
+    ``status()`` says where every signature stands; ``close()`` (or ``aclose()``) closes
+    the scheduler it made for itself, if it did.
+    """
+
+    def __init__(self, model: Any, *, inductor_configs: Mapping[str, Any], scheduler: Scheduler,
+                 owns_scheduler: bool, strict: bool, timeout: float | None, disabled: bool,
+                 max_signatures: int = 8, artifact: str = "auto") -> None:
+        import torch
+
+        self._model = model
+        self._torch = torch
+        self._tensor = torch.Tensor
+        self._configs = dict(inductor_configs)
+        self._scheduler = scheduler
+        self._owns_scheduler = owns_scheduler
+        self._strict = strict
+        self._timeout = timeout
+        self._disabled = disabled
+        self._max_signatures = max_signatures
+        self._artifact = artifact
+        self._name = type(model).__qualname__
+        self._lock = threading.Lock()
+        self._entries: dict[Any, _Entry] = {}
+        self._unkeyed_calls = 0
+        self._needs_grad: bool | None = None
+        self._parcel: _parcel.Parcel | None = None
+        self._packing_users = 0
+
+    @property
+    def model(self) -> Any:
+        """The eager model."""
+        return self._model
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self._scheduler
+
+    # -- calls -----------------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        key = self._key(args, kwargs)
+        if key is None:
+            self._unkeyed_calls += 1
+            return self._model(*args, **kwargs)
+        entry = self._entries.get(key)
+        if entry is None:
+            # A signature met for the first time: this call is answered first, and only
+            # then is its compile started (whose packing would compete with the call).
+            out = self._model(*args, **kwargs)
+            entry = self._begin(key, args, kwargs)
+            if entry is None:
+                self._unkeyed_calls += 1
+            else:
+                entry.eager_calls += 1
+            return out
+        runner = entry.runner
+        if runner is not None and not self._records_grad(args, kwargs):
+            try:
+                out = runner(*args, **kwargs)
+            except Exception as exc:
+                # The compiled version is broken for good; this call, and every later
+                # one, is answered eagerly.
+                self._broken(entry, exc)
+            else:
+                entry.compiled_calls += 1
+                return out
+        entry.eager_calls += 1
+        return self._model(*args, **kwargs)
+
+    def _key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+        """The call's signature as a dict key, or None when an input is neither a plain
+        tensor nor a plain value (such calls are answered eagerly, uncompiled)."""
+        parts: list[Any] = [self._model.training]
+        for value in args:
+            part = self._leaf(value)
+            if part is None:
+                return None
+            parts.append(part)
+        for name in sorted(kwargs):
+            part = self._leaf(kwargs[name])
+            if part is None:
+                return None
+            parts.append((name, part))
+        return tuple(parts)
+
+    def _leaf(self, value: Any) -> Any:
+        if type(value) is self._tensor:
+            return (tuple(value.shape), value.stride(), value.dtype, value.device)
+        if value is None or type(value) in (bool, int, float, str):
+            return (type(value), value)
+        if type(value) in (tuple, list):
+            parts = [self._leaf(item) for item in value]
+            return None if any(part is None for part in parts) else (type(value), tuple(parts))
+        if type(value) is dict and all(type(name) is str for name in value):
+            parts = [(name, self._leaf(value[name])) for name in sorted(value)]
+            return None if any(part is None for _, part in parts) else (dict, tuple(parts))
+        return None
+
+    def _records_grad(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        torch = self._torch
+        if not torch.is_grad_enabled():
+            return False
+        if self._needs_grad is None:
+            self._needs_grad = any(p.requires_grad for p in self._model.parameters())
+        if self._needs_grad:
+            return True
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        return any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in leaves)
+
+    # -- compiles ---------------------------------------------------------------------------------
+
+    def _begin(self, key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Entry | None:
+        """The entry of a signature met for the first time, its compile started; None
+        once ``max_signatures`` signatures have been met (served eagerly, never
+        compiled: a model called with ever new shapes must not start a compile a call)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                return entry
+            if len(self._entries) >= self._max_signatures:
+                return None
+            entry = _Entry(_describe(self._torch, args, kwargs))
+            self._entries[key] = entry
+        if self._disabled:
+            entry.state = "eager"
+            entry.error = RuntimeError("disable=True: compiling is switched off")
+            entry.done.set_result(None)
+            return entry
+        # Packing copies every weight: in a thread, never in the caller's.
+        _LANE.submit(lambda: self._submit(entry, args, kwargs))
+        return entry
+
+    def _submit(self, entry: _Entry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Pack the model and the inputs and hand the compile to the scheduler (in a
+        lane's thread)."""
+        torch = self._torch
+        try:
+            parcel = self._take_parcel()
+        except Exception as exc:
+            error = CompileError(f"the model cannot be compiled in a worker: {exc}", kernel_name=self._name)
+            error.__cause__ = exc
+            self._fail(entry, error)
+            return
+        try:
+            inputs = io.BytesIO()
+            torch.save((tuple(args), dict(kwargs)), inputs)
+            device_index = _device_index(torch, args, kwargs)
+            form = _form(self._artifact, on_gpu=device_index >= 0)
+            job = export.ExportJob(
+                name=self._name, signature=entry.text, parcel=parcel, inputs=inputs.getvalue(),
+                inductor_configs=dict(self._configs), device_index=device_index,
+                env={name: value for name, value in os.environ.items() if name.startswith(export.ENV_PREFIXES)},
+                repro=_repro.root_of(self._scheduler.config), form=form,
+            )
+            request = Request(
+                backend="aoti", key=None, name=f"{self._name}({entry.text})",
+                target="cpu" if device_index < 0 else f"cuda:{device_index}",
+                fn=export.build_package, args=(job,), finish=_identity, details=_details,
+            )
+            answer = self._scheduler._execute_sync(request, self._timeout)
+        except BaseException as exc:
+            self._release_parcel()
+            self._fail(entry, exc)
+            return
+        answer.add_done_callback(lambda done: _LANE.submit(lambda: self._finish(entry, job, done)))
+        ahead.for_form(form).start()  # what the load will need here, made while the worker compiles
+
+    def _take_parcel(self) -> _parcel.Parcel:
+        """The model packed, shared by the compiles under way (packed again once none is:
+        its bytes are a copy of every weight)."""
+        with self._lock:
+            parcel = self._parcel
+            self._packing_users += 1
+        if parcel is None:
+            try:
+                parcel = _parcel.pack(self._model)
+            except BaseException:
+                self._release_parcel()
+                raise
+            with self._lock:
+                if self._parcel is None:
+                    self._parcel = parcel
+        return parcel
+
+    def _release_parcel(self) -> None:
+        with self._lock:
+            self._packing_users -= 1
+            if self._packing_users <= 0:
+                self._packing_users = 0
+                self._parcel = None
+
+    def _finish(self, entry: _Entry, job: export.ExportJob, done: cf.Future[Any]) -> None:
+        """Load what the worker built and switch the signature to it (in a lane's
+        thread), or record why there is none. Whatever goes wrong here fails the
+        signature: nothing is left compiling for ever."""
+        self._release_parcel()
+        try:
+            self._settle(entry, job, done)
+        except BaseException as exc:
+            self._fail(entry, exc)
+            raise
+
+    def _settle(self, entry: _Entry, job: export.ExportJob, done: cf.Future[Any]) -> None:
+        exc = done.exception()
+        if exc is not None:
+            if isinstance(exc, (WorkerCrashedError, CompileTimeout)) and exc.repro is None \
+                    and job.repro is not None:
+                # The worker could not write a bundle: it was gone.
+                from aiocompile._torch import bundles
+
+                try:
+                    exc.repro = bundles.background_crash(job, exc)
+                except Exception as bundle_error:  # noqa: BLE001 - the compile's error is the one to keep
+                    exc.output = f"{exc.output}\nthe repro bundle could not be written: {bundle_error}".strip()
+            self._fail(entry, exc)
+            return
+        answer = done.result()
+        entry.stages = tuple(answer["stages"].items())
+        entry.difference = answer["max_abs_difference"]
+        entry.compiler = answer.get("compiler")
+        entry.form = answer["form"]
+        entry.form_reason = answer.get("form_reason")
+        try:
+            runner, constants = self._load(answer, job.device_index)
+        except Exception as load_error:
+            self._fail(entry, self._load_failure(job, load_error))
+            return
+        with self._lock:
+            entry.runner, entry.constants = runner, constants
+            entry.move("compiled")
+
+    def _load(self, answer: Mapping[str, Any], device_index: int) -> tuple[Any, dict[str, Any]]:
+        """The compiled version the worker built, loaded here and bound to this process's own
+        weights (and the constants made during tracing, which come with it)."""
+        torch = self._torch
+        form = answer["form"]
+        ahead.for_form(form).wait(self._timeout)
+        own = export.model_tensors(self._model)
+        extra = torch.load(io.BytesIO(answer["extra_constants"]), weights_only=True)
+        device = torch.device("cpu") if device_index < 0 else torch.device("cuda", device_index)
+        if form == "python":
+            plan = answer["plan"]
+            constants = {name: own[name].detach() if kind == "weight" else extra[name].to(device)
+                         for kind, name in plan.inputs if kind != "input"}
+            return graph.load(answer["artifact"], plan, constants), constants
+        fd, path = tempfile.mkstemp(prefix="aiocompile-", suffix=".pt2")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(answer["package"])
+            runner = torch._inductor.aoti_load_package(path, device_index=device_index)
+        finally:
+            os.unlink(path)  # the loader has unpacked what it needs
+        constants = {}
+        for name in answer["constants"]:
+            if name in own:
+                constants[name] = own[name].detach()
+            else:
+                constants[name] = extra[name].to(device)
+        runner.load_constants(constants, check_full_update=True, user_managed=True)
+        return runner, constants
+
+    def _load_failure(self, job: export.ExportJob, exc: Exception) -> CompileError:
+        error = CompileError(f"loading the compiled package here failed: {type(exc).__name__}: {exc}",
+                             kernel_name=self._name)
+        error.__cause__ = exc
+        if job.repro is not None:
+            from aiocompile._torch import bundles
+
+            try:
+                error.repro = bundles.background_failure(job, "load here", exc)
+            except Exception:  # noqa: BLE001
+                pass
+        return error
+
+    def _fail(self, entry: _Entry, exc: BaseException) -> None:
+        with self._lock:
+            entry.move("failed", exc)
+
+    def _broken(self, entry: _Entry, exc: BaseException) -> None:
+        error = CompileError(f"the compiled version raised at a call, and is no longer used: "
+                             f"{type(exc).__name__}: {exc}", kernel_name=self._name)
+        with self._lock:
+            if entry.move("failed", error):
+                entry.runner = None
+
+    # -- the public side --------------------------------------------------------------------------
+
+    async def ready(self, *args: Any, **kwargs: Any) -> ShapeStatus:
+        """Compile for these example inputs, if not done or under way, and wait until the
+        compiled version is in use (or the compile failed). Returns the signature's status.
+
+        A compile that fails, crashes its worker or times out leaves the signature
+        eager; with ``strict=True`` this raises its ``CompileError`` instead (the
+        error's ``repro`` names its bundle). Inputs that cannot be keyed (not plain
+        tensors or plain values) are served eagerly: ``strict`` raises ``CompileError``.
+
+        Cancelling the await does not stop the compile: calls with these inputs switch to
+        the compiled version when it is ready, as they would have.
+        """
+        key = self._key(args, kwargs)
+        entry = None if key is None else self._entries.get(key) or self._begin(key, args, kwargs)
+        if entry is None:
+            if key is None:
+                status = ShapeStatus(signature="(inputs that are not plain tensors or values)", state="eager",
+                                     error="the inputs cannot be keyed: a tensor subclass or an unsupported type")
+            else:
+                status = ShapeStatus(signature=_describe(self._torch, args, kwargs), state="eager",
+                                     error=f"max_signatures={self._max_signatures} signatures are compiled or "
+                                           "compiling already: these inputs are served eagerly")
+            if self._strict:
+                raise CompileError(status.error or "", kernel_name=self._name)
+            return status
+        await bridge.wait(entry.done)
+        if entry.state == "failed" and self._strict and entry.error is not None:
+            raise entry.error
+        return entry.snapshot()
+
+    def state(self, *args: Any, **kwargs: Any) -> str | None:
+        """The state of these inputs' signature (``compiling``, ``compiled``, ``failed``,
+        ``eager``), or None when no call has met it yet; ``eager`` for inputs that cannot
+        be keyed, or met beyond ``max_signatures``. Starts nothing."""
+        key = self._key(args, kwargs)
+        if key is None:
+            return "eager"
+        entry = self._entries.get(key)
+        if entry is None:
+            return "eager" if len(self._entries) >= self._max_signatures else None
+        return entry.state
+
+    def status(self) -> BackgroundStatus:
+        """Where every signature met so far stands (a frozen snapshot)."""
+        with self._lock:
+            shapes = tuple(entry.snapshot() for entry in self._entries.values())
+        return BackgroundStatus(model=self._name, shapes=shapes, eager_calls=self._unkeyed_calls)
+
+    def close(self) -> None:
+        """Close the scheduler this object made for itself (none when one was given).
+        Calls still work afterwards, eagerly for signatures not compiled yet."""
+        if self._owns_scheduler:
+            self._scheduler.close()
+
+    async def aclose(self) -> None:
+        if self._owns_scheduler:
+            await self._scheduler.aclose()
+
+    def __repr__(self) -> str:
+        status = self.status()
+        return (f"<BackgroundCompiled {self._name}: {len(status.compiled)} compiled, "
+                f"{len(status.compiling)} compiling, {len(status.failed)} failed>")
+
+
+def _identity(answer: Any) -> Any:
+    return answer
+
+
+def _details(answer: Mapping[str, Any]) -> dict[str, Any]:
+    return {"stages": tuple((str(stage), float(seconds)) for stage, seconds in answer.get("stages", {}).items()),
+            "compiler_cache_hit": None}
+
+
+def _describe(torch: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """The inputs, readable: ``f32[4, 128, 256] cpu`` for a tensor, ``repr`` for a value,
+    ``name=...`` for a keyword, a container's leaves in parentheses."""
+
+    def one(value: Any) -> str:
+        if isinstance(value, torch.Tensor):
+            dtype = _DTYPE_NAMES.get(str(value.dtype), str(value.dtype).replace("torch.", ""))
+            text = f"{dtype}[{', '.join(str(s) for s in value.shape)}] {value.device}"
+            if not value.is_contiguous():
+                text += f" stride ({', '.join(str(s) for s in value.stride())})"
+            return text
+        if isinstance(value, (tuple, list, dict)):
+            return f"({', '.join(one(leaf) for leaf in torch.utils._pytree.tree_leaves(value))})"
+        return repr(value)
+
+    return ", ".join([one(value) for value in args] + [f"{name}={one(value)}" for name, value in kwargs.items()])
+
+
+_DTYPE_NAMES = {"torch.float32": "f32", "torch.float16": "f16", "torch.bfloat16": "bf16", "torch.float64": "f64",
+                "torch.int64": "i64", "torch.int32": "i32", "torch.int8": "i8", "torch.uint8": "u8",
+                "torch.bool": "bool"}
+
+
+def _device_index(torch: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    devices = {leaf.device for leaf in torch.utils._pytree.tree_leaves((args, kwargs))
+               if isinstance(leaf, torch.Tensor)}
+    cuda = [device for device in devices if device.type == "cuda"]
+    if not cuda:
+        return -1
+    if len(devices) > 1:
+        raise ValueError(f"the inputs are on several devices ({', '.join(sorted(map(str, devices)))})")
+    return cuda[0].index if cuda[0].index is not None else torch.cuda.current_device()
+
+
+# -- the entry point -------------------------------------------------------------------------------
+
+
+def compile_in_background(
+    model: Any,
+    *,
+    fullgraph: bool = False,
+    dynamic: bool | None = None,
+    backend: str = "inductor",
+    mode: str | None = None,
+    options: Mapping[str, Any] | None = None,
+    disable: bool = False,
+    scheduler: Scheduler | None = None,
+    strict: bool = False,
+    timeout: float | None = None,
+    max_signatures: int = 8,
+    artifact: str = "auto",
+) -> BackgroundCompiled:
+    """``model`` (a ``torch.nn.Module``), answering every call at once: eagerly until a
+    compiled version for the call's inputs (their shapes, strides, dtypes, devices) is
+    ready, compiled from then on, switched between calls so that no call fails or waits.
+
+    The keyword arguments before ``scheduler`` are ``torch.compile``'s: ``mode`` (None,
+    ``"default"``, ``"max-autotune"``, ``"max-autotune-no-cudagraphs"``), ``options``
+    (Inductor settings, checked against those Inductor has), ``backend``
+    (``"inductor"``), ``fullgraph`` (the compile always takes the whole graph),
+    ``dynamic`` (None or False: each signature has its own compile), ``disable``
+    (every call eager). Any other keyword raises ``TypeError`` at once, a value that
+    cannot be honoured ``ValueError``. Then aiocompile's own:
+
+    - ``scheduler``: where compiles run (default: ``aiocompile.torch.install()``'s
+      scheduler if installed, else a new one from the environment, at most 4 workers,
+      started at once with torch and the compile's modules imported, which ``close()``
+      closes);
+    - ``timeout``: seconds one compile may take in its worker (None: the scheduler's);
+    - ``strict``: ``ready()`` raises the ``CompileError`` of a compile that failed
+      rather than returning the failed status;
+    - ``max_signatures``: how many input signatures are compiled at most (8, as
+      ``torch.compile`` recompiles at most 8 times); calls with further signatures are
+      answered eagerly, and start nothing;
+    - ``artifact``: what the worker builds. ``"package"``: an AOTInductor package (a C++
+      wrapper, loaded with a ``dlopen``); ``"python"``: Inductor's Python wrapper and
+      kernels, as ``torch.compile`` runs them (a program it cannot run gets a package
+      all the same, ``ShapeStatus.form_reason`` says why); ``"auto"`` (default): the Python form for inputs on a GPU,
+      where a package's C++ build costs several times the whole compile, the package
+      for inputs on the CPU, where the Python form's load costs the serving process
+      seconds of CPU (``docs/torch.md``).
+
+    The whole compile (``torch.export``, Inductor's lowering and compile, a trial
+    run) happens in a worker process; this process only packs the model, loads the
+    compiled version and binds it to its own weights, in threads. A model that cannot be exported
+    or compiled, a worker that crashes, a compile that times out: the signature stays
+    eager, its error (and its repro bundle's directory) in ``status()``.
+    """
+    from aiocompile._base import checks
+
+    torch = _torch()
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    for name, value in (("fullgraph", fullgraph), ("disable", disable), ("strict", strict)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+    if dynamic is not None and not isinstance(dynamic, bool):
+        raise TypeError(f"dynamic must be True, False or None, got {dynamic!r} ({type(dynamic).__name__})")
+    if dynamic:
+        raise ValueError("dynamic=True is not supported: each input signature is compiled for its own shapes")
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be 'inductor', got {backend!r} ({type(backend).__name__})")
+    if backend != "inductor":
+        raise ValueError(f"backend must be 'inductor' (the compile is Inductor's), got {backend!r}")
+    if mode is not None and not isinstance(mode, str):
+        raise TypeError(f"mode must be a str or None, got {mode!r} ({type(mode).__name__})")
+    if mode not in MODES:
+        shown = ", ".join(repr(m) for m in MODES)
+        raise ValueError(f"mode must be one of {shown}, got {mode!r}" + (
+            " (CUDA graphs are not applied to the compiled version)" if mode == "reduce-overhead" else ""))
+    if options is not None and not isinstance(options, Mapping):
+        raise TypeError(f"options must be a dict of Inductor settings or None, got {type(options).__name__}")
+    if options and mode not in (None, "default"):
+        raise ValueError("give mode or options, not both (as torch.compile)")
+    if scheduler is not None and not isinstance(scheduler, Scheduler):
+        raise TypeError(f"scheduler must be an aiocompile.Scheduler or None, got {type(scheduler).__name__}")
+    if scheduler is not None and scheduler.closed:
+        raise ValueError("the scheduler is closed")
+    checks.CALL_TIMEOUT.check("timeout", timeout)
+    checks.Number(integer=True, at_least=1).check("max_signatures", max_signatures)
+    if not isinstance(artifact, str):
+        raise TypeError(f"artifact must be a str, got {artifact!r} ({type(artifact).__name__})")
+    if artifact not in ARTIFACTS:
+        raise ValueError(f"artifact must be one of {', '.join(map(repr, ARTIFACTS))}, got {artifact!r}")
+    configs = _inductor_configs(torch, mode, dict(options or {}))
+    owned = False
+    device = _model_device(model)
+    form = _form(artifact, on_gpu=device == "cuda")
+    # What loading the compiled version will need here, made from now on (a server wraps
+    # its model at start-up), not beside the first compile's eager calls: the Python
+    # form's imports hold the interpreter lock for seconds.
+    if not disable:
+        ahead.for_form(form).start()
+    if scheduler is None:
+        scheduler, owned = _scheduler_for_background(device, form)
+    return BackgroundCompiled(model, inductor_configs=configs, scheduler=scheduler, owns_scheduler=owned,
+                              strict=strict, timeout=timeout, disabled=disable, max_signatures=max_signatures,
+                              artifact=artifact)
+
+
+ARTIFACTS = ("auto", "package", "python")
+
+
+def _form(artifact: str, *, on_gpu: bool) -> str:
+    """What ``artifact`` asks the worker to build: ``"auto"`` is the Python form on a GPU,
+    the package on the CPU."""
+    if artifact != "auto":
+        return artifact
+    return "python" if on_gpu else "package"
+
+
+def _model_device(model: Any) -> str:
+    """Where the model's weights are, ``"cuda"`` or ``"cpu"``: what its workers warm up for."""
+    for tensor in (*model.parameters(), *model.buffers()):
+        return "cuda" if tensor.device.type == "cuda" else "cpu"
+    return "cpu"
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError as exc:
+        raise ImportError(f"compile_in_background needs PyTorch (pip install 'aiocompile[torch]'): {exc}") from exc
+    return torch
+
+
+def _inductor_configs(torch: Any, mode: str | None, options: dict[str, Any]) -> dict[str, Any]:
+    """Inductor's settings for ``mode`` (less CUDA graphs), or ``options`` checked against
+    the settings Inductor has."""
+    from torch._inductor import config
+
+    known = set(config.get_config_copy())
+    for name in options:
+        if not isinstance(name, str):
+            raise TypeError(f"options keys must be str (Inductor setting names), got {name!r}")
+        if name not in known:
+            raise ValueError(f"options names an Inductor setting that does not exist: {name!r}")
+    if mode in (None, "default"):
+        return options
+    chosen = dict(torch._inductor.list_mode_options(mode))
+    return {name: value for name, value in chosen.items() if "cudagraph" not in name}
+
+
+def _scheduler_for_background(device: str = "cpu", form: str = "package") -> tuple[Scheduler, bool]:
+    """The scheduler ``aiocompile.torch.install()`` uses if installed (its workers start
+    with torch); else a new one, owned by the caller: the environment's configuration, at
+    most ``MAX_OWN_WORKERS`` workers, torch imported in its fork server, and its workers
+    started at once, each importing what a compile needs while the program starts up
+    (for a package, Inductor's CPU check; for a model on a GPU, compiling a small one
+    there: ``export.warm_up``)."""
+    from aiocompile._core.config import SchedulerConfig
+    from aiocompile._torch.installation import STATE
+    from aiocompile.backends.inductor._worker import PRELOAD
+
+    installation = STATE.current
+    if installation is not None:
+        return installation.current_scheduler(), False
+    config = SchedulerConfig.from_env()
+    scheduler = Scheduler(config=config.with_changes(preload=(*config.preload, PRELOAD),
+                                                     workers=min(config.workers, MAX_OWN_WORKERS)))
+    scheduler._warm_workers(export.warm_up, (device, form))
+    return scheduler, True
+
+
+MAX_OWN_WORKERS = 4
+"""Workers of a scheduler ``compile_in_background`` makes, at most: one compile per input
+signature, each a heavy compile of its own (Inductor compiles a package's kernels in
+parallel inside its worker)."""

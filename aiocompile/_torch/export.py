@@ -1,0 +1,301 @@
+"""What a worker does for a background compile: the whole of it, out of the serving process.
+
+:func:`build_package` gets the model (a :class:`~._parcel.Parcel`) and the inputs of one
+call, and goes through four stages, each timed:
+
+1. ``load``: the model unpickled, the inputs read;
+2. ``export``: ``torch.export.export`` traces the model for exactly these inputs;
+3. ``compile``, in the job's ``form``:
+
+   - ``"package"``: AOTInductor lowers and compiles the program into a ``.pt2`` package,
+     without the weights (``aot_inductor.package_constants_in_so=False``): the serving
+     process binds its own; with Inductor's default C++ compiler, unless that one has no
+     shared C++ library (:mod:`._cxx`: its packages do not load beside torch);
+   - ``"python"``: Inductor compiles the program's graph, weights lifted as inputs, into
+     its Python wrapper and kernels (:mod:`._graph`), as ``torch.compile`` does; a program
+     that form cannot run gets a package instead (``form_reason`` says why);
+
+4. ``trial``: the package is loaded here (or the compiled graph called), given this copy's
+   weights, and run once on the inputs beside the model itself; what comes back says how
+   far apart they were. A package that cannot load or run fails here, in a worker, not
+   in the server.
+
+It returns the form built and its bytes (the package and the names of the constants it
+needs, or the Python artifact and its :class:`~._graph.Plan`), the values of the
+constants the model itself does not hold (made during tracing), the stage times, the
+largest difference from eager and, for a package, the C++ compiler that built it.
+
+Any stage that raises fails the job with a ``CompileError`` naming the stage, after
+writing a repro bundle (when the job carries a bundle root) whose directory the error's
+``repro`` names; the original exception is its ``__cause__``.
+
+Nothing here imports torch at module level (the parent names these functions for free).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiocompile._observe.repro import ReproRoot
+from aiocompile._torch import cxx, graph, isa
+from aiocompile._torch.parcel import Parcel, unpack
+from aiocompile.errors import CompileError
+
+STAGES = ("load", "export", "compile", "trial")
+
+# Set on every package: the serving process gives the weights itself.
+PACKAGE_CONFIGS = {"aot_inductor.package_constants_in_so": False}
+
+
+@dataclass(frozen=True)
+class ExportJob:
+    """One background compile: everything the worker needs, in plain values."""
+
+    name: str
+    """The model's name, for messages and bundle names."""
+    signature: str
+    """The inputs, readable (``f32[4, 128, 256] cpu``)."""
+    parcel: Parcel = field(repr=False)
+    inputs: bytes = field(repr=False)
+    """``torch.save((args, kwargs))``."""
+    inductor_configs: dict[str, Any]
+    device_index: int
+    """Where the package runs: the inputs' CUDA device, or -1."""
+    env: dict[str, str]
+    """Inductor's environment variables (``ENV_PREFIXES``) as the parent has them: set
+    here first, and those the parent lacks unset."""
+    repro: ReproRoot | None
+    form: str = "package"
+    """What to build: ``"package"`` (AOTInductor's, with a C++ wrapper) or ``"python"``
+    (Inductor's Python wrapper, :mod:`._graph`; a program it cannot run gets a package)."""
+
+
+# Environment variables of Inductor's that a compile carries from the parent.
+ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_", "TORCH_LOGS")
+
+
+# What a compile imports beyond what the fork server preloads (seconds: 5.9 s for
+# torch._inductor.compile_fx and the package code on a loaded 2-CPU machine).
+_MODULES = ("torch", "torch.export", "torch._export", "torch._inductor.compile_fx", "torch._inductor.package")
+
+
+def warm_up(device: str = "cpu", form: str = "package") -> float:
+    """Import what a background compile needs in this worker; for ``form="package"``, make
+    Inductor's CPU vector-ISA check (a test program built and loaded per instruction set,
+    once per process, which every package's compile needs: see :mod:`._isa`; 65 to 72 s
+    on the H100 host, and the Python form needs none of it); for ``device="cuda"``, start
+    Inductor's compile pool (without it, a graph's Triton kernels compile one after
+    another) and compile a one-layer model there in the Python form (Inductor's code
+    generators imported, CUDA and Triton's driver ready: 6.7 s of a first compile on the
+    H100 host). Returns the seconds it took (about 0 when done before)."""
+    import importlib
+    import sys
+
+    started = time.perf_counter()
+    for name in _MODULES:
+        if name not in sys.modules:
+            importlib.import_module(name)
+    if form == "package":
+        isa.make()
+    if device == "cuda" and device not in _warmed:
+        _warm_cuda()
+        _warmed.add(device)
+    return time.perf_counter() - started
+
+
+_warmed: set[str] = set()
+
+
+def _warm_cuda() -> None:
+    import torch
+    from torch._inductor.async_compile import AsyncCompile
+
+    if not torch.cuda.is_available():
+        return
+    # Inductor compiles a graph's Triton kernels in its process pool only once the pool is
+    # ready, and one by one in this process until then; torch.compile starts it when
+    # Dynamo hands a GPU graph over, standalone_compile and AOTInductor never do.
+    AsyncCompile.warm_pool()
+    AsyncCompile.wait_pool_ready(timeout=300)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).cuda().eval()
+    example = torch.randn(4, 8, device="cuda")
+    with torch.no_grad():
+        program = torch.export.export(model, (example,))
+    plan = graph.plan_of(program)
+    if plan is not None:
+        graph.build(program, plan, (example,), {}, {})
+
+
+def _apply_env(env: dict[str, str]) -> None:
+    for name in [name for name in os.environ if name.startswith(ENV_PREFIXES) and name not in env]:
+        del os.environ[name]
+    os.environ.update(env)
+
+
+def build_package(job: ExportJob) -> dict[str, Any]:
+    """Export, compile and try the model for one call's inputs (see the module docstring)."""
+    _apply_env(job.env)
+    import torch
+
+    stage = STAGES[0]
+    times: dict[str, float] = {}
+    model: Any = None
+    program: Any = None
+    compiler: str | None = None
+    form = job.form
+    started = time.time()
+    workdir = tempfile.mkdtemp(prefix="aiocompile-export-")
+    try:
+        clock = time.perf_counter()
+        model = unpack(job.parcel)
+        args, kwargs = torch.load(io.BytesIO(job.inputs), weights_only=False)
+        kwargs = dict(sorted(kwargs.items()))  # as the Python form's runner orders them
+        times[stage] = time.perf_counter() - clock
+
+        stage, clock = "export", time.perf_counter()
+        program = torch.export.export(model, tuple(args), kwargs)
+        times[stage] = time.perf_counter() - clock
+
+        stage, clock = "compile", time.perf_counter()
+        plan, form_reason = None, None
+        if form == "python":
+            form_reason = graph.unavailable()
+            if form_reason is None:
+                plan = graph.plan_of(program)
+                if plan is None:
+                    form_reason = ("the program returns a buffer's or an input's new value, or takes an input "
+                                   "the Python form does not bind")
+        if plan is None:
+            form = "package"
+            compiler, path = _compile_package(job, program, workdir)
+        else:
+            artifact, compiled, extra = graph.build(program, plan, tuple(args), kwargs, job.inductor_configs)
+        times[stage] = time.perf_counter() - clock
+
+        stage, clock = "trial", time.perf_counter()
+        own = model_tensors(model)
+        if plan is None:
+            names, extra, got = _try_package(path, job.device_index, program, own, args, kwargs)
+            with open(path, "rb") as f:
+                built: dict[str, Any] = {"package": f.read(), "constants": names}
+        else:
+            with torch.no_grad():  # called as the serving process will call it
+                got = graph.GraphRunner(compiled, plan, {**own, **extra})(*args, **kwargs)
+            built = {"artifact": artifact, "plan": plan}
+        with torch.no_grad():
+            expected = model(*args, **kwargs)
+        difference = max_abs_difference(got, expected)
+        times[stage] = time.perf_counter() - clock
+        constants = io.BytesIO()
+        torch.save({name: value.detach().cpu() for name, value in extra.items()}, constants)
+    except Exception as exc:
+        message = f"{stage} failed: {type(exc).__name__}: {_first_lines(exc)}"
+        if stage == "trial" and form == "package":
+            message += f" (the package was built by the C++ compiler {compiler})"
+        error = CompileError(message, kernel_name=job.name, target=_target(job))
+        if job.repro is not None:
+            from aiocompile._torch import bundles
+
+            try:
+                built_as = job if form == job.form else dataclasses.replace(job, form=form)
+                error.repro = bundles.background_failure(built_as, stage, exc, model=model, program=program,
+                                                          since=started)
+            except Exception as bundle_error:  # noqa: BLE001 - the compile's error is the one to report
+                error.output = f"the repro bundle could not be written: {bundle_error}"
+        raise error from exc
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return {
+        **built,
+        "form": form,
+        "form_reason": form_reason,
+        "extra_constants": constants.getvalue(),
+        "stages": times,
+        "max_abs_difference": difference,
+        "compiler": compiler,
+    }
+
+
+def _compile_package(job: ExportJob, program: Any, workdir: str) -> tuple[str, str]:
+    """AOTInductor's package of the program, built with a C++ compiler whose library loads
+    beside torch's (:mod:`._cxx`); returns the compiler, described, and the package's path."""
+    import torch
+
+    path = os.path.join(workdir, "model.pt2")
+    configs = {**job.inductor_configs, **PACKAGE_CONFIGS}
+    if "cpp.cxx" in configs:
+        compiler = repr(configs["cpp.cxx"])
+    else:  # Inductor's default, unless its C++ library cannot be loaded beside torch's
+        choice = cxx.choose()
+        compiler = choice.describe()
+        if choice.replaced is not None:
+            configs["cpp.cxx"] = (None, choice.cxx)
+    torch._inductor.aoti_compile_and_package(program, package_path=path, inductor_configs=configs)
+    return compiler, path
+
+
+def _try_package(path: str, device_index: int, program: Any, own: dict[str, Any], args: Any,
+                 kwargs: dict[str, Any]) -> tuple[list[str], dict[str, Any], Any]:
+    """Load the package here, give it this copy's weights and run it once: the names of the
+    constants it needs, the values of those the model does not hold, and its output."""
+    import torch
+
+    runner = torch._inductor.aoti_load_package(path, device_index=device_index)
+    names = list(runner.get_constant_fqns())
+    found = {**dict(program.state_dict), **dict(program.constants)}
+    extra = {}
+    for name in names:
+        if name not in own:
+            if name not in found:
+                raise RuntimeError(f"the package needs a constant {name!r} that neither the model nor the "
+                                   "exported program holds")
+            extra[name] = found[name]
+    runner.load_constants({**{n: own[n] for n in names if n in own}, **extra}, check_full_update=True)
+    with torch.no_grad():
+        return names, extra, runner(*args, **kwargs)
+
+
+def model_tensors(model: Any) -> dict[str, Any]:
+    """Every parameter and buffer of a module by its qualified name, shared ones under
+    each of their names (a package may ask for any of them)."""
+    return {**dict(model.named_parameters(remove_duplicate=False)),
+            **dict(model.named_buffers(remove_duplicate=False))}
+
+
+def max_abs_difference(got: Any, expected: Any) -> float | None:
+    """The largest absolute difference between two outputs' tensors, leaf by leaf; None
+    when they do not have the same structure or hold no floating tensors."""
+    import torch
+    from torch.utils import _pytree as pytree
+
+    got_leaves, got_spec = pytree.tree_flatten(got)
+    expected_leaves, expected_spec = pytree.tree_flatten(expected)
+    if got_spec != expected_spec:
+        return None
+    worst: float | None = None
+    for a, b in zip(got_leaves, expected_leaves):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.shape != b.shape:
+            if a is not b and not (isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor)) and a != b:
+                return None
+            continue
+        if a.numel() == 0:
+            continue
+        difference = (a.detach().double() - b.detach().double()).abs().max().item()
+        worst = difference if worst is None else max(worst, difference)
+    return worst
+
+
+def _target(job: ExportJob) -> str:
+    return "cpu" if job.device_index < 0 else f"cuda:{job.device_index}"
+
+
+def _first_lines(exc: BaseException, limit: int = 2000) -> str:
+    text = str(exc).strip()
+    return text if len(text) <= limit else text[:limit] + " ..."
