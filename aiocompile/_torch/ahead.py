@@ -1,11 +1,11 @@
 """Work the serving process's first load will need, done while the worker compiles.
 
 Loading a compiled version here needs things a process makes once and keeps: for a
-package, Inductor's CPU vector-ISA check (:mod:`._isa`, 72 s on the H100 host); for the
-Python form, the modules that load its artifact and Triton's backend hash (:mod:`._graph`,
-2.7 s of the serving process's CPU there, most of it holding the interpreter lock).
-Made by the load itself, they would add to the time until compiled and hold the lock in
-pieces long enough to be seen in the eager calls' latency.
+package, Inductor's CPU vector-ISA check (:mod:`._isa`, which can take as long as the
+compile); for the Python form, the modules that load its artifact and Triton's backend
+hash (:mod:`._graph`, seconds of CPU, most of it holding the interpreter lock). Made by the
+load itself, they would add to the time until compiled and hold the lock in pieces long
+enough to be seen in the eager calls' latency.
 
 Each is an :class:`Ahead`: :meth:`~Ahead.start` runs it once per process in a thread of its
 own, from the moment a model is wrapped (``compile_in_background``; again, a no-op, at

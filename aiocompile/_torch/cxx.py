@@ -9,8 +9,8 @@ model constructor parses its device string with ``std::regex``, whose locale loo
 by facet numbers that each copy hands out on its own, so the lookup returns another
 facet. Seen for real:
 
-- on the H100 host (``CXX=/opt/gcc/bin/g++``, a GCC 13.3 built without a shared
-  ``libstdc++``), every CUDA package died with SIGSEGV in ``aoti_load_package``, torch
+- with ``CXX=/opt/gcc/bin/g++``, a GCC 13.3 built without a shared ``libstdc++``, every
+  CUDA package died with SIGSEGV in ``aoti_load_package``, torch
   alone included (``std::codecvt<char16_t>::do_unshift`` called in place of
   ``std::collate<char>::transform`` under ``torch::aot_inductor::parse_device_str``); the
   same model built with ``/usr/bin/g++`` of the same host loaded and matched eager;

@@ -20,14 +20,10 @@ call, and goes through four stages, each timed:
    far apart they were. A package that cannot load or run fails here, in a worker, not
    in the server.
 
-It returns the form built and its bytes (the package and the names of the constants it
-needs, or the Python artifact and its :class:`~._graph.Plan`), the values of the
-constants the model itself does not hold (made during tracing), the stage times, the
-largest difference from eager and, for a package, the C++ compiler that built it.
-
-Any stage that raises fails the job with a ``CompileError`` naming the stage, after
-writing a repro bundle (when the job carries a bundle root) whose directory the error's
-``repro`` names; the original exception is its ``__cause__``.
+It returns the form built and its bytes, the constants made during tracing, the stage
+times, the largest difference from eager and, for a package, the C++ compiler. A stage
+that raises fails the job with a ``CompileError`` naming the stage, after writing a repro
+bundle (its ``repro``); the original exception is its ``__cause__``.
 
 Nothing here imports torch at module level (the parent names these functions for free).
 """
@@ -81,20 +77,20 @@ class ExportJob:
 ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_", "TORCH_LOGS")
 
 
-# What a compile imports beyond what the fork server preloads (seconds: 5.9 s for
-# torch._inductor.compile_fx and the package code on a loaded 2-CPU machine).
+# What a compile imports beyond what the fork server preloads: seconds, paid in the
+# warm-up rather than by the first compile.
 _MODULES = ("torch", "torch.export", "torch._export", "torch._inductor.compile_fx", "torch._inductor.package")
 
 
 def warm_up(device: str = "cpu", form: str = "package") -> float:
     """Import what a background compile needs in this worker; for ``form="package"``, make
     Inductor's CPU vector-ISA check (a test program built and loaded per instruction set,
-    once per process, which every package's compile needs: see :mod:`._isa`; 65 to 72 s
-    on the H100 host, and the Python form needs none of it); for ``device="cuda"``, start
-    Inductor's compile pool (without it, a graph's Triton kernels compile one after
-    another) and compile a one-layer model there in the Python form (Inductor's code
-    generators imported, CUDA and Triton's driver ready: 6.7 s of a first compile on the
-    H100 host). Returns the seconds it took (about 0 when done before)."""
+    once per process, which every package's compile needs: see :mod:`._isa`; the Python
+    form needs none of it); for ``device="cuda"``, start Inductor's compile pool (without
+    it, a graph's Triton kernels compile one after another) and compile a one-layer model
+    there in the Python form (Inductor's code generators imported, CUDA and Triton's
+    driver ready: what a first compile would otherwise pay). Returns the seconds it took
+    (about 0 when done before)."""
     import importlib
     import sys
 

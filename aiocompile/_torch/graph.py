@@ -1,9 +1,8 @@
 """The Python-wrapper form of a background compile: what ``torch.compile`` runs on a GPU,
 built in a worker and run in the serving process.
 
-A GPU model's AOTInductor package has a C++ wrapper, and building it is what a package
-costs there (``docs/torch.md``, Measured: 26 s of a 40 s background compile on the H100
-host, against 6.9 s for stock ``torch.compile``'s whole first call). Stock
+A GPU model's AOTInductor package has a C++ wrapper, and building it is most of what a
+package costs there: more than stock ``torch.compile``'s whole first call. Stock
 ``torch.compile`` writes its wrapper in Python, and so does this form:
 
 - **in the worker** (:func:`build`): the exported program's graph, its weights lifted as
@@ -17,8 +16,8 @@ host, against 6.9 s for stock ``torch.compile``'s whole first call). Stock
   serving model's own weights (no copy: weights changed in place are used as they are)
   beside the call's argument leaves, and gives the outputs back in the model's
   structure. :func:`prepare` imports what the load needs beforehand, while the worker
-  compiles: with it, the load holds the interpreter lock for 0.8 s of CPU in pieces of at
-  most 6.4 ms on the H100 host, without it 3.5 s in pieces of up to 159 ms.
+  compiles: the imports are most of the load's CPU, and made by the load they would hold
+  the interpreter lock in pieces long enough to show in the eager calls' latency.
 
 An update in place (a buffer's ``add_``) stays in the exported graph, and AOTAutograd
 applies it to the tensor bound there: the serving model's own buffer. A program that

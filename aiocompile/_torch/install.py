@@ -158,8 +158,7 @@ def _own_config() -> SchedulerConfig:
     only where Inductor may compile Triton kernels (``_triton_kernels_possible``). A CPU
     build of torch compiles only C++ kernels, which the workers build without torch: its
     fork server preloads nothing and is ready at once, instead of spending seconds of a
-    CPU (2.4 s of import alone on a 2-CPU machine) beside ``torch.compile`` and ahead of
-    its first build.
+    CPU on imports beside ``torch.compile`` and ahead of its first build.
 
     Worker priority: the program's (``worker_nice=0``) unless ``AIOCOMPILE_WORKER_NICE``
     says otherwise. Inductor's own compile threads and processes run at the program's

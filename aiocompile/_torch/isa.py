@@ -6,10 +6,10 @@ process's before it loads, and part of that information is Inductor's
 program with the C++ compiler and loads it in a fresh interpreter that imports torch.
 The result is kept for the life of the process (and the built programs in Inductor's
 cache directory, keyed by the compiler), so only a process's first load pays it; but
-that is the serving process's first background compile, and on the H100 host it took
-72 s, as long as the compile itself: the serving process's compiler
-(``/opt/gcc/bin/g++``) is not the one the worker built with (:mod:`._cxx`), so nothing
-the worker built was found.
+that is the serving process's first background compile, and it can take as long as the
+compile itself: where the serving process's compiler is not the one the worker built with
+(:mod:`._cxx`), nothing the worker built is found. (docs/benchmarks.md has the command that
+times it.)
 
 So the serving process makes it while the first package compiles
 (:data:`._ahead.VEC_ISA`), and a worker warmed for background compiles makes it in its

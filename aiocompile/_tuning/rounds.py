@@ -1,8 +1,8 @@
 """Which configuration a tuning times when, and how long.
 
 Timing every configuration as Triton's autotuner does (its ``do_bench``: 25 ms of warm-up
-and 100 ms of runs) costs 0.11 to 0.13 s each on an H100, one after another on a GPU:
-2 to 3 s for 18 to 25 configurations, whatever the pool does with the compiles. Many of
+and 100 ms of runs by default) costs each at least that, one after another on a GPU,
+whatever the pool does with the compiles: seconds for a list of a couple of dozen. Many of
 them lose by far; many others differ by less than the timings' own noise. So a tuning
 goes in two rounds (``SchedulerConfig.tuning_screen``):
 
@@ -40,10 +40,10 @@ MIN_CONFIGS = 4
 """Fewer configurations than this are timed in full at once: a short round would save
 less than it costs."""
 FULL_AT_MOST = 4
-"""Of those within the margin, the fastest this many are timed in full. Measured on an
-H100, short timings were 0.964x to 1.022x Triton's own of the same configurations (median
-deviation 0.23%), and full timings run back to back after them 0.980x to 1.099x (the
-later, the higher, as the GPU warmed): more of them would sharpen nothing."""
+"""Of those within the margin, the fastest this many are timed in full. Short timings
+agree with Triton's own of the same configurations as closely as full timings run back to
+back after them do (those drift up as the GPU warms; docs/benchmarks.md, Autotuning):
+timing more of them in full would sharpen nothing."""
 SHORT_FRACTION = 0.2
 """The short round's share of the autotuner's warm-up and repetition times."""
 

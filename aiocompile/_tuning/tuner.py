@@ -203,8 +203,8 @@ class Tuner:
     def _first_costs(self, within: float = 300.0) -> None:
         """This process's own first costs of a tuning, paid beside the benchmark
         processes' start: hashing Triton (for the compiles' keys) and Triton's GPU driver
-        (which specialising the first configuration needs), about 0.4 s each on the
-        first request otherwise. Each waits until the program has imported what it needs
+        (which specialising the first configuration needs), each otherwise paid by the
+        first request. Each waits until the program has imported what it needs
         (Triton; then torch): importing a package from two threads at once can fail
         with a partially initialised module, so this thread never starts an import the
         program may be making."""
@@ -249,8 +249,8 @@ class Tuner:
         _plan.chain_of(kernel)  # not an autotuned kernel: TypeError, before anything else
         current = self.timing.current_device()  # the caller's, read in the caller's thread
         profile: dict[str, Any] = {"called_at": time.time()}
-        # The first compile's key needs Triton hashed (once per process, about 0.4 s):
-        # hashed now, beside the plan, rather than after it.
+        # The first compile's key needs Triton hashed (once per process, and the costliest
+        # step of a first key): hashed now, beside the plan, rather than after it.
         threads.KEYS.submit(sched._triton.warm_triton_key)
         target, devices, device_name = await threads.LOADS.run(lambda: self._resolve_and_start(device, current))
         profile["resolved_at"] = time.time()

@@ -16,7 +16,7 @@ read here and nowhere else.
 
 Its identity (what ``--version`` prints, and for GCC and Clang the machine they build for)
 goes into every key: another compiler, or another version of the same, builds another
-binary. Asking costs a process or two (10 to 30 ms), so it is asked once per process and
+binary. Asking costs a process or two, so it is asked once per process and
 compiler file (its path, inode, size and modification time: a compiler upgraded in place
 is asked again), in the calling thread, which is a backend's key thread, never an event
 loop's.
@@ -141,7 +141,7 @@ class _Identities:
         if known is not None:
             return known
         # Asked outside the lock: two threads asking at once for a new compiler each pay
-        # 20 ms once, rather than one waiting for the other.
+        # for a process once, rather than one waiting for the other's.
         found = _ask(path, real)
         with self._lock:
             return self._known.setdefault(stamp, found)

@@ -3,9 +3,9 @@
 A C++ build of Inductor is a few compiler command lines, each run in a scratch directory
 beside its output, under Inductor's file lock for the source. :func:`build_commands` runs
 them with nothing but the standard library, so a worker that builds C++ kernels needs no
-torch: a pool that serves only a model on the CPU starts in a fraction of a second,
-without importing torch in its fork server (2.4 s of a CPU on a 2-CPU machine). Only a
-build that fails imports torch, to raise Inductor's own error class.
+torch: a pool that serves only a model on the CPU starts at once, without importing torch
+in its fork server (seconds of a CPU, taken from ``torch.compile`` beside it). Only a build
+that fails imports torch, to raise Inductor's own error class.
 
 :func:`build_native` runs Inductor's own build callable instead (unpickling it imports
 torch), for builds whose shape :mod:`._native` does not know; :func:`build_cuda` runs

@@ -22,9 +22,9 @@ PRELOAD = "aiocompile.backends.inductor._worker:prepare_process"
 """The fork server preload entry (see ``SchedulerConfig.preload``) that imports torch's
 Inductor runtime before workers are forked."""
 
-# What the fork server imports (the bulk of the time: about 3 s on a 16-CPU H200 host)...
+# What the fork server imports (the bulk of the import time)...
 _TORCH_MODULES = ("torch", "torch._inductor.codecache")
-# ... and what each worker imports itself (0.25 s there): importing Inductor's Triton
+# ... and what each worker imports itself (a small part of it): importing Inductor's Triton
 # runtime loads the GPU driver, which starts a thread, and a process that has loaded the
 # driver must not fork.
 _WORKER_MODULES = (
@@ -47,9 +47,8 @@ def _threads() -> int | None:
 def prepare_process() -> None:
     """Preload hook (see ``aiocompile._pool.zygote.Preload``): import torch and most of
     Inductor in the fork server, so that every worker forked from it starts with them.
-    That takes seconds (3 to 6.5 s measured on a 16-CPU H200 host); a worker that does it
-    itself makes its first kernel wait that long, and 16 doing it at once compete for the
-    CPUs.
+    That takes seconds; a worker that does it itself makes its first kernel wait that
+    long, and a whole pool doing it at once competes for the CPUs.
 
     The fork server must stay single-threaded to fork safely. Importing torch imports
     numpy, whose BLAS starts a thread per CPU at load unless told otherwise, so the thread

@@ -13,8 +13,8 @@ the backend's hash (the target, and ptxas's version for CUDA), the parsed option
 cache-invalidating environment variables. The worker's Triton computes the same hash for
 the binary it builds, and the parent checks that it did.
 
-Computing a key from scratch takes milliseconds (the first one in a process, about half a
-second for ``triton_key()``), so it happens off the event loop, once per kernel and
+Computing a key from scratch takes milliseconds (the first one in a process longer: it
+pays ``triton_key()``, Triton hashing itself), so it happens off the event loop, once per kernel and
 arguments: the answer is memoised per kernel object, and a request seen before costs a few
 dictionary look-ups.
 """
@@ -551,7 +551,7 @@ class TritonBackend:
 
     def warm_triton_key(self) -> None:
         """Pay, now, the part of a first key that does not depend on the target: hashing
-        Triton itself (about 0.4 s; blocking)."""
+        Triton itself (blocking)."""
         from triton.runtime.cache import triton_key
 
         with self._lock:
@@ -559,7 +559,7 @@ class TritonBackend:
 
     def warm_keys(self, target: Target) -> None:
         """Pay, now, the parent's one-time cost of a first key for ``target``: hashing
-        Triton itself (about 0.4 s) and asking ptxas its version (blocking)."""
+        Triton itself and asking ptxas its version (blocking)."""
         from triton.runtime.cache import triton_key
 
         with self._lock:

@@ -53,8 +53,8 @@ def prepare_process() -> Iterator[None]:
     """Preload hook (see ``aiocompile._pool.zygote.Preload``): import Triton and compute its
     expensive one-time state, so that processes forked afterwards have it for free.
 
-    ``triton_key()`` hashes all of Triton's sources and its shared library (about 0.4 s)
-    and is memoised per process. It comes before the fork server is ready: the parent
+    ``triton_key()`` hashes all of Triton's sources and its shared library, the costliest
+    step of a first key, and is memoised per process. It comes before the fork server is ready: the parent
     computes it at the same time for its first key, so it is not on the first kernel's
     path twice, and no worker ever computes it again.
 
