@@ -1,52 +1,18 @@
-"""The ``aiocompile`` command.
+"""The ``aiocompile`` command: ``build``, ``decisions``, ``report`` (docs/cli.md tells users
+each, its output and its exit status).
 
-``aiocompile build KERNELS --target cuda:90 --target hip:gfx942 --out DIR`` pre-builds a
-kernel set for several GPU architectures at once (no GPU needed), shows progress, and
-prints a summary with timings. DIR is a disk cache: ``Scheduler(cache_dir=DIR)`` in a
-server finds every kernel there and compiles none of them. Beside the cache files it holds
-a ``manifest.json`` and the bare binaries under ``binaries/<target>/``. Building again into
-the same DIR compiles only what changed.
+``build KERNELS --target ... --out DIR`` pre-builds a kernel set (a ``KERNELS`` list of
+``compile_many`` specs: Triton entries built once per target, ``"kind": "cpp"`` once for
+this machine, ``"kind": "cuda"`` once for its own ``"arch"`` or per target) into DIR,
+which is a disk cache: ``Scheduler(cache_dir=DIR)`` finds every kernel there. Beside the
+cache files it writes ``manifest.json``, ``costs.json`` and the bare binaries. The build's
+scheduler is ``SchedulerConfig.from_env()`` with the options applied; everything it writes
+is private to its user, and a DIR it could not write or would not trust stops it before
+anything compiles (status 2). A kernel that fails does not stop the others (status 1).
 
-KERNELS is a Python file or module whose ``KERNELS`` list holds ``compile_triton``'s
-keyword arguments per kernel, the kernel itself under ``"kernel"`` and a ``"label"``. An
-entry with ``"kind": "cpp"`` holds ``compile_cpp``'s arguments instead (the source under
-``"source"``) and is built once, for this machine; one with ``"kind": "cuda"`` holds
-``compile_cuda``'s and is built once for its own ``"arch"``, or, without one, once per
-target (``cuda:90`` -> ``sm_90``, ``hip:gfx942`` -> ``gfx942``). ``--target`` is needed
-only where an entry is built per target.
-
-Everything it writes is private to the user who runs it (directories 0700, files 0600),
-and, with ``AIOCOMPILE_CACHE_KEY`` set, every cache file is signed with that key (see
-docs/deployment.md). A DIR the build could not write to, or would not trust, stops it
-before anything is compiled.
-
-``--dask tcp://host:8786`` builds on a Dask cluster instead of local worker processes
-(``aiocompile.dask``; needs ``pip install 'aiocompile[dask]'`` here and aiocompile with
-the same Triton on the workers): the same table and summary, the files written here.
-``--cache-url redis://host:6379/0`` also reads and fills a shared cache
-(``Scheduler(cache_url=...)``, ``AIOCOMPILE_CACHE_URL``).
-
-``--events FILE`` appends every request's record and every worker event to FILE, a
-JSON-lines event log (``Scheduler(event_log=FILE)``).
-
-``aiocompile decisions list|export|import`` carries ``autotune()``'s decisions between
-machines of the same GPU model: ``export DIR -o FILE`` writes those kept in the cache
-directory DIR to a JSON file, ``import DIR FILE...`` puts a file's decisions into DIR
-(signed with ``AIOCOMPILE_CACHE_KEY`` when it is set), ``list DIR`` shows them. ``build
---decisions FILE`` imports them into the directory it builds, so that a server using it
-tunes nothing it was tuned for on a GPU host.
-
-``aiocompile report EVENTS [--timeline PNG]`` reads such a log back, written by a build or
-by any scheduler given ``event_log=``, and prints a summary: requests by outcome, a line
-per kernel with its run and stage times, a line per worker, every crash and timeout.
-``--timeline PNG`` also draws the workers over time, a bar per attempt at a job (needs
-matplotlib: ``pip install 'aiocompile[plot]'``).
-
-``aiocompile report --repro [DIR]`` lists the repro bundles of failed compiles, newest
-first: what failed, where, the error's first line, and the command that reproduces it. DIR
-defaults to the root the environment's configuration writes them to
-(``AIOCOMPILE_REPRO_DIR``, else ``~/.cache/aiocompile/repro``). With EVENTS too, both are
-printed.
+``decisions list|export|import`` carries ``autotune()``'s decisions between cache
+directories, under the disk cache's trust rules. ``report EVENTS [--timeline PNG]`` reads
+an event log back (``_observe.report``); ``report --repro [DIR]`` lists repro bundles.
 """
 
 from __future__ import annotations

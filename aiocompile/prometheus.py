@@ -9,47 +9,10 @@
     REGISTRY.register(SchedulerCollector(sched, labels={"pool": "serving"}))
 
 The collector reads the scheduler when it is scraped, so it costs nothing between scrapes
-and always agrees with ``statistics()``. What it exposes (every duration in seconds):
-
-=====================================  =========  ==========================================
-aiocompile_compile_seconds             histogram  run time in a worker of jobs that ran
-                                                  (compiled or failed), by ``backend``
-aiocompile_compile_stage_seconds       histogram  the compiler's stage times, by ``stage``
-aiocompile_queue_wait_seconds          histogram  submission to a worker starting the job
-aiocompile_requests_total              counter    answered requests, by ``outcome``
-aiocompile_requests_in_flight          gauge      requests not answered yet
-aiocompile_queue_depth                 gauge      jobs waiting for a worker now
-aiocompile_queue_depth_max             gauge      the most jobs that ever waited at once
-aiocompile_workers                     gauge      worker processes now
-aiocompile_busy_workers                gauge      of which running a job
-aiocompile_worker_crashes_total        counter    workers that died unasked
-aiocompile_job_retries_total           counter    jobs started again after a crash
-aiocompile_job_timeouts_total          counter    jobs stopped at their timeout
-aiocompile_workers_started_total       counter
-aiocompile_cache_entries               gauge      compiled results in memory
-aiocompile_cache_bytes                 gauge      bytes they hold
-aiocompile_cache_evictions_total       counter
-aiocompile_tunings_total               counter    ``autotune()`` calls answered with a
-                                                  configuration
-aiocompile_tunings_benchmarked_total   counter    of which tuned by benchmarking now
-aiocompile_tuning_hits_total           counter    of which answered by a decision kept
-aiocompile_tuning_failures_total       counter    ``autotune()`` calls that failed
-aiocompile_benchmarks_total            counter    configurations benchmarked, by
-                                                  ``outcome`` (``ok``, ``fault``, ...)
-aiocompile_benchmark_seconds           histogram  one configuration in a benchmark process
-aiocompile_benchmark_processes_started_total
-                                       counter
-aiocompile_benchmark_processes_lost_total
-                                       counter    benchmark processes that died unasked
-aiocompile_shared_cache_errors_total   counter    reads and writes of the shared cache
-                                                  (``cache_url``) that failed
-aiocompile_shared_cache_skipped_total  counter    not attempted: the server left alone, an
-                                                  entry too large, too many writes queued
-aiocompile_shared_cache_refused_total  counter    entries not trusted or not decoding,
-                                                  never loaded
-aiocompile_shared_cache_open           gauge      1 while the shared cache is left alone
-                                                  after failing (its breaker not closed)
-=====================================  =========  ==========================================
+and always agrees with ``statistics()``: counters and gauges from the snapshot, histograms
+from the scheduler's own buckets (``records.BUCKETS``), every duration in seconds. Each
+metric is declared once, with its help text, in :meth:`SchedulerCollector.collect`;
+docs/metrics.md lists them for users.
 """
 
 from __future__ import annotations

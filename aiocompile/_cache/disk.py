@@ -11,20 +11,13 @@ form (for Triton, ``TritonKernel.to_bytes()``: versioned and checksummed), seale
 - Reading a file touches its modification time; when the directory grows past its bound,
   the files touched longest ago are deleted until it is back under 90% of it.
 - Nothing that goes wrong with a file fails a request: a file that cannot be read, is not
-  trusted (below) or does not decode is a miss, and the kernel is compiled. Each such file
-  is counted, and each cause logged once at WARNING (every file at DEBUG).
-
-Trust. A file read here becomes code that runs on the GPU, so a directory is used only if
-nobody but this process's user and root can write to it: it must be owned by this user or
-by root (root can do anything to this process anyway, and a root-owned directory shipped
-read-only in an image must serve a server running as another user), and not be writable by
-group or others. Each two-digit subdirectory and each file must pass the same test, and a
-file must be a regular file (a link or a FIFO is refused). The checksum inside a file does
-not help here: whoever writes a kernel of their own can write its checksum too.
-
-With a secret (``SchedulerConfig.cache_key``), every file written is sealed, and a file is
-loaded only if its seal verifies, whoever owns it: the seal is the trust. A directory that
-fails the test above can then still be read, for its sealed files, and is never written.
+  trusted or does not decode is a miss, and the kernel is compiled; each is counted, each
+  cause logged once at WARNING.
+- Trust: a file read here becomes code that runs on the GPU, and its checksum stops no one
+  who writes a kernel of their own. So the directory, each subdirectory and each file
+  (a regular file: no link) must be owned by this user or root and writable by neither
+  group nor others; or, with a secret (``SchedulerConfig.cache_key``), a file loads only
+  if its seal verifies, whoever owns it. docs/deployment.md tells users how to ship it.
 
 What the cache may do with its directory (``access``), decided when it opens:
 

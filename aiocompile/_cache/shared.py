@@ -1,18 +1,11 @@
 """The shared cache: compiled results in a Redis server, shared by a fleet of machines.
 
 A tier behind the memory cache and ``cache_dir``: read when both miss, before compiling;
-written after a compile. A fleet so compiles each kernel once: a machine with an empty
-local cache finds what another machine compiled, and compiles nothing. (A result found
-here is written to ``cache_dir`` too, so the next process on this machine reads its disk.)
-
-Entries are what the disk cache's files hold (``_sealed``): the backend's checksummed
-bytes, sealed with HMAC-SHA256 when a secret is set (``cache_key``,
-``AIOCOMPILE_CACHE_KEY``). With a secret, an entry not sealed with it is never loaded,
-whoever wrote it; without one, anyone able to write to the server can plant kernels that
-every reader will run, and the scheduler says so once, at WARNING. Each key is
-``aiocompile:<key>``; an entry lives ``ttl`` seconds after it was last written or read,
-and one larger than ``max_entry`` bytes is not written. The server's own memory bound
-(``maxmemory`` with an ``allkeys-lru`` or ``volatile-lru`` policy) bounds the whole.
+written after a compile (and a hit here is written to ``cache_dir`` too). Entries are what
+the disk cache's files hold (``sealed``), under ``aiocompile:<key>``: with a secret, an
+entry not sealed with it is never loaded, whoever wrote it; without one, anyone able to
+write to the server can plant kernels, and the scheduler says so once. An entry lives
+``ttl`` seconds after its last write or read; one larger than ``max_entry`` is not written.
 
 The server being down, slow or flapping never fails a compile and never holds one up for
 long: every command has a short ``timeout`` (connecting too), redis-py's own retries are

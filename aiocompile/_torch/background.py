@@ -1,42 +1,20 @@
 """Compiling a model in the background while it serves eagerly.
 
 ``compile_in_background(model)`` returns a :class:`BackgroundCompiled`: a callable that
-answers every call at once, eagerly until a compiled version for the call's inputs is
-ready, compiled from then on.
+answers every call at once, eagerly until a compiled version for the call's signature
+(shapes, strides, dtypes, devices, plain values, ``training``) is ready, compiled from then
+on. The switch is an assignment between calls, so no call fails or waits for it; a call
+that would record autograd history is always answered eagerly.
 
-How a call is answered
-----------------------
+The compile never runs here: tracing and lowering hold the interpreter lock for seconds,
+and ``torch.export`` beside eager calls trips over the fake-tensor mode's state. Here, in a
+lane's thread, the model is packed (``parcel``); in a worker, ``export.build_package``
+exports, compiles (``graph`` for the Python form, or a package) and tries it; here again,
+in a thread, the result is loaded and bound to this process's own weights, without a copy.
 
-Each call is keyed by its *signature*: the shape, strides, dtype and device of every
-tensor argument, the value of every other argument, and the model's ``training`` flag.
-The first call with a new signature starts its compile and is answered eagerly, as is
-every call with that signature until the compiled version is loaded; the switch happens
-between calls (an assignment), so no call fails or waits for it. A call that would record
-autograd history (grad enabled and a parameter or an input requiring grad) is answered
-eagerly whatever is compiled: the compiled version is for inference.
-
-Where the work happens
-----------------------
-
-Tracing and Inductor's lowering are Python and hold the interpreter lock for seconds; in
-the serving process they would slow every eager call (and ``torch.export`` in a second
-thread beside eager calls also trips over the fake-tensor mode's thread state). So all of
-it runs in a worker process of an aiocompile scheduler (``export.build_package``):
-
-1. here, in a thread: the model is pickled (``_parcel``) with the call's inputs;
-2. in a worker: ``torch.export``, Inductor's compile in one of two forms (``artifact``:
-   Inductor's Python wrapper, :mod:`._graph`, the default on a GPU; an AOTInductor package
-   without weights, the default on the CPU), and a trial run beside the model;
-3. here, in a thread: the compiled version is loaded and bound to this process's own
-   parameters and buffers (no copy: weights changed in place later are used as they
-   are).
-
-Each signature's life is a small state machine (``_states.TRANSITIONS``): ``compiling`` then
-``compiled`` or ``failed``; ``compiled`` becomes ``failed`` if the compiled version ever
-raises (that call, and every later one, is answered eagerly). A signature that cannot be
-compiled at all (an input that is not a plain tensor or a plain value) is ``eager``.
-A failed compile leaves the error, and the directory of its repro bundle, in
-``status()``.
+Each signature's life is a small state machine (``states.TRANSITIONS``): ``compiling``,
+then ``compiled`` or ``failed``; ``compiled`` becomes ``failed`` if the compiled version
+ever raises. Inputs that cannot be keyed are ``eager``. docs/torch.md tells users the rest.
 """
 
 from __future__ import annotations
@@ -366,8 +344,9 @@ class BackgroundCompiled:
         compiled version is in use (or the compile failed). Returns the signature's status.
 
         A compile that fails, crashes its worker or times out leaves the signature
-        eager; with ``strict=True`` this raises its ``CompileError`` instead (the
-        error's ``repro`` names its bundle). Inputs that cannot be keyed (not plain
+        eager; with ``strict=True`` this raises its error instead (a ``JobError``:
+        ``CompileError``, ``JobTimeout`` or ``WorkerCrashed``; its ``repro`` names its
+        bundle). Inputs that cannot be keyed (not plain
         tensors or plain values) are served eagerly: ``strict`` raises ``CompileError``.
 
         Cancelling the await does not stop the compile: calls with these inputs switch to
@@ -503,7 +482,7 @@ def compile_in_background(
       started at once with torch and the compile's modules imported, which ``close()``
       closes);
     - ``timeout``: seconds one compile may take in its worker (None: the scheduler's);
-    - ``strict``: ``ready()`` raises the ``CompileError`` of a compile that failed
+    - ``strict``: ``ready()`` raises the error of a compile that failed (a ``JobError``)
       rather than returning the failed status;
     - ``max_signatures``: how many input signatures are compiled at most (8, as
       ``torch.compile`` recompiles at most 8 times); calls with further signatures are
