@@ -4,6 +4,16 @@
 compiles in a supervised pool of worker processes while the event loop keeps serving;
 ``compile_cpp`` and ``compile_cuda`` do the same for C++ and CUDA sources.
 
+This front door holds what a user needs on day one. Beside it:
+
+- ``aiocompile.errors``: the whole error tree;
+- ``aiocompile.records``: what things cost (``JobRecord``, ``Statistics``, ...);
+- ``aiocompile.results``: what the compiles return (``TritonKernel``, ``NativeLibrary``,
+  ``CudaBinary``, ``AutotuneResult``), for annotations;
+- ``aiocompile.lowlevel``: what experts reach for (``WorkerPool``, the default scheduler,
+  ``inductor_triton``);
+- ``aiocompile.torch``, ``aiocompile.dask``, ``aiocompile.prometheus``: integrations.
+
 Importing this package imports neither Triton nor torch, nor anything else until a name is
 first used: worker processes import parts of this package, and must not pay for the rest.
 """
@@ -13,37 +23,23 @@ import typing as _typing
 
 __version__ = "0.1.0"
 
-# Public name -> the private module that defines it.
+# Public name -> the module that defines it.
 _EXPORTS = {
     "AiocompileError": "aiocompile.errors",
-    "AutotuneError": "aiocompile.errors",
-    "AutotuneResult": "aiocompile._tuning.tuner",
-    "BenchmarkRecord": "aiocompile.records",
     "CompileError": "aiocompile.errors",
-    "CompileTimeout": "aiocompile.errors",
-    "CompilerNotFound": "aiocompile.errors",
-    "CudaBinary": "aiocompile.backends.cuda._binary",
-    "CudaKernel": "aiocompile.backends.cuda._binary",
-    "JobRecord": "aiocompile.records",
-    "NativeLibrary": "aiocompile.backends.cpp._library",
+    "JobError": "aiocompile.errors",
+    "JobTimeout": "aiocompile.errors",
     "Scheduler": "aiocompile._core.scheduler",
     "SchedulerClosed": "aiocompile.errors",
     "SchedulerConfig": "aiocompile._core.config",
-    "Statistics": "aiocompile.records",
-    "Summary": "aiocompile.records",
     "Target": "aiocompile._base.target",
-    "TritonKernel": "aiocompile.backends.triton._kernel",
     "TritonSource": "aiocompile.backends.triton",
-    "WorkerCrashedError": "aiocompile.errors",
-    "WorkerEvent": "aiocompile.records",
-    "WorkerPool": "aiocompile._pool.pool",
+    "WorkerCrashed": "aiocompile.errors",
     "autotune": "aiocompile._core.default",
     "compile_cpp": "aiocompile._core.default",
     "compile_cuda": "aiocompile._core.default",
     "compile_many": "aiocompile._core.default",
     "compile_triton": "aiocompile._core.default",
-    "default_scheduler": "aiocompile._core.default",
-    "inductor_triton": "aiocompile._core.default",
     "run": "aiocompile._core.default",
     "statistics": "aiocompile._core.default",
     "wait": "aiocompile._core.default",
@@ -53,35 +49,20 @@ _EXPORTS = {
 
 __all__ = [
     "AiocompileError",
-    "AutotuneError",
-    "AutotuneResult",
-    "BenchmarkRecord",
     "CompileError",
-    "CompileTimeout",
-    "CompilerNotFound",
-    "CudaBinary",
-    "CudaKernel",
-    "JobRecord",
-    "NativeLibrary",
+    "JobError",
+    "JobTimeout",
     "Scheduler",
     "SchedulerClosed",
     "SchedulerConfig",
-    "Statistics",
-    "Summary",
     "Target",
-    "TritonKernel",
     "TritonSource",
-    "WorkerCrashedError",
-    "WorkerEvent",
-    "WorkerPool",
-    "__version__",
+    "WorkerCrashed",
     "autotune",
     "compile_cpp",
     "compile_cuda",
     "compile_many",
     "compile_triton",
-    "default_scheduler",
-    "inductor_triton",
     "run",
     "statistics",
     "wait",
@@ -89,13 +70,39 @@ __all__ = [
     "warmup",
 ]
 
+# Names an earlier release had at the top, now in their own modules: they still work here,
+# off the front door (not in ``__all__`` or ``dir()``).
+_MOVED = {
+    "AutotuneError": "aiocompile.errors",
+    "CompilerNotFound": "aiocompile.errors",
+    "AutotuneResult": "aiocompile.results",
+    "CudaBinary": "aiocompile.results",
+    "CudaKernel": "aiocompile.results",
+    "NativeLibrary": "aiocompile.results",
+    "TritonKernel": "aiocompile.results",
+    "BenchmarkRecord": "aiocompile.records",
+    "JobRecord": "aiocompile.records",
+    "Statistics": "aiocompile.records",
+    "Summary": "aiocompile.records",
+    "WorkerEvent": "aiocompile.records",
+    "WorkerPool": "aiocompile.lowlevel",
+    "default_scheduler": "aiocompile.lowlevel",
+    "inductor_triton": "aiocompile.lowlevel",
+}
+_RENAMED = ("CompileTimeout", "WorkerCrashedError")
+
 
 def __getattr__(name: str) -> _typing.Any:
-    module = _EXPORTS.get(name)
+    module = _EXPORTS.get(name) or _MOVED.get(name)
     if module is None:
+        if name in _RENAMED:
+            from aiocompile import errors
+
+            return errors.renamed(name)
         raise AttributeError(f"module 'aiocompile' has no attribute {name!r}")
     value = getattr(_importlib.import_module(module), name)
-    globals()[name] = value
+    if name in _EXPORTS:
+        globals()[name] = value
     return value
 
 
@@ -112,8 +119,6 @@ if _typing.TYPE_CHECKING:
         compile_cuda,
         compile_many,
         compile_triton,
-        default_scheduler,
-        inductor_triton,
         run,
         statistics,
         wait,
@@ -121,19 +126,12 @@ if _typing.TYPE_CHECKING:
         warmup,
     )
     from aiocompile._core.scheduler import Scheduler
-    from aiocompile._pool.pool import WorkerPool
-    from aiocompile._tuning.tuner import AutotuneResult
-    from aiocompile.backends.cpp._library import NativeLibrary
-    from aiocompile.backends.cuda._binary import CudaBinary, CudaKernel
     from aiocompile.backends.triton import TritonSource
-    from aiocompile.backends.triton._kernel import TritonKernel
     from aiocompile.errors import (
         AiocompileError,
-        AutotuneError,
         CompileError,
-        CompilerNotFound,
-        CompileTimeout,
+        JobError,
+        JobTimeout,
         SchedulerClosed,
-        WorkerCrashedError,
+        WorkerCrashed,
     )
-    from aiocompile.records import BenchmarkRecord, JobRecord, Statistics, Summary, WorkerEvent

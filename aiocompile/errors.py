@@ -1,43 +1,54 @@
-"""The exceptions aiocompile raises, all under one root.
+"""The exceptions aiocompile raises, all under one root, each saying whose fault it is.
 
 ::
 
     AiocompileError                 anything aiocompile raises on its own account
-     ├── CompileError               the kernel did not compile (your kernel's fault)
-     │    ├── CompileTimeout        ... within its timeout; also a TimeoutError
-     │    ├── WorkerCrashedError    ... because it killed its worker max_crashes times
-     │    ├── AutotuneError         no configuration of an autotuned kernel could be used
-     │    └── CompilerNotFound      ... because its compiler is not installed (the machine's
-     │                              fault); also a FileNotFoundError
-     └── SchedulerClosed            the scheduler was used after aclose() (your program's fault)
+     ├── JobError                   a job did not give its result
+     │    ├── CompileError          the compiler said no (the kernel's fault), with its message
+     │    │    ├── AutotuneError    no configuration of an autotuned kernel could be used
+     │    │    └── CompilerNotFound the compiler is not installed (the machine's fault);
+     │    │                         also a FileNotFoundError
+     │    ├── JobTimeout            it ran past its timeout and its worker was killed;
+     │    │                         also a TimeoutError
+     │    └── WorkerCrashed         it killed its worker max_crashes times
+     └── SchedulerClosed            the scheduler was used after aclose() (the program's fault)
 
-Bad input (a malformed signature, an unknown target, a wrong option type) is not in
-this tree: it raises ``ValueError`` or ``TypeError`` in the caller, at once, before any
-worker is involved. A job run with :meth:`Scheduler.run` that raises re-raises its own
-exception in the caller, with the worker's traceback attached as ``__cause__``.
+A timeout or a crash is not a compile error: code that catches ``CompileError`` to show a
+user the compiler's message does not catch a job that hung or a worker that died. Catch
+``JobError`` for "this job gave no result, whatever the reason".
+
+Bad input (a malformed signature, an unknown target, a wrong option type) is not in this
+tree: it raises ``ValueError`` or ``TypeError`` in the caller, at once, before any worker
+is involved. A job run with ``Scheduler.run`` that raises re-raises its own exception in
+the caller, with the worker's traceback attached as ``__cause__``.
 
 Every class pickles, so an error raised in one process can be re-raised in another.
+``CompileTimeout`` and ``WorkerCrashedError`` are the old names of ``JobTimeout`` and
+``WorkerCrashed``; they still work, with a ``DeprecationWarning``, for one release.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 __all__ = [
     "AiocompileError",
     "AutotuneError",
     "CompileError",
-    "CompileTimeout",
     "CompilerNotFound",
+    "JobError",
+    "JobTimeout",
+    "RemoteTraceback",
     "SchedulerClosed",
-    "WorkerCrashedError",
+    "WorkerCrashed",
 ]
 
 
 class AiocompileError(Exception):
     """Root of every error aiocompile raises on its own account; each subclass says
-    whose fault it is (the kernel's, the program's), so callers can tell "your kernel
-    failed" from "aiocompile could not do its job"."""
+    whose fault it is (the kernel's, the program's, the machine's), so callers can tell
+    "your kernel failed" from "aiocompile could not do its job"."""
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Exceptions pickle as ``cls(*self.args)``, which loses keyword-only fields; rebuild
@@ -53,15 +64,15 @@ def _rebuild(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, A
     return exc
 
 
-class CompileError(AiocompileError):
-    """The kernel did not compile. Whose fault: the kernel's (or the compiler's).
+class JobError(AiocompileError):
+    """A job did not give its result: the compiler refused it (``CompileError``), it ran
+    too long (``JobTimeout``), or it killed its workers (``WorkerCrashed``). Whose fault:
+    the job's; no other job was touched.
 
-    ``message`` is the compiler's own message, ``kernel_name`` and ``key`` say which
-    kernel, ``target`` which architecture, and ``output`` holds the tail of what the
-    compile printed, if anything. ``command`` is the command line that failed, where the
-    compile ran a compiler program (C++, CUDA); None otherwise. ``repro`` is the directory
-    of the repro bundle written for this failure (see ``SchedulerConfig.repro_dir``), or
-    None.
+    ``message`` says what happened, ``kernel_name`` and ``key`` which job, ``target`` which
+    architecture (where it compiled for one), ``output`` the tail of what the job printed.
+    ``repro`` is the directory of the repro bundle written for this failure (see
+    ``SchedulerConfig.repro_dir``), or None.
     """
 
     repro: str | None = None
@@ -74,7 +85,6 @@ class CompileError(AiocompileError):
         key: str | None = None,
         target: str | None = None,
         output: str = "",
-        command: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -82,7 +92,6 @@ class CompileError(AiocompileError):
         self.key = key
         self.target = target
         self.output = output
-        self.command = command
 
     def __str__(self) -> str:
         where = []
@@ -95,10 +104,22 @@ class CompileError(AiocompileError):
         return f"{head}{self.message}{tail}"
 
 
-class CompileTimeout(CompileError, TimeoutError):
-    """The compile did not finish within its timeout. Whose fault: the kernel's, or a
-    timeout too short for it. The worker that ran it was killed and replaced; no other
-    job was touched.
+class CompileError(JobError):
+    """The kernel did not compile. Whose fault: the kernel's (or the compiler's).
+
+    ``message`` is the compiler's own message. ``command`` is the command line that
+    failed, where the compile ran a compiler program (C++, CUDA); None otherwise.
+    """
+
+    def __init__(self, message: str, *, command: str | None = None, **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.command = command
+
+
+class JobTimeout(JobError, TimeoutError):
+    """The job did not finish within its timeout (``timeout`` seconds of worker time).
+    Whose fault: the job's, or a timeout too short for it. The worker that ran it was
+    killed, with every process it started, and replaced; no other job was touched.
     """
 
     def __init__(self, message: str, *, timeout: float | None = None, **kwargs: Any) -> None:
@@ -106,9 +127,9 @@ class CompileTimeout(CompileError, TimeoutError):
         self.timeout = timeout
 
 
-class WorkerCrashedError(CompileError):
-    """The job killed its worker process ``attempts`` times (segfault in the compiler,
-    OOM kill, ``os._exit``), each time on a fresh worker. Whose fault: the job's; the
+class WorkerCrashed(JobError):
+    """The job killed its worker process ``attempts`` times (a segfault in the compiler,
+    an OOM kill, ``os._exit``), each time on a fresh worker. Whose fault: the job's; the
     jobs that ran beside it were not affected.
 
     ``exitcode`` is the worker's exit status (negative for a signal, as in
@@ -116,14 +137,7 @@ class WorkerCrashedError(CompileError):
     ``output`` the tail of what the worker printed before it died.
     """
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        exitcode: int | None = None,
-        attempts: int = 0,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, message: str, *, exitcode: int | None = None, attempts: int = 0, **kwargs: Any) -> None:
         super().__init__(message, **kwargs)
         self.exitcode = exitcode
         self.attempts = attempts
@@ -153,6 +167,7 @@ class AutotuneError(CompileError):
         super().__init__(message, **kwargs)
         self.failures = tuple(failures)
 
+
 class CompilerNotFound(CompileError, FileNotFoundError):
     """The compiler a request needs (g++, nvcc, hipcc) is not where it was looked for, or
     does not run. Whose fault: the machine's set-up (install it, put it on PATH, set
@@ -177,3 +192,22 @@ class RemoteTraceback(Exception):
 
     def __str__(self) -> str:
         return f"\n\nTraceback in the worker process:\n{self.tb}"
+
+
+# The names of an earlier release, kept for one more.
+_RENAMED = {"CompileTimeout": "JobTimeout", "WorkerCrashedError": "WorkerCrashed"}
+
+
+def renamed(name: str) -> Any:
+    """The class an old name stands for, with a ``DeprecationWarning``; ``AttributeError``
+    for a name that never was one."""
+    new = _RENAMED.get(name)
+    if new is None:
+        raise AttributeError(f"module 'aiocompile.errors' has no attribute {name!r}")
+    warnings.warn(f"aiocompile.{name} is now aiocompile.{new}; the old name goes in the next release",
+                  DeprecationWarning, stacklevel=3)
+    return globals()[new]
+
+
+def __getattr__(name: str) -> Any:
+    return renamed(name)

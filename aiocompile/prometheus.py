@@ -67,7 +67,7 @@ class SchedulerCollector(_Collector):
     def collect(self) -> Iterator[Any]:
         scheduler = self._target()
         stats = scheduler.statistics()
-        histograms = scheduler._metrics.histograms()
+        histograms = scheduler.port.histograms()
         names = list(self._labels)
         values = list(self._labels.values())
         bounds = _bounds()

@@ -1,62 +1,118 @@
-"""Timing records, worker events and the scheduler's statistics snapshot.
+"""The values aiocompile gives to read about what it did: plain, frozen, comparable, and
+``to_dict()``-able to JSON.
 
-Every request ends in exactly one outcome and yields one frozen :class:`JobRecord`; the
-pool reports what its workers do as frozen :class:`WorkerEvent` values (a worker started
-or exited, an attempt at a job started or ended); ``Scheduler.statistics()`` returns a
-frozen :class:`Statistics` built from the counters at that moment. All three are plain
-values: compare them, keep them, ``to_dict()`` them to JSON. Sinks (``_events``) and the
-Prometheus collector read the same values.
+- :class:`JobRecord`: what one request cost and how it ended (its :class:`Outcome`);
+- :class:`WorkerEvent`: what a worker did, as the pool saw it;
+- :class:`BenchmarkRecord`: one configuration of an ``autotune()`` call, timed or not;
+- :class:`Statistics` (with :class:`Summary` values): ``Scheduler.statistics()``, a
+  snapshot of the counters at that moment.
+
+The event log, the ``aiocompile`` logger, listeners and the Prometheus collector all read
+these same values.
 """
 
 from __future__ import annotations
 
-import bisect
-import collections
-import threading
+import enum
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
-__all__ = ["BenchmarkRecord", "JobRecord", "Statistics", "Summary", "WorkerEvent", "OUTCOMES", "FAILURES",
-           "BENCHMARK_OUTCOMES"]
+__all__ = [
+    "BENCHMARK_OUTCOMES",
+    "BUCKETS",
+    "BenchmarkOutcome",
+    "BenchmarkRecord",
+    "FAILURES",
+    "JobRecord",
+    "OUTCOMES",
+    "Outcome",
+    "Statistics",
+    "Summary",
+    "WorkerEvent",
+]
 
-# What a request can end as, exactly one each:
-#   compiled     its own job ran in a worker and succeeded
-#   cache_hit    answered from the memory cache
-#   disk_hit     answered from the disk cache (``cache_dir``)
-#   shared_hit   answered from the shared cache (``cache_url``)
-#   joined       shared a job, or a disk read, that another request started (whatever
-#                that job's fate: ``error`` on the record says if it failed)
-#   error_hit    answered with a compile error remembered from a moment ago
-#   error        its own job raised: the kernel did not compile, or a ``run()`` function
-#                raised, or its result could not be read back
-#   crashed      its own job killed ``max_crashes`` workers (``WorkerCrashedError``)
-#   timeout      its own job ran past its timeout (``CompileTimeout``)
-#   closed       the scheduler was closed before its job finished (``SchedulerClosed``)
-#   cancelled    the caller stopped waiting
-OUTCOMES = (
-    "compiled", "cache_hit", "disk_hit", "shared_hit", "joined", "error_hit",
-    "error", "crashed", "timeout", "closed", "cancelled",
-)
-FAILURES = ("error", "crashed", "timeout", "closed")
-"""The outcomes that ``Statistics.failed`` adds up: a job of the request's own failed."""
 
-# What one configuration's benchmark can end as (``BenchmarkRecord.outcome``):
-#   ok             timed: its median and quantiles
-#   compile_error  it did not compile (or its compile timed out, or crashed its worker)
-#   error          it raised in the benchmark process (out of resources, a bad launch)
-#   fault          it left the device unusable (an illegal address); the process was replaced
-#   crashed        it killed the benchmark process; replaced
-#   timeout        it ran past ``benchmark_timeout``; the process was killed and replaced
-#   start_failed   no benchmark process could be started for it
-#   closed         the scheduler was closed first
-BENCHMARK_OUTCOMES = ("ok", "compile_error", "error", "fault", "crashed", "timeout", "start_failed", "closed")
+class _Named(str, enum.Enum):
+    """An enum whose members are their strings: equal to them, hashed as them, printed
+    and written to JSON as them, so that records, log lines and Prometheus labels say
+    ``compiled``, not ``Outcome.COMPILED``."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return str.__format__(str(self.value), spec)
+
+    __hash__ = str.__hash__
+
+
+class Outcome(_Named):
+    """What a request ended as: exactly one of these each."""
+
+    COMPILED = "compiled"
+    """Its own job ran in a worker and succeeded."""
+    CACHE_HIT = "cache_hit"
+    """Answered from the memory cache."""
+    DISK_HIT = "disk_hit"
+    """Answered from the disk cache (``cache_dir``)."""
+    SHARED_HIT = "shared_hit"
+    """Answered from the shared cache (``cache_url``)."""
+    JOINED = "joined"
+    """Shared a job, or a cache read, that another request started (whatever that job's
+    fate: the record's ``error`` says if it failed)."""
+    ERROR_HIT = "error_hit"
+    """Answered with a compile error remembered from a moment ago."""
+    ERROR = "error"
+    """Its own job raised: the kernel did not compile, a ``run()`` function raised, or
+    its result could not be read back."""
+    CRASHED = "crashed"
+    """Its own job killed ``max_crashes`` workers (``WorkerCrashed``)."""
+    TIMEOUT = "timeout"
+    """Its own job ran past its timeout (``JobTimeout``)."""
+    CLOSED = "closed"
+    """The scheduler was closed before its job finished (``SchedulerClosed``)."""
+    CANCELLED = "cancelled"
+    """The caller stopped waiting."""
+
+    @property
+    def failed(self) -> bool:
+        """A job of the request's own failed (what ``Statistics.failed`` adds up)."""
+        return self in _FAILED
+
+
+_FAILED = frozenset({Outcome.ERROR, Outcome.CRASHED, Outcome.TIMEOUT, Outcome.CLOSED})
+OUTCOMES = tuple(outcome.value for outcome in Outcome)
+FAILURES = tuple(outcome.value for outcome in Outcome if outcome.failed)
+"""The outcomes that ``Statistics.failed`` adds up."""
+
+
+class BenchmarkOutcome(_Named):
+    """What timing one configuration ended as (``BenchmarkRecord.outcome``)."""
+
+    OK = "ok"
+    """Timed: its median and quantiles."""
+    COMPILE_ERROR = "compile_error"
+    """It did not compile (or its compile timed out, or crashed its worker)."""
+    ERROR = "error"
+    """It raised in the benchmark process (out of resources, a bad launch)."""
+    FAULT = "fault"
+    """It left the device unusable (an illegal address); the process was replaced."""
+    CRASHED = "crashed"
+    """It killed the benchmark process, which was replaced."""
+    TIMEOUT = "timeout"
+    """It ran past ``benchmark_timeout``; the process was killed and replaced."""
+    START_FAILED = "start_failed"
+    """No benchmark process could be started for it."""
+    CLOSED = "closed"
+    """The scheduler was closed first."""
+
+
+BENCHMARK_OUTCOMES = tuple(outcome.value for outcome in BenchmarkOutcome)
 
 # Histogram bounds in seconds, for the Prometheus collector: from a warm cache hit in a
-# worker (well under 5 ms) to a pathological compile (minutes).
+# worker to a pathological compile (minutes).
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
-_SAMPLES = 10_000
-_SLOWEST = 10
 
 
 @dataclass(frozen=True)
@@ -75,8 +131,7 @@ class JobRecord:
     """The kernel's (or function's) name."""
     backend: str
     target: str | None
-    outcome: str
-    """One of ``OUTCOMES``."""
+    outcome: Outcome
     error: str | None
     """``"ExceptionType: message"`` when the request raised."""
     queued_at: float
@@ -116,6 +171,7 @@ class JobRecord:
         # Field by field: ``dataclasses.asdict`` deep-copies, several times slower, and
         # this runs once per request when a sink is on.
         data = {name: getattr(self, name) for name in _RECORD_FIELDS}
+        data["outcome"] = str(self.outcome)
         data["stages"] = dict(self.stages)
         return data
 
@@ -174,8 +230,7 @@ class BenchmarkRecord:
     """The kernel's."""
     config: str
     """The configuration, as a person reads it: ``BLOCK=128, num_warps=4, ...``."""
-    outcome: str
-    """One of ``BENCHMARK_OUTCOMES``."""
+    outcome: BenchmarkOutcome
     time_ms: float | None
     p20_ms: float | None
     p80_ms: float | None
@@ -199,7 +254,9 @@ class BenchmarkRecord:
         return self.finished_at - self.started_at
 
     def to_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in _BENCHMARK_FIELDS}
+        data = {name: getattr(self, name) for name in _BENCHMARK_FIELDS}
+        data["outcome"] = str(self.outcome)
+        return data
 
 
 _BENCHMARK_FIELDS = tuple(f.name for f in fields(BenchmarkRecord))
@@ -345,203 +402,3 @@ class Statistics:
         return data
 
 
-class _Durations:
-    """A duration's count, total and max since the start, percentiles over the latest
-    samples, and cumulative histogram buckets (for Prometheus)."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.total = 0.0
-        self.max = 0.0
-        self.samples: collections.deque[float] = collections.deque(maxlen=_SAMPLES)
-        self.buckets = [0] * (len(BUCKETS) + 1)  # the last one is +Inf
-
-    def add(self, value: float) -> None:
-        self.count += 1
-        self.total += value
-        if value > self.max:
-            self.max = value
-        self.samples.append(value)
-        self.buckets[bisect.bisect_left(BUCKETS, value)] += 1
-
-    def summary(self) -> Summary:
-        if not self.count:
-            return Summary()
-        ordered = sorted(self.samples)
-
-        def pct(p: float) -> float:
-            return ordered[min(len(ordered) - 1, int(round(p * (len(ordered) - 1))))]
-
-        return Summary(self.count, pct(0.50), pct(0.95), self.max, self.total)
-
-    def histogram(self) -> tuple[list[int], float]:
-        """Cumulative counts per bucket bound (the last is +Inf), and the sum."""
-        cumulative, running = [], 0
-        for count in self.buckets:
-            running += count
-            cumulative.append(running)
-        return cumulative, self.total
-
-
-@dataclass
-class Histograms:
-    """A copy of the histograms, read under the lock, for one Prometheus scrape."""
-
-    compile_seconds: dict[str, tuple[list[int], float]]
-    """By backend."""
-    queue_wait_seconds: tuple[list[int], float]
-    stage_seconds: dict[str, tuple[list[int], float]]
-    benchmark_seconds: tuple[list[int], float] = ([0] * (len(BUCKETS) + 1), 0.0)
-
-
-# Records left for a drain, at most (see ``Metrics.later``).
-_LATER_MAX = 64
-
-
-class Metrics:
-    """Counters behind ``statistics()``; written from event loops and the supervisor."""
-
-    def __init__(self, keep_records: int = 1000) -> None:
-        self._lock = threading.Lock()
-        self.submitted = 0
-        self.outcomes = dict.fromkeys(OUTCOMES, 0)
-        self.queue_wait = _Durations()
-        self.run_time = _Durations()
-        self.load_time = _Durations()
-        self.total_time = _Durations()
-        self.stages: dict[str, _Durations] = {}
-        self.by_backend: dict[str, _Durations] = {}
-        self.slowest: list[tuple[float, str, str | None]] = []
-        self.records: collections.deque[JobRecord] = collections.deque(maxlen=keep_records)
-        self.tunings = dict.fromkeys(("answered", "tuned", "hits", "failures", "left_out"), 0)
-        self.benchmark_outcomes = dict.fromkeys(BENCHMARK_OUTCOMES, 0)
-        self.benchmark_time = _Durations()
-        self.benchmark_records: collections.deque[BenchmarkRecord] = collections.deque(maxlen=keep_records)
-        # Records whose bookkeeping waits for the event loop's next turn (``later``).
-        self._later: collections.deque[Callable[[], None]] = collections.deque()
-
-    def later(self, bookkeeping: Callable[[], None]) -> bool:
-        """Keep ``bookkeeping`` (a record's making, counting and emitting) for ``drain``;
-        returns whether it is the first waiting, i.e. whether a drain should be scheduled.
-        Every read of these metrics drains first, so nothing kept here is ever missing
-        from what they say. A drain scheduled on a loop that stopped before running it
-        leaves the records waiting; past ``_LATER_MAX`` of them they are made here and now,
-        so that they never pile up."""
-        later = self._later
-        later.append(bookkeeping)
-        if len(later) > _LATER_MAX:
-            self.drain()
-            return False
-        return len(later) == 1
-
-    def drain(self) -> None:
-        """Do the bookkeeping kept by ``later``, oldest first (from any thread)."""
-        later = self._later
-        while later:
-            try:
-                bookkeeping = later.popleft()
-            except IndexError:  # another thread took the last one
-                return
-            bookkeeping()
-
-    def recent(self) -> list[JobRecord]:
-        self.drain()
-        with self._lock:
-            return list(self.records)
-
-    def tuning(self, what: str, count: int = 1) -> None:
-        """Count an ``autotune()`` call: ``answered``, ``tuned``, ``hits`` or ``failures``;
-        or configurations ``left_out`` after their short timing."""
-        with self._lock:
-            self.tunings[what] += count
-
-    def benchmark(self, record: BenchmarkRecord, keep: bool = True) -> None:
-        with self._lock:
-            self.benchmark_outcomes[record.outcome] += 1
-            if not keep:
-                return
-            self.benchmark_records.append(record)
-            if record.pid is not None:
-                self.benchmark_time.add(record.duration)
-
-    def submit(self) -> None:
-        with self._lock:
-            self.submitted += 1
-
-    def count(self, outcome: str) -> None:
-        """Count an outcome without a record (metrics turned off)."""
-        with self._lock:
-            self.outcomes[outcome] += 1
-
-    def finish(self, record: JobRecord) -> None:
-        with self._lock:
-            self.outcomes[record.outcome] += 1
-            self.records.append(record)
-            self.total_time.add(record.total_time)
-            if record.load_time is not None:
-                self.load_time.add(record.load_time)
-            if record.outcome != "compiled" and record.outcome not in FAILURES:
-                return
-            if record.queue_wait is not None:
-                self.queue_wait.add(record.queue_wait)
-            if record.run_time is None:
-                return
-            self.run_time.add(record.run_time)
-            backend = self.by_backend.get(record.backend)
-            if backend is None:
-                backend = self.by_backend[record.backend] = _Durations()
-            backend.add(record.run_time)
-            for stage, seconds in record.stages:
-                durations = self.stages.get(stage)
-                if durations is None:
-                    durations = self.stages[stage] = _Durations()
-                durations.add(seconds)
-            if record.outcome == "compiled" and (
-                len(self.slowest) < _SLOWEST or record.run_time > self.slowest[-1][0]
-            ):
-                self.slowest.append((record.run_time, record.name, record.target))
-                self.slowest.sort(key=lambda item: item[0], reverse=True)
-                del self.slowest[_SLOWEST:]
-
-    def histograms(self) -> Histograms:
-        self.drain()
-        with self._lock:
-            return Histograms(
-                compile_seconds={name: d.histogram() for name, d in self.by_backend.items()},
-                queue_wait_seconds=self.queue_wait.histogram(),
-                stage_seconds={name: d.histogram() for name, d in self.stages.items()},
-                benchmark_seconds=self.benchmark_time.histogram(),
-            )
-
-    def snapshot(self, pool: dict[str, Any]) -> Statistics:
-        self.drain()
-        with self._lock:
-            outcomes = dict(self.outcomes)
-            return Statistics(
-                submitted=self.submitted,
-                compiled=outcomes["compiled"],
-                cache_hits=outcomes["cache_hit"],
-                disk_hits=outcomes["disk_hit"],
-                shared_hits=outcomes["shared_hit"],
-                joined=outcomes["joined"],
-                error_hits=outcomes["error_hit"],
-                failed=sum(outcomes[name] for name in FAILURES),
-                cancelled=outcomes["cancelled"],
-                in_flight=self.submitted - sum(outcomes.values()),
-                outcomes=outcomes,
-                queue_wait=self.queue_wait.summary(),
-                run_time=self.run_time.summary(),
-                load_time=self.load_time.summary(),
-                total_time=self.total_time.summary(),
-                stages={name: d.summary() for name, d in self.stages.items()},
-                slowest=tuple((name, target, t) for t, name, target in self.slowest),
-                tunings=self.tunings["answered"],
-                tuned=self.tunings["tuned"],
-                tuning_hits=self.tunings["hits"],
-                tuning_failures=self.tunings["failures"],
-                benchmarks=sum(self.benchmark_outcomes.values()),
-                benchmark_outcomes=dict(self.benchmark_outcomes),
-                benchmarks_left_out=self.tunings["left_out"],
-                benchmark_time=self.benchmark_time.summary(),
-                **pool,
-            )

@@ -176,7 +176,7 @@ async def _with_aiocompile(kernel: Any, args: tuple[Any, ...], kwargs: dict[str,
     async with aiocompile.Scheduler() as sched:
         if warm:
             await sched.warm(benchmark=True)
-            pool = sched._tuning().pool()
+            pool = sched.port.tuner().pool()
             deadline = time.monotonic() + 300
             while pool.ready() != set(pool.devices) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
@@ -208,9 +208,9 @@ async def _tune_and_launch(sched: Any, kernel: Any, args: tuple[Any, ...], kwarg
     seconds = time.perf_counter() - started
     launched = time.time()
     stats = sched.statistics()
-    records = list(sched._metrics.benchmark_records)
+    records = list(sched.port.benchmark_records())
     job_records = [r for r in sched.records() if r.outcome in ("compiled", "error")]
-    tuner = sched._tuning()
+    tuner = sched.port.tuner()
     profile = _profile(tuner.last_profile, list(tuner.pool().starts), wall, launched)
     compile_end = max((r.finished_at for r in job_records), default=None)
     bench_start = min((r.started_at for r in records if r.pid is not None), default=None)

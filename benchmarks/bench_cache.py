@@ -60,7 +60,7 @@ async def measure(cache_dir: str) -> dict[str, dict[str, float]]:
     async with aiocompile.Scheduler(workers=1, cache_dir=cache_dir) as sched:
         samples = []
         for _ in range(300):
-            sched._cache.clear()  # forget what is in memory: the next request reads the disk
+            sched.port._cache.clear()  # forget what is in memory: the next request reads the disk
             t = time.perf_counter()
             await sched.compile_triton(add_kernel, **args)
             samples.append(time.perf_counter() - t)

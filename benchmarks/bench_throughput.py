@@ -146,7 +146,7 @@ async def _predictions(sched: Any, specs: list[dict], history: str | None) -> li
     items = [{"kernel": spec["kernel"], "signature": spec["signature"], "constexprs": spec.get("constexprs"),
               "target": spec.get("target"), "attrs": None,
               "options": {k: spec[k] for k in ("num_warps", "num_stages") if k in spec}} for spec in specs]
-    requests = await sched._triton.prepare_many(sched._context, items)
+    requests = await sched.port.triton.prepare_many(sched.port, items)
     before = CostHistory(history, read_only=True)
     before.load()
     try:

@@ -137,9 +137,9 @@ def example_spec(label: str) -> dict:
 def owned_pids(sched) -> set[int]:
     """The processes a scheduler's own pool started (its fork server and what that forked,
     or its spawned workers), alive now."""
-    pool = sched._pool
+    pool = sched.port._pool
     pids = set(pool.worker_pids())
-    launcher = getattr(pool, "_launcher", None)
+    launcher = getattr(getattr(pool, "_supervisor", None), "_launcher", None)
     zygote = getattr(getattr(launcher, "_proc", None), "pid", None)
     if zygote is not None:
         pids |= {zygote} | child_pids(zygote)

@@ -1,6 +1,7 @@
 """Whatever a job answers, its caller gets a result or an exception, and nothing else is
-touched (``aiocompile._pool.answers``): exceptions this process cannot rebuild, large answers
-streamed by an answers thread, and a worker that dies while its answer is read.
+touched (``aiocompile._pool.protocol``, ``aiocompile._pool.roster``): exceptions this
+process cannot rebuild, large answers streamed by an answers thread, and a worker that dies
+while its answer is read.
 
 Under asyncio an idle worker's answer is read by the event loop, under trio by the pool's
 supervisor; a queued job's answer is always the supervisor's. Each case runs both ways.
@@ -16,8 +17,8 @@ import jobs
 import pytest
 
 import aiocompile
-from aiocompile import CompileError
-from aiocompile._pool.pool import WorkerPool
+from aiocompile import JobError
+from aiocompile._pool.roster import Roster
 from aiocompile.errors import RemoteTraceback
 
 CONFIG = aiocompile.SchedulerConfig(workers=1, preload=())
@@ -66,7 +67,7 @@ async def test_an_exception_whose_class_only_the_worker_can_import_reaches_its_c
             await sched.run(jobs.echo, 0)
             outcomes = await run_beside_a_queued_innocent(sched, jobs.raise_worker_only, worker_only_dir, "why")
             for exc in outcomes:
-                assert isinstance(exc, CompileError)
+                assert isinstance(exc, JobError)
                 assert f"{jobs.WORKER_ONLY_MODULE}.OnlyHere: why" in str(exc)
                 assert "could not be rebuilt here" in str(exc)
                 assert isinstance(exc.__cause__, RemoteTraceback) and "raise_worker_only" in exc.__cause__.tb
@@ -119,18 +120,18 @@ async def test_a_large_answer_that_cannot_be_unpickled_here_fails_alone_and_leav
 async def test_a_worker_that_dies_while_its_large_answer_is_read_is_a_crash_and_the_job_is_retried(
     monkeypatch,
 ):
-    read_stream = WorkerPool._read_stream
+    read_stream = Roster._read_stream
     killed: list[int] = []
 
-    def kill_first_then_read(pool, worker, message, fd):
+    def kill_first_then_read(roster, worker, done, fd):
         if not killed:
             # The header is read; most of the 16 MB is still in the worker, blocked on
             # the socket: it dies halfway through its answer.
             killed.append(worker.proc.pid)
             os.kill(worker.proc.pid, signal.SIGKILL)
-        read_stream(pool, worker, message, fd)
+        read_stream(roster, worker, done, fd)
 
-    monkeypatch.setattr(WorkerPool, "_read_stream", kill_first_then_read)
+    monkeypatch.setattr(Roster, "_read_stream", kill_first_then_read)
     async with aiocompile.Scheduler(config=CONFIG) as sched:
         with anyio.fail_after(120):
             assert await sched.run(jobs.big_result, 16) == b"\x01" * (16 << 20)

@@ -41,12 +41,12 @@ def stand_in_driver():
 
 def tuning_scheduler(devices=1, **kwargs):
     sched = aiocompile.Scheduler(workers=2, **kwargs)
-    sched._tuner = Tuner(sched, si.StandInTiming(devices))
+    sched.port._tuner = Tuner(sched.port, si.StandInTiming(devices))
     return sched
 
 
 def by_config(sched):
-    return {record.config: record for record in sched._metrics.benchmark_records}
+    return {record.config: record for record in sched.port.benchmark_records()}
 
 
 def cost(label):
@@ -75,7 +75,7 @@ async def test_tunes_in_benchmark_processes_and_primes_triton():
     async with tuning_scheduler(devices=2) as sched:
         best = await sched.autotune(kernel, x, out, 4096, 2.0, grid=tk.grid)
         stats = sched.statistics()
-        pids = sched._tuner.pool().processes()
+        pids = sched.port._tuner.pool().processes()
 
     assert best.config.kwargs["BLOCK"] == 128 and best.source == "tuned"
     assert best.key == (4096, "torch.float32", "torch.float32") and best.device == 0
@@ -84,7 +84,7 @@ async def test_tunes_in_benchmark_processes_and_primes_triton():
     assert (stats.tunings, stats.tuned, stats.tuning_hits, stats.benchmarks) == (1, 1, 0, 4)
     assert stats.benchmark_outcomes["ok"] == 4 and stats.compiled == 4  # every configuration compiled once
     assert stats.benchmark_processes_started == 2 and set(pids) == {0, 1}
-    records = sched._metrics.benchmark_records
+    records = sched.port.benchmark_records()
     assert {r.pid for r in records} <= set(pids.values()) and all(r.attempt == 1 for r in records)
     assert all(r.pid != os.getpid() for r in records)  # never timed in the caller's process
     assert not alive(pids.values())  # closing the scheduler ended them
@@ -109,7 +109,7 @@ async def test_without_the_short_round_configurations_are_timed_in_full_in_the_a
     kernel = tk.tuned([tk.config(b, cost=b, num_warps=8 if b >= 512 else 2) for b in blocks])
     async with tuning_scheduler(devices=1, config=aiocompile.SchedulerConfig(tuning_screen=None)) as sched:
         best = await sched.autotune(kernel, x, out, 4096, 2.0, grid=tk.grid)
-        records = sorted(sched._metrics.benchmark_records, key=lambda r: r.started_at)
+        records = sorted(sched.port.benchmark_records(), key=lambda r: r.started_at)
         stats = sched.statistics()
     assert [int(r.config.split(",")[0].split("=")[1]) for r in records] == blocks
     assert {r.round for r in records} == {"full"} and stats.benchmarks_left_out == 0
@@ -125,7 +125,7 @@ async def test_a_short_timing_leaves_out_the_far_slower_and_the_rest_are_timed_i
     kernel = tk.tuned([tk.config(b, cost=c, num_warps=8 if b >= 512 else 2) for b, c in zip(blocks, costs)])
     async with tuning_scheduler(devices=1) as sched:
         best = await sched.autotune(kernel, x, out, 4096, 2.0, grid=tk.grid)
-        records = sorted(sched._metrics.benchmark_records, key=lambda r: r.started_at)
+        records = sorted(sched.port.benchmark_records(), key=lambda r: r.started_at)
         stats = sched.statistics()
     short = [r for r in records if r.round == "short"]
     full = [r for r in records if r.round == "full"]
@@ -150,7 +150,7 @@ async def test_only_the_four_fastest_near_the_fastest_are_timed_in_full():
     kernel = tk.tuned([tk.config(b, cost=c) for b, c in zip(blocks, costs)])
     async with tuning_scheduler(devices=1) as sched:
         best = await sched.autotune(kernel, x, out, 4096, 2.0, grid=tk.grid)
-        records = sorted(sched._metrics.benchmark_records, key=lambda r: r.started_at)
+        records = sorted(sched.port.benchmark_records(), key=lambda r: r.started_at)
         stats = sched.statistics()
     assert [block(r) for r in records if r.round == "full"] == [128, 256, 512, 2048]  # the autotuner's order
     assert best.config.kwargs["BLOCK"] == 512 and stats.benchmarks_left_out == 3
@@ -165,7 +165,7 @@ async def test_one_configuration_near_the_fastest_is_chosen_from_its_short_timin
                        tk.config(512, cost=900)])
     async with tuning_scheduler(devices=1) as sched:
         best = await sched.autotune(kernel, x, out, 4096, 2.0, grid=tk.grid)
-        records = sched._metrics.benchmark_records
+        records = sched.port.benchmark_records()
     assert best.config.kwargs["BLOCK"] == 128 and [r.round for r in records] == ["short"] * 4
 
 
@@ -250,7 +250,7 @@ async def test_configurations_fan_out_over_every_device(tmp_path, monkeypatch):
     kernel = tk.tuned([tk.config(b, mode=si.BARRIER, cost=3) for b in (64, 128, 256)] + [tk.config(512, cost=1)])
     async with tuning_scheduler(devices=3) as sched:
         best = await sched.autotune(kernel, x, out, 4096, 2.0, grid=tk.grid)
-        records = list(sched._metrics.benchmark_records)
+        records = list(sched.port.benchmark_records())
     assert all(r.outcome == "ok" for r in records), [r.reason for r in records]
     assert best.config.kwargs["BLOCK"] == 512
     assert len(os.listdir(tmp_path)) == 3 and len({r.device for r in records[:3]} | {r.device for r in records}) == 3
@@ -268,7 +268,7 @@ async def test_a_batch_of_tunings_spreads_over_the_devices(tmp_path, monkeypatch
         async with anyio.create_task_group() as group:
             for n in (4096, 2048):
                 group.start_soon(tune, n)
-        devices = {r.device for r in sched._metrics.benchmark_records}
+        devices = {r.device for r in sched.port.benchmark_records()}
     assert {r.config.kwargs["BLOCK"] for r in results.values()} == {64}
     assert devices == {0, 1} and len(kernel.cache) == 2
 
@@ -277,8 +277,8 @@ async def test_an_explicit_device_is_tuned_for_and_timed_on():
     kernel = tk.tuned([tk.config(64, cost=3), tk.config(128, cost=2)])
     async with tuning_scheduler(devices=3) as sched:
         best = await sched.autotune(kernel, x, out, 4096, 2.0, grid=tk.grid, device=2)
-        processes = sched._tuner.pool().processes()
-    assert best.device == 2 and {r.device for r in sched._metrics.benchmark_records} == {2}
+        processes = sched.port._tuner.pool().processes()
+    assert best.device == 2 and {r.device for r in sched.port.benchmark_records()} == {2}
     assert set(processes) == {2}
     assert tk.scale_base.device_caches[2][0]  # the JIT's cache for device 2 holds the choice
 
@@ -317,7 +317,7 @@ async def test_closing_the_scheduler_ends_a_tuning_without_a_decision(tmp_path):
 
         group.start_soon(tune)
         await first_timing.wait()  # the good configuration is timed; the hang is under way
-        pids = sched._tuner.pool().processes()
+        pids = sched.port._tuner.pool().processes()
         await sched.aclose(grace=0)
     assert len(errors) == 1
     assert not list((tmp_path / "tuning").rglob("*.aiok")) and kernel.cache == {}
@@ -369,7 +369,7 @@ async def test_no_gpu_for_the_device_is_a_runtime_error_before_anything_compiles
     async with aiocompile.Scheduler(workers=1) as sched:  # the real timing: this machine has no GPU
         with pytest.raises(RuntimeError, match="shows none"):
             await sched.autotune(kernel, x, out, 4096, 2.0, grid=tk.grid)
-        assert sched.statistics().submitted == 0 and sched._tuner._pool is None
+        assert sched.statistics().submitted == 0 and sched.port._tuner._pool is None
     async with tuning_scheduler(devices=2) as sched:
         with pytest.raises(RuntimeError, match="no such GPU"):
             await sched.autotune(kernel, x, out, 4096, 2.0, grid=tk.grid, device=5)
@@ -393,7 +393,7 @@ TUNE_IN_A_CHILD = textwrap.dedent('''
 
     async def main():
         async with aiocompile.Scheduler(workers=2, cache_dir=sys.argv[1]) as sched:
-            sched._tuner = Tuner(sched, si.StandInTiming(1))
+            sched.port._tuner = Tuner(sched.port, si.StandInTiming(1))
             best = await sched.autotune(kernel, torch.ones(4096), torch.empty(4096), 4096, 2.0, grid=tk.grid)
             print(best.source, best.config.kwargs["BLOCK"])
 
@@ -417,7 +417,7 @@ async def test_a_restarted_process_finds_the_decision_and_tunes_nothing(tmp_path
     assert best.source == "disk" and best.config.kwargs["BLOCK"] == 128
     assert [t.time_ms for t in best.timings] == [0.009, 0.004, 0.007]
     assert (stats.benchmarks, stats.benchmark_processes_started, stats.tuning_hits) == (0, 0, 1)
-    assert sched._tuner._pool is None  # not a single benchmark process
+    assert sched.port._tuner._pool is None  # not a single benchmark process
     assert stats.disk_hits == 1  # and the chosen binary came from the disk cache too
 
     # Carried to another machine's directory with the command line: found there too.
@@ -429,7 +429,7 @@ async def test_a_restarted_process_finds_the_decision_and_tunes_nothing(tmp_path
     kernel.cache.clear()
     async with tuning_scheduler(cache_dir=fleet) as sched:
         carried = await sched.autotune(kernel, torch.ones(4096), torch.empty(4096), 4096, 2.0, grid=tk.grid)
-        assert sched.statistics().benchmarks == 0 and sched._tuner._pool is None
+        assert sched.statistics().benchmarks == 0 and sched.port._tuner._pool is None
     assert carried.source == "disk" and carried.config is best.config
 
     # A decision file that does not decode is a miss: tuned again, and written anew.
@@ -465,9 +465,9 @@ ABANDONED = textwrap.dedent('''
 
     async def main():
         sched = aiocompile.Scheduler(workers=1)
-        sched._tuner = Tuner(sched, si.StandInTiming(2))
+        sched.port._tuner = Tuner(sched.port, si.StandInTiming(2))
         await sched.warm("cuda:90", benchmark=True)
-        pool = sched._tuner.pool()
+        pool = sched.port._tuner.pool()
         while pool.ready() != {0, 1}:
             await asyncio.sleep(0.02)
         print(*pool.processes().values(), flush=True)
@@ -516,14 +516,14 @@ async def test_benchmark_at_start_starts_the_processes_with_the_scheduler():
     kernel = tk.tuned([tk.config(64, cost=6), tk.config(128, cost=2)])
     sched = tuning_scheduler(devices=2, config=aiocompile.SchedulerConfig(benchmark_at_start=True))
     async with sched:
-        pool = sched._tuner.pool()
+        pool = sched.port._tuner.pool()
         # Up before anything is tuned or compiled.
         assert await anyio.to_thread.run_sync(lambda: wait_until(lambda: pool.ready() == {0, 1}, timeout=120))
         started = pool.processes()
         assert sched.statistics().submitted == 0
         best = await sched.autotune(kernel, x, out, 4096, 2.0, grid=tk.grid)
         stats = sched.statistics()
-        records = sched._metrics.benchmark_records
+        records = sched.port.benchmark_records()
     assert best.config.kwargs["BLOCK"] == 128
     # The tuning used them: none started for it.
     assert stats.benchmark_processes_started == 2 and {r.pid for r in records} <= set(started.values())
@@ -539,7 +539,7 @@ from aiocompile._tuning.tuner import Tuner
 
 async def main():
     sched = aiocompile.Scheduler(workers=1, config=aiocompile.SchedulerConfig(benchmark_at_start=True))
-    sched._tuner = Tuner(sched, si.StandInTiming(1))
+    sched.port._tuner = Tuner(sched.port, si.StandInTiming(1))
     async with sched:
         await asyncio.sleep(1.0)
         # The scheduler's start imported neither: the program may be importing them.
@@ -571,7 +571,7 @@ async def test_a_benchmark_process_that_dies_before_use_is_replaced_at_once():
     kernel = tk.tuned([tk.config(64, cost=6), tk.config(128, cost=2)])
     sched = tuning_scheduler(config=aiocompile.SchedulerConfig(benchmark_at_start=True))
     async with sched:
-        pool = sched._tuner.pool()
+        pool = sched.port._tuner.pool()
         assert await anyio.to_thread.run_sync(lambda: wait_until(lambda: pool.ready() == {0}, timeout=120))
         first = pool.processes()[0]
         os.kill(first, signal.SIGKILL)
@@ -582,7 +582,7 @@ async def test_a_benchmark_process_that_dies_before_use_is_replaced_at_once():
         stats = sched.statistics()
         assert (stats.benchmark_processes_started, stats.benchmark_processes_lost) == (2, 1)
         best = await sched.autotune(kernel, x, out, 4096, 2.0, grid=tk.grid)
-        records = sched._metrics.benchmark_records
+        records = sched.port.benchmark_records()
         stats = sched.statistics()
     assert best.config.kwargs["BLOCK"] == 128
     # No configuration paid for the death: each timed once, in the replacement.
@@ -593,18 +593,18 @@ async def test_a_benchmark_process_that_dies_before_use_is_replaced_at_once():
 async def test_benchmark_at_start_starts_nothing_without_a_gpu():
     sched = tuning_scheduler(devices=0, config=aiocompile.SchedulerConfig(benchmark_at_start=True))
     async with sched:
-        starting = sched._tuner.starting
+        starting = sched.port._tuner.starting
         assert starting is not None
         await anyio.to_thread.run_sync(lambda: starting.result(timeout=60))
-        assert sched._tuner._pool is None
+        assert sched.port._tuner._pool is None
 
 
 async def test_a_tuning_leaves_a_profile_of_its_steps():
     kernel = tk.tuned([tk.config(64, cost=6), tk.config(128, cost=2)])
     async with tuning_scheduler() as sched:
         await sched.autotune(kernel, x, out, 4096, 2.0, grid=tk.grid)
-        profile = sched._tuner.last_profile
-        starts = list(sched._tuner.pool().starts)
+        profile = sched.port._tuner.last_profile
+        starts = list(sched.port._tuner.pool().starts)
     steps = ["called_at", "resolved_at", "planned_at", "expanded_at", "tune_at", "inputs_read_at", "decided_at",
              "primed_at"]
     assert [profile[step] for step in steps] == sorted(profile[step] for step in steps)
@@ -622,16 +622,19 @@ async def test_the_tensors_reach_a_process_while_it_starts(tmp_path, monkeypatch
     gate = tmp_path / "started"
     monkeypatch.setenv("STAND_IN_START_GATE", str(gate))
     kernel = tk.tuned([tk.config(64, mode=si.SUM), tk.config(128, cost=2)])
+    from aiocompile._tuning.benchproc import BenchProcess
+
+    sent = threading.Event()
+    real_send = BenchProcess.send
+
+    def send(process, message):
+        real_send(process, message)
+        if message[0] == "inputs":
+            sent.set()
+
+    monkeypatch.setattr(BenchProcess, "send", send)
     async with tuning_scheduler() as sched:
-        pool = sched._tuner.pool()
-        offered = threading.Event()
-        real_offer = pool.offer
-
-        def offer(session, devices):
-            real_offer(session, devices)
-            offered.set()
-
-        pool.offer = offer
+        pool = sched.port._tuner.pool()
         async with anyio.create_task_group() as group:
             results = []
 
@@ -639,11 +642,11 @@ async def test_the_tensors_reach_a_process_while_it_starts(tmp_path, monkeypatch
                 results.append(await sched.autotune(kernel, x, out, 4096, 2.0, grid=tk.grid))
 
             group.start_soon(tune)
-            # The tuning offers its tensors while the process is still starting ...
-            assert await anyio.to_thread.run_sync(lambda: offered.wait(120))
+            # The tuning's tensors are sent while the process is still starting ...
+            assert await anyio.to_thread.run_sync(lambda: sent.wait(120))
             assert pool.ready() == set()
             gate.touch()  # ... and only then may it be ready.
-        profile = sched._tuner.last_profile
+        profile = sched.port._tuner.last_profile
         start = pool.starts[0]
         records = by_config(sched)
     sending, _ = profile["inputs_sent"][0]
@@ -662,7 +665,7 @@ async def test_large_tensors_travel_through_shared_memory_gone_after_the_tuning(
     kernel = tk.tuned([tk.config(64, mode=si.SUM), tk.config(128, cost=2)])
     sessions = []
     async with tuning_scheduler() as sched:
-        pool = sched._tuner.pool()
+        pool = sched.port._tuner.pool()
         real_offer = pool.offer
 
         def offer(session, devices):

@@ -208,7 +208,8 @@ def test_values_that_cannot_travel():
 
 
 def test_a_benchmark_process_moves_only_as_its_table_allows():
-    from aiocompile._tuning.benchproc import TRANSITIONS, BenchProcess, InvalidTransition, State
+    from aiocompile._pool.state import InvalidTransition
+    from aiocompile._tuning.benchproc import TRANSITIONS, BenchProcess, Move, State
 
     events = {event for _, event in TRANSITIONS}
     assert {target for target in TRANSITIONS.values()} | {State.STARTING} == set(State)
@@ -224,5 +225,5 @@ def test_a_benchmark_process_moves_only_as_its_table_allows():
                 with pytest.raises(InvalidTransition, match=f"a {state.value} benchmark process"):
                     process._move(event)
     # Every state but GONE can end; GONE is final.
-    assert all((state, "ended") in TRANSITIONS for state in State if state is not State.GONE)
+    assert all((state, Move.ENDED) in TRANSITIONS for state in State if state is not State.GONE)
     assert not any(state is State.GONE for state, _ in TRANSITIONS)

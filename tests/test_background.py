@@ -330,13 +330,13 @@ def test_a_worker_killed_mid_compile_leaves_eager_serving_with_a_bundle(sched, t
     model, x = background_models.make_mlp()
     compiled = aiotorch.compile_in_background(model, options={"cpp.cxx": (None, cxx)}, scheduler=sched)
     shape = asyncio.run(compiled.ready(x))
-    assert shape.state == "failed" and shape.error.startswith("WorkerCrashedError")
+    assert shape.state == "failed" and shape.error.startswith("WorkerCrashed")
     assert "SIGKILL" in shape.error or "-9" in shape.error
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x))
     # Written by the parent, the worker being gone: the model and inputs, and the script.
     manifest = bundle_manifest(shape.repro)
-    assert manifest["stage"].startswith("unknown") and manifest["error_type"] == "WorkerCrashedError"
+    assert manifest["stage"].startswith("unknown") and manifest["error_type"] == "WorkerCrashed"
     assert {"model.pkl", "inputs.pt", "repro.py"} <= set(manifest["files"])
     assert wait_until(lambda: sched.statistics().worker_crashes >= 1)
 
@@ -353,11 +353,11 @@ def test_a_compile_past_its_timeout_leaves_eager_serving_with_a_bundle(sched, tm
     model, x = background_models.make_mlp()
     compiled = aiotorch.compile_in_background(model, options={"cpp.cxx": (None, cxx)}, scheduler=sched, timeout=5)
     shape = asyncio.run(compiled.ready(x))
-    assert shape.state == "failed" and shape.error.startswith("CompileTimeout"), shape.error
+    assert shape.state == "failed" and shape.error.startswith("JobTimeout"), shape.error
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x))
     manifest = bundle_manifest(shape.repro)
-    assert manifest["stage"] == "unknown (the worker timed out)" and manifest["error_type"] == "CompileTimeout"
+    assert manifest["stage"] == "unknown (the worker timed out)" and manifest["error_type"] == "JobTimeout"
 
 
 @pytest.mark.timeout(TIMEOUT)
@@ -406,7 +406,7 @@ def test_a_package_built_by_a_compiler_without_a_shared_cxx_library_does_not_loa
     compiled = aiotorch.compile_in_background(model, options={"cpp.cxx": (None, static_gxx)}, scheduler=sched)
     shape = asyncio.run(compiled.ready(x))
     assert shape.state == "failed", shape
-    assert "trial failed" in shape.error or shape.error.startswith("WorkerCrashedError"), shape.error
+    assert "trial failed" in shape.error or shape.error.startswith("WorkerCrashed"), shape.error
     assert f"built by the C++ compiler {(None, static_gxx)!r}" in shape.error or "trial failed" not in shape.error
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x))
@@ -518,7 +518,7 @@ def test_a_program_whose_outputs_include_a_buffers_new_value_has_no_python_plan(
 ])
 def test_a_process_whose_environment_turns_inductors_caches_off_cannot_make_the_python_form(variable, names):
     """The variables are read when torch is imported: a fresh interpreter."""
-    code = "from aiocompile.backends.inductor import _graph; print(_graph.unavailable())"
+    code = "from aiocompile._torch import graph; print(graph.unavailable())"
     env = {**subprocess_env(), variable: "0"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr

@@ -216,9 +216,9 @@ async def test_crashes_and_timeouts_are_never_remembered():
     config = aiocompile.SchedulerConfig(workers=1, preload=(), max_crashes=1, error_ttl=60)
     async with aiocompile.Scheduler(config=config) as sched:
         for _ in range(2):
-            with pytest.raises(aiocompile.WorkerCrashedError):
+            with pytest.raises(aiocompile.WorkerCrashed):
                 await sched.run(jobs.exit_now, 1, key="crashes")
-            with pytest.raises(aiocompile.CompileTimeout):
+            with pytest.raises(aiocompile.JobTimeout):
                 await sched.run(jobs.hang, key="hangs", timeout=0.2)
         stats = sched.statistics()
         assert (stats.failed, stats.error_hits, stats.worker_crashes, stats.timeouts) == (4, 0, 2, 2)
@@ -413,7 +413,7 @@ async def test_a_bug_after_the_disk_read_or_the_compile_fails_the_request_instea
             for key in (on_disk, "cd" * 32):
                 for _ in range(2):
                     with pytest.raises(ZeroDivisionError):
-                        await sched._execute(request(key), None)
+                        await sched.port.execute(request(key), None)
         stats = sched.statistics()
     assert (stats.failed, stats.in_flight, stats.compiled, stats.disk_hits) == (4, 0, 0, 0)
 

@@ -244,7 +244,7 @@ async def test_a_killed_compile_takes_every_compiler_process_with_it(how):
             async with anyio.create_task_group() as group:
                 group.start_soon(watch)
                 if how == "timeout":
-                    with pytest.raises(aiocompile.CompileTimeout):
+                    with pytest.raises(aiocompile.JobTimeout):
                         await sched.compile_cpp(SLOW_CPP, flags=flags, timeout=5)
                 else:
                     async with anyio.create_task_group() as compiling:

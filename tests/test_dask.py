@@ -71,7 +71,7 @@ def our_tasks(client):
 
 async def test_compiles_run_on_the_cluster(dask_client):
     async with aiocompile.Scheduler(executor=dask_client) as sched:
-        assert isinstance(sched._pool._executor, aiocompile_dask.DaskExecutor)
+        assert isinstance(sched.port._pool._executor, aiocompile_dask.DaskExecutor)
         kernels = await sched.compile_many([
             {"kernel": add_kernel, "signature": ADD_SIGNATURE, "constexprs": {"BLOCK": block}, "target": "cuda:80"}
             for block in (64, 128, 256)
@@ -148,7 +148,7 @@ async def test_a_poison_job_fails_after_max_crashes_and_innocents_succeed(dask_c
         assert await sched.run(jobs.echo, "after") == "after"
     finally:
         await sched.aclose()
-    assert isinstance(results[0], aiocompile.WorkerCrashedError), results[0]
+    assert isinstance(results[0], aiocompile.WorkerCrashed), results[0]
     assert results[0].kernel_name == "exit_now" and results[0].attempts == 3
     assert results[1:] == [0, 1, 2, 3]
     # One death with others about (a suspect, not yet blamed), then two with it alone.
@@ -165,7 +165,7 @@ async def test_a_timeout_stops_the_task_and_restarts_its_worker(dask_client, tmp
     mark = tmp_path / "hung"
     async with aiocompile.Scheduler(executor=dask_client) as sched:
         with anyio.fail_after(60):
-            with pytest.raises(aiocompile.CompileTimeout, match="restarted"):
+            with pytest.raises(aiocompile.JobTimeout, match="restarted"):
                 await sched.run(jobs.mark_then_sleep, str(mark), 300, timeout=1.0)
         pid = int(mark.read_text())
         # The compile does not go on holding the cluster: its worker process is gone,

@@ -1,5 +1,7 @@
-"""The public surface: __all__ matches what the package exports, and importing is light."""
+"""The public surface: a front door of at most twenty names, __all__ matching what each
+public module exports, the names of an earlier release still working, and importing light."""
 
+import importlib
 import subprocess
 import sys
 
@@ -7,10 +9,13 @@ import pytest
 
 import aiocompile
 
+PUBLIC_MODULES = ("aiocompile.errors", "aiocompile.records", "aiocompile.results", "aiocompile.lowlevel")
+
 
 def test_all_is_sorted_and_complete():
     assert aiocompile.__all__ == sorted(aiocompile.__all__)
-    assert set(aiocompile.__all__) == set(aiocompile._EXPORTS) | {"__version__"}
+    assert set(aiocompile.__all__) == set(aiocompile._EXPORTS)
+    assert len(aiocompile.__all__) <= 20, "the front door holds what a user needs on day one"
     assert dir(aiocompile) == aiocompile.__all__
     for name in aiocompile.__all__:
         assert getattr(aiocompile, name) is not None
@@ -41,38 +46,71 @@ def test_import_is_light():
     assert out.split() == ["False"] * 7
 
 
+@pytest.mark.parametrize("name", PUBLIC_MODULES)
+def test_each_public_module_exports_what_it_defines_or_re_exports(name):
+    module = importlib.import_module(name)
+    assert module.__all__ == sorted(module.__all__)
+    namespace = {}
+    exec(f"from {name} import *", namespace)
+    assert set(namespace) - {"__builtins__"} == set(module.__all__)
+    for attr in module.__all__:
+        obj = getattr(module, attr)
+        if isinstance(obj, type) or callable(obj):
+            assert obj.__doc__, f"{name}.{attr} has no docstring"
+
+
+def test_the_names_an_earlier_release_had_at_the_top_still_work_off_the_front_door():
+    from aiocompile import errors, lowlevel, records, results
+
+    for name, module in aiocompile._MOVED.items():
+        assert name not in aiocompile.__all__ and name not in dir(aiocompile)
+        home = {"aiocompile.errors": errors, "aiocompile.records": records, "aiocompile.results": results,
+                "aiocompile.lowlevel": lowlevel}[module]
+        assert getattr(aiocompile, name) is getattr(home, name)
+    for old, new in (("CompileTimeout", aiocompile.JobTimeout), ("WorkerCrashedError", aiocompile.WorkerCrashed)):
+        for where in (aiocompile, errors):
+            with pytest.warns(DeprecationWarning, match=f"{old} is now"):
+                assert getattr(where, old) is new
+
+
 def test_error_tree():
-    assert issubclass(aiocompile.CompileError, aiocompile.AiocompileError)
-    assert issubclass(aiocompile.CompileTimeout, aiocompile.CompileError)
-    assert issubclass(aiocompile.CompileTimeout, TimeoutError)
-    assert issubclass(aiocompile.WorkerCrashedError, aiocompile.CompileError)
-    assert issubclass(aiocompile.CompilerNotFound, aiocompile.CompileError)
-    assert issubclass(aiocompile.CompilerNotFound, FileNotFoundError)
+    from aiocompile.errors import AutotuneError, CompilerNotFound
+
+    assert issubclass(aiocompile.JobError, aiocompile.AiocompileError)
+    assert issubclass(aiocompile.CompileError, aiocompile.JobError)
+    # A timeout or a crash is a job that gave no result, not a compile error.
+    assert issubclass(aiocompile.JobTimeout, aiocompile.JobError)
+    assert not issubclass(aiocompile.JobTimeout, aiocompile.CompileError)
+    assert issubclass(aiocompile.JobTimeout, TimeoutError)
+    assert issubclass(aiocompile.WorkerCrashed, aiocompile.JobError)
+    assert not issubclass(aiocompile.WorkerCrashed, aiocompile.CompileError)
+    assert issubclass(CompilerNotFound, aiocompile.CompileError)
+    assert issubclass(CompilerNotFound, FileNotFoundError)
     assert issubclass(aiocompile.SchedulerClosed, aiocompile.AiocompileError)
-    assert issubclass(aiocompile.AutotuneError, aiocompile.CompileError)
-    for cls in (aiocompile.AiocompileError, aiocompile.CompileError, aiocompile.CompileTimeout,
-                aiocompile.WorkerCrashedError, aiocompile.AutotuneError, aiocompile.CompilerNotFound,
-                aiocompile.SchedulerClosed):
+    assert not issubclass(aiocompile.SchedulerClosed, aiocompile.JobError)
+    assert issubclass(AutotuneError, aiocompile.CompileError)
+    for cls in (aiocompile.AiocompileError, aiocompile.JobError, aiocompile.CompileError, aiocompile.JobTimeout,
+                aiocompile.WorkerCrashed, AutotuneError, CompilerNotFound, aiocompile.SchedulerClosed):
         assert cls.__doc__ and "fault" in cls.__doc__, f"{cls.__name__} must say whose fault it is"
 
 
 def test_errors_pickle_with_their_fields():
     import pickle
 
-    crash = aiocompile.WorkerCrashedError("boom", exitcode=-11, attempts=2, kernel_name="k", key="abc",
+    crash = aiocompile.WorkerCrashed("boom", exitcode=-11, attempts=2, kernel_name="k", key="abc",
                                           target="cuda:90", output="tail")
     again = pickle.loads(pickle.dumps(crash))
-    assert type(again) is aiocompile.WorkerCrashedError
+    assert type(again) is aiocompile.WorkerCrashed
     assert (again.exitcode, again.attempts, again.kernel_name, again.key, again.target, again.output) == \
         (-11, 2, "k", "abc", "cuda:90", "tail")
     assert again.signal_name == "SIGSEGV"
     assert str(again) == str(crash)
-    timeout = pickle.loads(pickle.dumps(aiocompile.CompileTimeout("slow", timeout=1.5, kernel_name="k")))
+    timeout = pickle.loads(pickle.dumps(aiocompile.JobTimeout("slow", timeout=1.5, kernel_name="k")))
     assert isinstance(timeout, TimeoutError) and timeout.timeout == 1.5
-    tuning = aiocompile.AutotuneError("none left", failures=(("BLOCK=64", "fault"),), kernel_name="k")
+    tuning = aiocompile.errors.AutotuneError("none left", failures=(("BLOCK=64", "fault"),), kernel_name="k")
     again = pickle.loads(pickle.dumps(tuning))
     assert again.failures == (("BLOCK=64", "fault"),) and again.kernel_name == "k" and str(again) == str(tuning)
     failed = aiocompile.CompileError("g++ exited with status 1", kernel_name="lib", command="g++ -shared x.cpp")
     assert pickle.loads(pickle.dumps(failed)).command == "g++ -shared x.cpp"
-    missing = pickle.loads(pickle.dumps(aiocompile.CompilerNotFound("no nvcc found")))
-    assert type(missing) is aiocompile.CompilerNotFound and str(missing) == "no nvcc found"
+    missing = pickle.loads(pickle.dumps(aiocompile.errors.CompilerNotFound("no nvcc found")))
+    assert type(missing) is aiocompile.errors.CompilerNotFound and str(missing) == "no nvcc found"

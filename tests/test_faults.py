@@ -64,7 +64,7 @@ async def test_a_crashing_job_fails_alone_and_innocents_succeed(fault, args, exi
             *[lambda b=b: innocent_compile(sched, b) for b in (512, 1024)],
         )
         poison = results[3]
-        assert isinstance(poison, aiocompile.WorkerCrashedError), poison
+        assert isinstance(poison, aiocompile.WorkerCrashed), poison
         assert poison.exitcode == exitcode and poison.attempts == 2
         assert poison.kernel_name == fault.__qualname__
         innocents = results[:3] + results[4:]
@@ -96,7 +96,7 @@ async def test_a_worker_killed_from_outside_like_the_oom_killer(tmp_path):
             lambda: sched.run(jobs.sleep_then, 0.5, "innocent"),
             kill_the_victim_twice,
         )
-        assert isinstance(results[0], aiocompile.WorkerCrashedError)
+        assert isinstance(results[0], aiocompile.WorkerCrashed)
         assert results[0].exitcode == -signal.SIGKILL and results[0].signal_name == "SIGKILL"
         assert results[1] == "innocent"
         stats = sched.statistics()
@@ -108,7 +108,7 @@ async def test_a_worker_killed_from_outside_like_the_oom_killer(tmp_path):
 async def test_what_a_dying_worker_printed_comes_with_the_error():
     sched = aiocompile.Scheduler(config=NO_PRELOAD.with_changes(max_crashes=1))
     try:
-        with pytest.raises(aiocompile.WorkerCrashedError) as info:
+        with pytest.raises(aiocompile.WorkerCrashed) as info:
             with anyio.fail_after(60):
                 await sched.run(jobs.print_then_exit, "ptxas fatal: out of registers (pretend)", 3)
         assert "ptxas fatal: out of registers (pretend)" in info.value.output
@@ -124,7 +124,7 @@ async def test_the_fork_server_dying_is_not_the_jobs_fault():
         async def kill_fork_server():
             await anyio.to_thread.run_sync(lambda: wait_until(lambda: len(sched.worker_pids()) == 2, 60))
             await anyio.sleep(0.2)
-            os.kill(sched._pool._launcher._proc.pid, signal.SIGKILL)
+            os.kill(sched.port._pool._supervisor._launcher._proc.pid, signal.SIGKILL)
 
         results = await gather(
             lambda: sched.run(jobs.sleep_then, 1.0, "a"),
@@ -153,7 +153,7 @@ async def test_a_timeout_kills_that_worker_only_and_the_pool_stays_at_full_size(
             lambda: sched.run(jobs.hang, timeout=0.5),
             *[lambda b=b: innocent_compile(sched, b) for b in (64, 128, 256, 512)],
         )
-        assert isinstance(results[0], aiocompile.CompileTimeout) and isinstance(results[0], TimeoutError)
+        assert isinstance(results[0], aiocompile.JobTimeout) and isinstance(results[0], TimeoutError)
         assert time.monotonic() - started < 30
         assert all(isinstance(k, aiocompile.TritonKernel) for k in results[1:])
         stats = sched.statistics()
@@ -167,7 +167,7 @@ async def test_a_timeout_kills_that_worker_only_and_the_pool_stays_at_full_size(
 async def test_the_scheduler_default_timeout_applies():
     sched = aiocompile.Scheduler(config=NO_PRELOAD.with_changes(timeout=0.3))
     try:
-        with pytest.raises(aiocompile.CompileTimeout) as info:
+        with pytest.raises(aiocompile.JobTimeout) as info:
             with anyio.fail_after(60):
                 await sched.run(jobs.hang)
         assert info.value.timeout == 0.3
@@ -310,7 +310,7 @@ async def test_no_descriptor_or_semaphore_leaks():
         sched = aiocompile.Scheduler(config=NO_PRELOAD)
         with anyio.fail_after(60):
             assert await sched.run(jobs.echo, 1) == 1
-            with pytest.raises(aiocompile.WorkerCrashedError):
+            with pytest.raises(aiocompile.WorkerCrashed):
                 await sched.run(jobs.exit_now, 1)
         await close_and_check(sched)
     assert fds() == fd_before
@@ -359,7 +359,7 @@ async def test_bad_results_are_clear_errors_and_never_break_the_pool():
     sched = aiocompile.Scheduler(config=NO_PRELOAD.with_changes(workers=1))
     try:
         with anyio.fail_after(120):
-            with pytest.raises(aiocompile.CompileError, match="Unpicklable.*could not be pickled"):
+            with pytest.raises(aiocompile.JobError, match="Unpicklable.*could not be pickled"):
                 await sched.run(jobs.raise_unpicklable)
             with pytest.raises(TypeError, match="could not be pickled"):
                 await sched.run(jobs.return_unpicklable)
@@ -384,7 +384,7 @@ async def test_a_killed_job_takes_the_processes_it_started_with_it(how, start_me
     try:
         with anyio.fail_after(60):
             if how == "timeout":
-                with pytest.raises(aiocompile.CompileTimeout):
+                with pytest.raises(aiocompile.JobTimeout):
                     await sched.run(jobs.start_tree_then_hang, str(pids_file), timeout=3)
             else:
                 with anyio.move_on_after(3):
@@ -416,7 +416,7 @@ async def test_a_worker_that_dies_takes_the_processes_it_started_with_it(start_m
                     os.kill(worker, signal.SIGKILL)  # the worker alone, not its group
 
                 group.start_soon(kill_the_worker_once_its_tree_runs)
-                with pytest.raises(aiocompile.WorkerCrashedError):
+                with pytest.raises(aiocompile.WorkerCrashed):
                     await sched.run(jobs.start_tree_then_hang, str(pids_file))
             tree = [int(pid) for pid in pids_file.read_text().split()]
             assert wait_until(lambda: not alive(tree), 10), f"outlived their worker: {alive(tree)}"

@@ -66,7 +66,7 @@ def test_tunes_primes_and_the_launch_neither_compiles_nor_benchmarks(tmp_path):
     async def tune():
         async with aiocompile.Scheduler(workers=4, cache_dir=tmp_path) as sched:
             best = await sched.autotune(kernel, *gk.launch_args(a, b, c), grid=gk.grid)
-            return best, sched.statistics(), list(sched._metrics.benchmark_records)
+            return best, sched.statistics(), list(sched.port.benchmark_records())
 
     best, stats, records = asyncio.run(tune())
     assert best.source == "tuned" and best.device == torch.cuda.current_device()
@@ -113,7 +113,7 @@ def test_a_configuration_that_faults_the_gpu_costs_only_its_own_inf():
     async def tune():
         async with aiocompile.Scheduler(workers=4) as sched:
             best = await sched.autotune(kernel, *gk.launch_args(a, b, c), grid=gk.grid)
-            return best, sched.statistics(), {r.config: r for r in sched._metrics.benchmark_records}
+            return best, sched.statistics(), {r.config: r for r in sched.port.benchmark_records()}
 
     best, stats, records = asyncio.run(tune())
     faulty = next(r for label, r in records.items() if "OFFSET=1099511627776" in label)
@@ -156,14 +156,14 @@ def test_benchmark_at_start_has_the_process_up_before_the_first_tuning():
     async def tune():
         config = aiocompile.SchedulerConfig(benchmark_at_start=True)
         async with aiocompile.Scheduler(workers=4, config=config) as sched:
-            pool = sched._tuning().pool()
+            pool = sched.port.tuner().pool()
             deadline = time.monotonic() + 180
             while pool.ready() != set(pool.devices) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             up = pool.processes()
             submitted = sched.statistics().submitted
             best = await sched.autotune(kernel, *gk.launch_args(a, b, c), grid=gk.grid)
-            return up, submitted, best, sched.statistics(), list(pool.starts), sched._tuning().last_profile
+            return up, submitted, best, sched.statistics(), list(pool.starts), sched.port.tuner().last_profile
 
     up, submitted, best, stats, starts, profile = asyncio.run(tune())
     assert set(up) == {torch.cuda.current_device()} and submitted == 0

@@ -16,6 +16,7 @@ from autotune_faults import inject
 from conftest import clear_inductor_caches
 
 import aiocompile
+from aiocompile._torch import install as torch_install
 
 torch = pytest.importorskip("torch")
 pytestmark = [
@@ -46,9 +47,8 @@ def mlp():
 
 
 def scheduler(**changes):
-    import aiocompile.torch as aiotorch
 
-    return aiocompile.Scheduler(config=aiotorch._own_config().with_changes(**changes))
+    return aiocompile.Scheduler(config=torch_install._own_config().with_changes(**changes))
 
 
 def compile_mlp(sched):

@@ -30,6 +30,7 @@ import pytest
 from conftest import ROOT, wait_until
 
 import aiocompile
+from aiocompile._torch import install as torch_install
 from aiocompile.backends import Request
 from aiocompile.backends.inductor import InductorSource, parse_source
 
@@ -223,10 +224,10 @@ def test_sync_requests_share_the_cache_and_are_recorded_once_each(tmp_path):
     sched = aiocompile.Scheduler(config=NO_PRELOAD)
     marker = tmp_path / "ran"
     try:
-        first = sched._execute_sync(python_request(jobs.mark_then_sleep, str(marker), 0.5, "v", key="k"), None)
-        second = sched._execute_sync(python_request(jobs.mark_then_sleep, str(marker), 0.5, "v", key="k"), None)
+        first = sched.port.execute_sync(python_request(jobs.mark_then_sleep, str(marker), 0.5, "v", key="k"), None)
+        second = sched.port.execute_sync(python_request(jobs.mark_then_sleep, str(marker), 0.5, "v", key="k"), None)
         assert first.result(timeout=60) == second.result(timeout=60) == "v"
-        third = sched._execute_sync(python_request(jobs.mark_then_sleep, str(marker), 0.5, "v", key="k"), None)
+        third = sched.port.execute_sync(python_request(jobs.mark_then_sleep, str(marker), 0.5, "v", key="k"), None)
         assert third.done() and third.result() == "v"
         assert len(marker.read_text().split()) == 1, "one job for three requests"
         assert wait_until(lambda: sched.statistics().in_flight == 0)
@@ -239,13 +240,13 @@ def test_sync_requests_share_the_cache_and_are_recorded_once_each(tmp_path):
 def test_sync_requests_survive_crashes_and_time_out():
     sched = aiocompile.Scheduler(config=NO_PRELOAD.with_changes(max_crashes=3))
     try:
-        crashed = sched._execute_sync(python_request(jobs.exit_now, 3), None)
-        hung = sched._execute_sync(python_request(jobs.hang), 0.5)
-        innocent = sched._execute_sync(python_request(jobs.echo, "fine"), None)
-        with pytest.raises(aiocompile.WorkerCrashedError) as crash:
+        crashed = sched.port.execute_sync(python_request(jobs.exit_now, 3), None)
+        hung = sched.port.execute_sync(python_request(jobs.hang), 0.5)
+        innocent = sched.port.execute_sync(python_request(jobs.echo, "fine"), None)
+        with pytest.raises(aiocompile.WorkerCrashed) as crash:
             crashed.result(timeout=60)
         assert crash.value.attempts == 3
-        with pytest.raises(aiocompile.CompileTimeout):
+        with pytest.raises(aiocompile.JobTimeout):
             hung.result(timeout=60)
         assert innocent.result(timeout=60) == "fine"
         assert wait_until(lambda: sched.statistics().in_flight == 0)
@@ -260,11 +261,11 @@ def test_cancelling_a_sync_request_drops_its_queued_job(tmp_path):
     sched = aiocompile.Scheduler(config=NO_PRELOAD.with_changes(workers=1))
     marker = tmp_path / "ran"
     try:
-        busy = sched._execute_sync(python_request(jobs.sleep_then, 0.5, "busy"), None)
-        queued = sched._execute_sync(python_request(jobs.mark_then_sleep, str(marker), 0), None)
+        busy = sched.port.execute_sync(python_request(jobs.sleep_then, 0.5, "busy"), None)
+        queued = sched.port.execute_sync(python_request(jobs.mark_then_sleep, str(marker), 0), None)
         assert queued.cancel()
         assert busy.result(timeout=60) == "busy"
-        assert sched._execute_sync(python_request(jobs.echo, "after"), None).result(timeout=60) == "after"
+        assert sched.port.execute_sync(python_request(jobs.echo, "after"), None).result(timeout=60) == "after"
         assert not marker.exists(), "a cancelled queued job must never run"
         assert wait_until(lambda: sched.statistics().in_flight == 0)
         assert outcomes(sched) == {"compiled": 2, "cancelled": 1}
@@ -276,12 +277,12 @@ def test_a_sync_request_that_cannot_be_sent_fails_at_once_and_is_recorded():
     sched = aiocompile.Scheduler(config=NO_PRELOAD)
     try:
         with pytest.raises(TypeError):
-            sched._execute_sync(python_request(jobs.echo, threading.Lock()), None)
+            sched.port.execute_sync(python_request(jobs.echo, threading.Lock()), None)
         assert outcomes(sched) == {"error": 1}
     finally:
         sched.close()
     with pytest.raises(aiocompile.SchedulerClosed):
-        sched._execute_sync(python_request(jobs.echo, 1), None)
+        sched.port.execute_sync(python_request(jobs.echo, 1), None)
 
 
 # -- install / uninstall --------------------------------------------------------------------------------
@@ -293,10 +294,10 @@ def async_compile():
 
     import aiocompile.torch as aiotorch
 
-    before = {name: AsyncCompile.__dict__.get(name) for name in aiotorch.PATCHED}
+    before = {name: AsyncCompile.__dict__.get(name) for name in torch_install.PATCHED}
     yield AsyncCompile
     aiotorch.uninstall()
-    assert {name: AsyncCompile.__dict__.get(name) for name in aiotorch.PATCHED} == before
+    assert {name: AsyncCompile.__dict__.get(name) for name in torch_install.PATCHED} == before
 
 
 def test_importing_the_drop_in_imports_no_torch():
@@ -309,17 +310,17 @@ def test_importing_the_drop_in_imports_no_torch():
 def test_install_replaces_and_uninstall_restores_exactly(async_compile):
     import aiocompile.torch as aiotorch
 
-    originals = {name: async_compile.__dict__[name] for name in aiotorch.PATCHED}
+    originals = {name: async_compile.__dict__[name] for name in torch_install.PATCHED}
     sched = aiocompile.Scheduler(config=NO_PRELOAD)
     try:
         assert not aiotorch.is_installed()
         assert aiotorch.install(sched) is sched and aiotorch.is_installed()
-        for name in aiotorch.PATCHED:
+        for name in torch_install.PATCHED:
             assert async_compile.__dict__[name] is not originals[name], name
         with pytest.raises(RuntimeError, match="already installed"):
             aiotorch.install(sched)
         assert aiotorch.uninstall() is True
-        for name in aiotorch.PATCHED:
+        for name in torch_install.PATCHED:
             assert async_compile.__dict__[name] is originals[name], name
         assert aiotorch.uninstall() is False
         # The context manager restores on the way out, exception or not.
@@ -327,7 +328,7 @@ def test_install_replaces_and_uninstall_restores_exactly(async_compile):
             assert got is sched and aiotorch.is_installed()
             raise KeyError("boom")
         assert not aiotorch.is_installed()
-        for name in aiotorch.PATCHED:
+        for name in torch_install.PATCHED:
             assert async_compile.__dict__[name] is originals[name], name
     finally:
         sched.close()
@@ -355,16 +356,17 @@ def test_install_without_a_scheduler_makes_one_whose_workers_start_with_torch(as
     Inductor's runtime loaded; uninstall() closes that scheduler."""
     import aiocompile.torch as aiotorch
 
-    monkeypatch.setattr(aiotorch, "_triton_kernels_possible", lambda: True)
+    monkeypatch.setattr(torch_install, "_triton_kernels_possible", lambda: True)
     sched = aiotorch.install(warm=False)
     try:
         assert isinstance(sched, aiocompile.Scheduler) and sched is not aiocompile.default_scheduler()
         assert sched.config.preload[-1] == aiotorch.PRELOAD
         request = python_request(jobs.loaded_modules, ["torch", "torch._inductor.codecache"])
-        loaded, blas_threads = sched._execute_sync(request, None).result(timeout=120)
+        loaded, blas_threads = sched.port.execute_sync(request, None).result(timeout=120)
         assert loaded == [True, True], "the worker was forked with torch imported"
         assert blas_threads == "1"
-        assert sched._pool._launcher.problems == [], "importing torch started no thread in the fork server"
+        launcher = sched.port._pool._supervisor._launcher
+        assert launcher.problems == [], "importing torch started no thread in the fork server"
     finally:
         aiotorch.uninstall()
     assert sched.closed
@@ -422,12 +424,12 @@ def test_install_for_a_cpu_build_of_torch_preloads_nothing(async_compile, monkey
     server imports neither torch nor Triton."""
     import aiocompile.torch as aiotorch
 
-    monkeypatch.setattr(aiotorch, "_triton_kernels_possible", lambda: False)
+    monkeypatch.setattr(torch_install, "_triton_kernels_possible", lambda: False)
     sched = aiotorch.install(warm=False)
     try:
         assert sched.config.preload == ()
         request = python_request(jobs.loaded_modules, ["torch", "triton"])
-        loaded, _ = sched._execute_sync(request, None).result(timeout=120)
+        loaded, _ = sched.port.execute_sync(request, None).result(timeout=120)
         assert loaded == [False, False]
     finally:
         aiotorch.uninstall()
@@ -437,19 +439,20 @@ FORK = """
 import json, os, sys
 sys.path.insert(0, sys.argv[1])
 import aiocompile.torch as aiotorch, jobs
+from aiocompile._torch import install as torch_install
 from aiocompile.backends import Request
 
 def echo(sched, value):
     request = Request(backend="python", key=None, name="echo", target=None, fn=jobs.echo, args=(value,),
                       finish=lambda x: x)
-    return sched._execute_sync(request, None).result(timeout=120)
+    return sched.port.execute_sync(request, None).result(timeout=120)
 
 parent = aiotorch.install(warm=False)
 assert echo(parent, "parent") == "parent"
 read, write = os.pipe()
 pid = os.fork()
 if pid == 0:
-    child = aiotorch._state.current.current_scheduler()
+    child = torch_install.STATE.current.current_scheduler()
     report = {"fresh": child is not parent and not child.closed, "echo": echo(child, "child"),
               "own_workers": not set(child.worker_pids()) & set(parent.worker_pids())}
     aiotorch.uninstall()
@@ -498,7 +501,7 @@ def test_uninstall_leaves_what_someone_else_put_there(async_compile):
         with pytest.warns(RuntimeWarning, match="wakeup"):
             aiotorch.uninstall()
         assert async_compile.__dict__["wakeup"] is theirs
-        assert async_compile.__dict__["triton"] is not aiotorch._REPLACEMENTS["triton"]
+        assert async_compile.__dict__["triton"] is not torch_install._REPLACEMENTS["triton"]
     finally:
         async_compile.wakeup = original
         sched.close()
@@ -534,10 +537,10 @@ def test_inductors_warm_up_hooks_start_every_worker_once_installed_warm(async_co
 
     import aiocompile.torch as aiotorch
 
-    monkeypatch.setattr(aiotorch, "_triton_kernels_possible", lambda: True)
+    monkeypatch.setattr(torch_install, "_triton_kernels_possible", lambda: True)
     from aiocompile.backends.inductor import _native_worker
 
-    monkeypatch.setattr(aiotorch, "_warm_up_function", lambda: _native_worker.ready)  # no torch to import
+    monkeypatch.setattr(torch_install, "_warm_up_function", lambda: _native_worker.ready)  # no torch to import
     sched = aiocompile.Scheduler(config=NO_PRELOAD)
     try:
         with aiotorch.installed(sched), config.patch(compile_threads=4):

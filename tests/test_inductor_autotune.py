@@ -18,6 +18,7 @@ from autotune_faults import inject
 from conftest import alive, clear_inductor_caches
 
 import aiocompile
+from aiocompile._torch import install as torch_install
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("torch._inductor.autotune_process")
@@ -142,7 +143,7 @@ def test_a_max_autotune_compile_starts_the_benchmark_process_at_its_start(fresh_
     sched = scheduler()
     try:
         with aiotorch.installed(sched):
-            installation = aiotorch._state.current
+            installation = torch_install.STATE.current
             assert installation is not None and installation.tuning is not None
             pool = installation.tuning.pool
             async_compile.AsyncCompile.wakeup()

@@ -294,7 +294,7 @@ def test_installs_own_scheduler_preloads_nothing_here_and_runs_at_the_programs_p
     """A CPU build of torch compiles no Triton kernel and its C++ builds need no torch in
     the worker: nothing to preload. Workers run at the program's priority, as Inductor's
     own compile threads do, unless the environment says otherwise."""
-    from aiocompile.torch import _own_config, _triton_kernels_possible
+    from aiocompile._torch.install import _own_config, _triton_kernels_possible
 
     assert not torch.version.cuda and not torch.version.hip, "a CPU build of torch"
     assert not _triton_kernels_possible()
@@ -319,7 +319,7 @@ def test_a_build_past_its_timeout_fails_as_compile_timeout_and_leaves_no_compile
         # Long enough for the compiler to start on a loaded machine; it then hangs for good.
         with aiotorch.installed(sched, timeout=5, warm=False), config.patch(compile_threads=2):
             future = AsyncCompile().cpp_pybinding(["const float*", "float*", "int64_t"], ADD_ONE % "8.0f")
-            with pytest.raises(aiocompile.CompileTimeout) as timed_out:
+            with pytest.raises(aiocompile.JobTimeout) as timed_out:
                 future.result()
         compiler = int((state / "stalled").read_text())
         assert wait_until(lambda: not alive([compiler])), "the compiler went with its worker"
@@ -356,10 +356,10 @@ def test_one_build_per_key_keyed_as_inductor_keys_it(fresh_inductor, tmp_path, m
 
     sched = torch_scheduler()
     try:
-        answers = [sched._execute_sync(request, 120) for request in (first, again)]
+        answers = [sched.port.execute_sync(request, 120) for request in (first, again)]
         built = [answer.result(timeout=120) for answer in answers]
         assert built[0] is built[1] and built[0].outputs[-1].endswith(".main.so")
-        assert sched._execute_sync(cpp_request(build), 120).result(timeout=120) is built[0]
+        assert sched.port.execute_sync(cpp_request(build), 120).result(timeout=120) is built[0]
         assert [r.outcome for r in sched.records()] == ["compiled", "joined", "cache_hit"]
     finally:
         sched.close()
@@ -382,7 +382,7 @@ def test_a_build_of_another_shape_runs_as_inductors_own_callable_in_a_worker(fre
     assert request.fn is _native_worker.build_native and request.args[0] is build
     sched = torch_scheduler()
     try:
-        built = sched._execute_sync(request, 120).result(timeout=120)
+        built = sched.port.execute_sync(request, 120).result(timeout=120)
         assert not built.cached and all(os.path.exists(path) for path in built.outputs)
         (record,) = sched.records()
         assert record.worker_pid not in (None, os.getpid()) and record.outcome == "compiled"

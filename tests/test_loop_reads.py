@@ -21,37 +21,36 @@ import pytest
 from jobs import big_result, echo, exit_now, pid, sleep_then
 
 import aiocompile
-from aiocompile import CompileTimeout, WorkerCrashedError
+from aiocompile import JobTimeout, WorkerCrashed
 from aiocompile._pool.loop_reads import LOOP_GRACE as _LOOP_GRACE
 from aiocompile._pool.pool import WorkerPool
+from aiocompile._pool.roster import Roster
 
 
 class Reads:
-    """Counts who read each answer: the loop (``_answered`` called from
-    ``LoopReads.on_readable`` with a whole answer), the supervisor (``_on_done``), or an
-    answers thread (``_read_stream``)."""
+    """Counts who read each answer: the loop (``Roster.answered`` called from
+    ``LoopReads.on_readable`` with a whole answer), the supervisor (``Roster.answered``
+    from its own read), or an answers thread (``Roster._read_stream``)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.loop = 0
         self.supervisor = 0
         self.streamed = 0
-        answered, on_done, read_stream = WorkerPool._answered, WorkerPool._on_done, WorkerPool._read_stream
+        answered, read_stream = Roster.answered, Roster._read_stream
 
-        def answer_in_loop(pool, worker, message, *, in_loop):
-            self.loop += in_loop and not message[7]  # a whole answer, not a header of one to stream
-            answered(pool, worker, message, in_loop=in_loop)
+        def count_answered(roster, worker, done, *, in_loop):
+            if in_loop:
+                self.loop += not done.follows  # a whole answer, not a header of one to stream
+            else:
+                self.supervisor += 1
+            return answered(roster, worker, done, in_loop=in_loop)
 
-        def supervisor_done(pool, worker, message):
-            self.supervisor += 1
-            on_done(pool, worker, message)
-
-        def streamed(pool, worker, message, fd):
+        def streamed(roster, worker, done, fd):
             self.streamed += 1
-            read_stream(pool, worker, message, fd)
+            read_stream(roster, worker, done, fd)
 
-        monkeypatch.setattr(WorkerPool, "_answered", answer_in_loop)
-        monkeypatch.setattr(WorkerPool, "_on_done", supervisor_done)
-        monkeypatch.setattr(WorkerPool, "_read_stream", streamed)
+        monkeypatch.setattr(Roster, "answered", count_answered)
+        monkeypatch.setattr(Roster, "_read_stream", streamed)
 
 
 def open_fds() -> int:
@@ -81,7 +80,7 @@ async def test_many_concurrent_runs_with_crashes_each_get_their_own_answer():
         async def one(i: int):
             try:
                 return await (sched.run(exit_now, 3) if i % 10 == 3 else sched.run(echo, i))
-            except WorkerCrashedError:
+            except WorkerCrashed:
                 return "crashed"
 
         results: dict[int, object] = {}
@@ -104,9 +103,9 @@ async def test_a_crash_and_a_timeout_go_back_to_the_supervisor_and_the_next_run_
     reads = Reads(monkeypatch)
     async with aiocompile.Scheduler(workers=1, max_crashes=1) as sched:
         first = await sched.run(pid)
-        with pytest.raises(WorkerCrashedError):
+        with pytest.raises(WorkerCrashed):
             await sched.run(exit_now, 7)
-        with pytest.raises(CompileTimeout):
+        with pytest.raises(JobTimeout):
             await sched.run(sleep_then, 30, timeout=0.5)
         second = await sched.run(pid)  # read by either: its worker may still be starting
         assert second != first  # two workers were lost and replaced
@@ -237,7 +236,7 @@ def test_runs_under_uvloop_are_read_in_the_loop(monkeypatch):
             before = reads.loop
             assert [await sched.run(echo, i) for i in range(20)] == list(range(20))
             assert reads.loop - before == 20
-            with pytest.raises(WorkerCrashedError):
+            with pytest.raises(WorkerCrashed):
                 await sched.run(exit_now, 9)
             assert await sched.run(echo, "after") == "after"
 

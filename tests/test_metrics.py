@@ -68,7 +68,7 @@ async def every_outcome(sched, other_sched_with_same_cache_dir):
     compiled = await sched.compile_triton(kernel, **scale_args())                # compiled
     await sched.compile_triton(kernel, **scale_args())                           # cache_hit
     # The file is written in the background, after the answer.
-    assert wait_until(lambda: sched._disk.path(compiled.key).exists())
+    assert wait_until(lambda: sched.port._disk.path(compiled.key).exists())
     await other_sched_with_same_cache_dir.compile_triton(kernel, **scale_args())  # disk_hit (there)
 
     async with anyio.create_task_group() as group:                               # compiled + joined
@@ -81,9 +81,9 @@ async def every_outcome(sched, other_sched_with_same_cache_dir):
     with pytest.raises(aiocompile.CompileError):                                 # error_hit
         await sched.compile_triton(type_error_kernel, signature={"x_ptr": "*fp32", "n": "i32"},
                                    constexprs={"BLOCK": 64}, target="cuda:80")
-    with pytest.raises(aiocompile.WorkerCrashedError):                           # crashed (2 deaths)
+    with pytest.raises(aiocompile.WorkerCrashed):                           # crashed (2 deaths)
         await sched.run(jobs.exit_now, 3)
-    with pytest.raises(aiocompile.CompileTimeout):                               # timeout
+    with pytest.raises(aiocompile.JobTimeout):                               # timeout
         await sched.run(jobs.hang, timeout=0.5)
     with anyio.move_on_after(0.3):                                               # cancelled
         await sched.run(jobs.sleep_then, 3.0)
@@ -147,9 +147,9 @@ async def test_every_request_ends_in_exactly_one_outcome(tmp_path):
     assert joined.run_time is None and joined.attempts == 0 and joined.worker_pid is not None
 
     crashed = by_outcome["crashed"][0]
-    assert crashed.attempts == 2 and crashed.error.startswith("WorkerCrashedError")
+    assert crashed.attempts == 2 and crashed.error.startswith("WorkerCrashed")
     timeout = by_outcome["timeout"][0]
-    assert timeout.attempts == 1 and timeout.run_time is None and timeout.error.startswith("CompileTimeout")
+    assert timeout.attempts == 1 and timeout.run_time is None and timeout.error.startswith("JobTimeout")
     assert by_outcome["error"][0].error.startswith("CompileError") and by_outcome["error"][0].run_time > 0
     assert by_outcome["error_hit"][0].attempts == 0
     assert by_outcome["closed"][0].error.startswith("SchedulerClosed")
@@ -331,7 +331,7 @@ async def test_metrics_off_keeps_exact_counts_and_nothing_else(tmp_path):
         kernel = fresh_kernel()
         await sched.compile_triton(kernel, **scale_args())
         await sched.compile_triton(kernel, **scale_args())
-        with pytest.raises(aiocompile.CompileTimeout):
+        with pytest.raises(aiocompile.JobTimeout):
             await sched.run(jobs.hang, timeout=0.3)
         stats = sched.statistics()
     assert sched.records() == [] and seen == []
@@ -410,8 +410,8 @@ async def test_wait_fills_a_scope_in_place_and_keeps_order():
 
         failing = [sched.run(jobs.echo, 1), sched.run(jobs.exit_now, 3)]
         results = await sched.wait(failing, return_exceptions=True)
-        assert results[0] == 1 and isinstance(results[1], aiocompile.WorkerCrashedError)
-        with pytest.raises(aiocompile.CompileTimeout):
+        assert results[0] == 1 and isinstance(results[1], aiocompile.WorkerCrashed)
+        with pytest.raises(aiocompile.JobTimeout):
             await sched.wait([sched.run(jobs.hang, timeout=0.3), sched.run(jobs.sleep_then, 0.1, 1)])
 
 
@@ -452,7 +452,7 @@ def _stand_in_tuning(sched, devices=1):
 
     from aiocompile._tuning.tuner import Tuner
 
-    sched._tuner = Tuner(sched, StandInTiming(devices))
+    sched.port._tuner = Tuner(sched.port, StandInTiming(devices))
     return sched
 
 
@@ -531,20 +531,24 @@ async def test_progress_covers_compiles_and_benchmarks(monkeypatch, stand_in_dri
     assert "tuning scale_base" in shown and "4/4" in shown  # two compiles, two benchmarks
 
 
-def test_a_record_made_in_a_hurry_is_the_record_its_constructor_makes():
-    from aiocompile._base.frozen import build
-    from aiocompile.records import JobRecord
+def test_a_record_s_outcome_is_an_enum_that_reads_and_writes_as_its_string():
+    import json
 
-    fields = dict(key="k", name="add", backend="triton", target="cuda:90", outcome="compiled", error=None,
+    from aiocompile.records import JobRecord, Outcome
+
+    fields = dict(key="k", name="add", backend="triton", target="cuda:90", outcome=Outcome.COMPILED, error=None,
                   queued_at=1.0, started_at=1.5, finished_at=2.0, queue_wait=0.5, run_time=0.4, load_time=0.01,
                   total_time=1.0, stages=(("ttir", 0.1),), compiler_cache_hit=False, attempts=1, worker_pid=7,
                   worker_rss=1 << 20, artifact_size=4096)
-    record = build(JobRecord, dict(fields))
-    assert record == JobRecord(**fields) and record.to_dict() == JobRecord(**fields).to_dict()
+    record = JobRecord(**fields)
     with pytest.raises(AttributeError):
-        record.outcome = "error"  # type: ignore[misc]  # still frozen
-    with pytest.raises(TypeError, match="every field"):
-        build(JobRecord, {k: v for k, v in fields.items() if k != "error"})
+        record.outcome = Outcome.ERROR  # type: ignore[misc]  # frozen
+    assert record.outcome == "compiled" and {"compiled": 1}[record.outcome] == 1
+    assert f"{record.outcome}" == str(record.outcome) == "compiled" and f"{record.outcome:>9}" == " compiled"
+    data = record.to_dict()
+    assert type(data["outcome"]) is str and json.loads(json.dumps(data))["outcome"] == "compiled"
+    assert [outcome for outcome in Outcome if outcome.failed] == [Outcome.ERROR, Outcome.CRASHED, Outcome.TIMEOUT,
+                                                                  Outcome.CLOSED]
 
 
 async def test_a_run_s_record_is_in_every_read_right_after_its_await(async_runner):
@@ -564,7 +568,7 @@ async def test_a_run_s_record_is_in_every_read_right_after_its_await(async_runne
         await sched.run(jobs.echo, 21)
         await anyio.sleep(0)
         await anyio.sleep(0)
-        assert len(sched._metrics.records) == 22  # made by the loop, unread
+        assert len(sched.port._metrics.records) == 22  # made by the loop, unread
         seen: list = []
         sched.subscribe(seen.append)
         await sched.run(jobs.echo, 22)
@@ -577,7 +581,7 @@ def test_records_left_for_a_drain_that_never_runs_do_not_pile_up():
     """A drain scheduled on a loop that stops before running it leaves the records
     waiting: past a bound they are made at once, each exactly once, and a read makes the
     rest."""
-    from aiocompile.records import Metrics
+    from aiocompile._observe.metrics import Metrics
 
     metrics, made = Metrics(), []
     scheduled = [metrics.later(functools.partial(made.append, i)) for i in range(200)]

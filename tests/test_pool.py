@@ -15,7 +15,7 @@ import pytest
 from conftest import ROOT, alive, child_pids, subprocess_env
 
 import aiocompile
-from aiocompile import WorkerCrashedError, WorkerPool
+from aiocompile import WorkerCrashed, WorkerPool
 
 START_METHODS = ["forkserver", "spawn", "fork"]
 
@@ -94,7 +94,7 @@ def test_bad_results_and_exceptions_come_back_as_clear_errors():
     with WorkerPool(1, preload=()) as pool:
         with pytest.raises(TypeError, match="could not be pickled"):
             pool.submit(_returns_a_lambda).result(timeout=60)
-        with pytest.raises(aiocompile.CompileError, match="UnpicklableError.*could not be pickled"):
+        with pytest.raises(aiocompile.JobError, match="UnpicklableError.*could not be pickled"):
             pool.submit(_raises_unpicklable).result(timeout=60)
         with pytest.raises(RuntimeError, match="SystemExit"):
             pool.submit(sys.exit, 3).result(timeout=60)
@@ -127,7 +127,7 @@ def test_a_crash_costs_only_the_crashing_job(job, args, exitcode):
     with WorkerPool(2, preload=(), max_crashes=2) as pool:
         innocent = [pool.submit(jobs.sleep_then, 0.3, i) for i in range(2)]
         poison = pool.submit_job(job, args, name="poison", key="k1")
-        with pytest.raises(aiocompile.WorkerCrashedError) as info:
+        with pytest.raises(aiocompile.WorkerCrashed) as info:
             poison.future.result(timeout=60)
         assert [f.result(timeout=60) for f in innocent] == [0, 1]
         error = info.value
@@ -140,7 +140,7 @@ def test_a_crash_costs_only_the_crashing_job(job, args, exitcode):
 
 def test_the_tail_of_what_a_dying_worker_printed_is_kept():
     with WorkerPool(1, preload=(), max_crashes=1) as pool:
-        with pytest.raises(aiocompile.WorkerCrashedError) as info:
+        with pytest.raises(aiocompile.WorkerCrashed) as info:
             pool.submit(jobs.print_then_exit, "last words of the job", 9).result(timeout=60)
     assert "last words of the job" in info.value.output
     assert "native write before death" in info.value.output
@@ -153,7 +153,7 @@ def test_a_timeout_kills_only_that_job_s_worker():
         other = pool.submit(jobs.sleep_then, 1.0, "other")
         assert pool.submit(jobs.pid).result(timeout=60)
         started = time.monotonic()
-        with pytest.raises(aiocompile.CompileTimeout) as info:
+        with pytest.raises(aiocompile.JobTimeout) as info:
             slow.future.result(timeout=60)
         assert time.monotonic() - started < 5
         assert isinstance(info.value, TimeoutError) and info.value.timeout == 0.5
@@ -280,7 +280,7 @@ def test_jobs_submitted_from_many_threads_at_once_each_run_once_amid_crashes():
             thread.join()
         for (thread, i), future in results.items():
             if i % 25 == 24:
-                with pytest.raises(WorkerCrashedError):
+                with pytest.raises(WorkerCrashed):
                     future.result(timeout=120)
             else:
                 assert future.result(timeout=120) == (thread, i)

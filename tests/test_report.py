@@ -45,7 +45,7 @@ async def record_a_run(path):
     finally:
         await sched.aclose()  # writes the rest of the event log
     kinds = [type(result).__name__ for result in results]
-    assert kinds == ["TritonKernel", "TritonKernel", "CompileError", "WorkerCrashedError", "CompileTimeout", "str",
+    assert kinds == ["TritonKernel", "TritonKernel", "CompileError", "WorkerCrashed", "JobTimeout", "str",
                      "TritonKernel"], results
 
 

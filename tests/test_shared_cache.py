@@ -277,9 +277,9 @@ async def test_a_fresh_machine_starts_with_the_fleets_compile_times(server, tmp_
     # Another, with an empty cache directory, knows them before compiling anything.
     fresh = aiocompile.Scheduler(workers=1, cache_url=server.url, cache_dir=tmp_path / "second")
     try:
-        await anyio.to_thread.run_sync(fresh._costs.load)
+        await anyio.to_thread.run_sync(fresh.port.costs.load)
         for kernel in built:
-            assert fresh._costs.estimate(kernel.key, kernel.name, "triton", "cuda:80") == \
+            assert fresh.port.costs.estimate(kernel.key, kernel.name, "triton", "cuda:80") == \
                 pytest.approx(measured[kernel.key])
     finally:
         await fresh.aclose()

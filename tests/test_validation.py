@@ -442,7 +442,7 @@ async def test_durations_at_their_smallest_work():
             while sched.statistics().workers_idle_stopped < 1:
                 await anyio.sleep(0.01)
             assert await sched.run(abs, -2) == 2  # on a new worker
-            with pytest.raises(aiocompile.CompileTimeout):
+            with pytest.raises(aiocompile.JobTimeout):
                 await sched.run(time.sleep, 30, timeout=1e-9)
             assert await sched.run(abs, -3) == 3
         stats = sched.statistics()

@@ -12,11 +12,11 @@ from multiprocessing.connection import Connection
 import pytest
 from jobs import echo, pid, sleep_then
 
-from aiocompile import WorkerPool
-from aiocompile._pool.child import _Inbox
-from aiocompile._pool.handle import TRANSITIONS, UNDELIVERED, InvalidTransition, State, Worker
-from aiocompile._pool.job import Job
+from aiocompile._pool.handle import TRANSITIONS, Death, InvalidTransition, Retire, State, Worker
+from aiocompile._pool.job import Job, Stop
 from aiocompile._pool.launch import WorkerProcess
+from aiocompile._pool.protocol import Inbox
+from aiocompile.lowlevel import WorkerPool
 
 
 def new_worker(state: State = State.STARTING) -> Worker:
@@ -62,27 +62,27 @@ def test_an_answer_from_a_worker_grown_too_big_retires_it():
     worker = new_worker(State.IDLE)
     worker.claim(new_job())
     worker.answered(outgrown=True)
-    assert (worker.state, worker.retire_reason, worker.job) == (State.RETIRING, "recycled", None)
+    assert (worker.state, worker.retire_reason, worker.job) == (State.RETIRING, Retire.RECYCLED, None)
 
 
 def test_a_kill_is_addressed_to_the_job_the_worker_holds():
     worker, job = new_worker(State.IDLE), new_job(1)
     worker.claim(job)
-    assert not worker.kill(new_job(2), "timeout")  # another job: nothing to send
+    assert not worker.kill(new_job(2), Stop.TIMEOUT)  # another job: nothing to send
     assert worker.state is State.BUSY
-    assert worker.kill(job, "timeout")
-    assert (worker.state, worker.kill_reason, worker.job) == (State.KILLING, "timeout", job)
-    assert not worker.kill(job, "cancelled")  # on its way already: sent once
-    assert worker.kill_reason == "timeout"
+    assert worker.kill(job, Stop.TIMEOUT)
+    assert (worker.state, worker.stop, worker.job) == (State.KILLING, Stop.TIMEOUT, job)
+    assert not worker.kill(job, Stop.CANCELLED)  # on its way already: sent once
+    assert worker.stop is Stop.TIMEOUT
 
 
 def test_a_worker_being_killed_never_becomes_idle_even_when_its_job_answers_first():
     worker, job = new_worker(State.IDLE), new_job()
     worker.claim(job)
-    worker.kill(job, "timeout")
+    worker.kill(job, Stop.TIMEOUT)
     for outgrown in (False, True):
         worker.answered(outgrown=outgrown)
-        assert (worker.state, worker.job, worker.kill_reason) == (State.KILLING, None, "timeout")
+        assert (worker.state, worker.job, worker.stop) == (State.KILLING, None, Stop.TIMEOUT)
     assert not worker.idle
     with pytest.raises(InvalidTransition):
         worker.claim(new_job(2))
@@ -90,30 +90,30 @@ def test_a_worker_being_killed_never_becomes_idle_even_when_its_job_answers_firs
 
 def test_an_idle_worker_is_never_killed_for_a_job():
     worker = new_worker(State.IDLE)
-    assert not worker.kill(new_job(), "timeout")
+    assert not worker.kill(new_job(), Stop.TIMEOUT)
     assert worker.state is State.IDLE
 
 
 def test_retiring_takes_an_idle_worker_only():
     worker = new_worker(State.IDLE)
-    worker.retire("idle")
-    assert (worker.state, worker.retire_reason) == (State.RETIRING, "idle")
+    worker.retire(Retire.IDLE)
+    assert (worker.state, worker.retire_reason) == (State.RETIRING, Retire.IDLE)
     busy = new_worker(State.IDLE)
     busy.claim(new_job())
     with pytest.raises(InvalidTransition):
-        busy.retire("idle")
+        busy.retire(Retire.IDLE)
 
 
 @pytest.mark.parametrize("state", [s for s in State if s is not State.GONE])
 def test_a_worker_ends_from_any_state_saying_what_it_held(state):
     worker, job = new_worker(state), new_job()
     if state in (State.BUSY, State.KILLING):
-        worker.job, worker.kill_reason = job, ("timeout" if state is State.KILLING else None)
-    before, held, reason = worker.ended()
+        worker.job, worker.stop = job, (Stop.TIMEOUT if state is State.KILLING else None)
+    death = worker.ended()
     assert worker.state is State.GONE and worker.job is None
-    assert before is state
-    assert held is (job if state in (State.BUSY, State.KILLING) else None)
-    assert reason == ("timeout" if state is State.KILLING else None)
+    assert death.state is state
+    assert death.job is (job if state in (State.BUSY, State.KILLING) else None)
+    assert death.stop is (Stop.TIMEOUT if state is State.KILLING else None)
 
 
 def test_every_other_transition_is_refused():
@@ -131,8 +131,8 @@ def test_every_other_transition_is_refused():
 def test_an_undelivered_job_is_a_kill_of_its_own_kind():
     worker, job = new_worker(State.IDLE), new_job()
     worker.claim(job)
-    assert worker.kill(job, UNDELIVERED)
-    assert worker.ended() == (State.KILLING, job, UNDELIVERED)
+    assert worker.kill(job, Stop.UNDELIVERED)
+    assert worker.ended() == Death(State.KILLING, job, Stop.UNDELIVERED)
 
 
 # -- in the pool ---------------------------------------------------------------------------
@@ -144,7 +144,7 @@ def test_a_kill_that_lands_after_its_job_answered_costs_the_next_job_nothing():
     meanwhile: that job would be killed and charged a crash (with max_crashes=1, failed)."""
     with WorkerPool(1, preload=(), max_crashes=1) as pool:
         victim = pool.submit(pid).result(timeout=60)
-        launcher = pool._launcher
+        launcher = pool._supervisor._launcher
         real_kill = launcher.kill
         killed = threading.Event()
         answered = threading.Event()
@@ -184,7 +184,7 @@ def test_jobs_ending_right_at_their_timeouts_never_charge_an_innocent():
             try:
                 job.future.result(timeout=120)
                 outcomes["ok"] += 1
-            except cf.TimeoutError:  # CompileTimeout is one
+            except cf.TimeoutError:  # JobTimeout is one
                 outcomes["timeout"] += 1
         assert sum(outcomes.values()) == 300
         assert pool.counters.worker_crashes == 0
@@ -195,7 +195,7 @@ def test_a_wake_up_written_while_the_supervisor_drains_its_pipe_is_never_lost(mo
     empty. The supervisor must still hear every later wake-up: here, shutdown's."""
     import os
 
-    from aiocompile._pool import pool as _pool
+    from aiocompile._pool import supervisor as _supervisor
 
     with WorkerPool(1, preload=()) as pool:
         assert pool.submit(echo, 0).result(timeout=60) == 0
@@ -203,15 +203,15 @@ def test_a_wake_up_written_while_the_supervisor_drains_its_pipe_is_never_lost(mo
         raced = threading.Event()
 
         def read(fd, size):
-            if fd == pool._wake_r and not raced.is_set():
+            if fd == pool._supervisor._wake_r and not raced.is_set():
                 raced.set()
-                pool._wake()  # another thread's wake-up, landing just as the pipe is read
+                pool._supervisor.wake()  # another thread's wake-up, landing just as the pipe is read
             return real_read(fd, size)
 
-        monkeypatch.setattr(_pool.os, "read", read)
-        pool._wake()
+        monkeypatch.setattr(_supervisor.os, "read", read)
+        pool._supervisor.wake()
         assert raced.wait(30)
-        monkeypatch.setattr(_pool.os, "read", real_read)
+        monkeypatch.setattr(_supervisor.os, "read", real_read)
         closer = threading.Thread(target=pool.shutdown, daemon=True)
         closer.start()
         closer.join(30)
@@ -224,7 +224,7 @@ def test_a_wake_up_written_while_the_supervisor_drains_its_pipe_is_never_lost(mo
 def test_the_worker_reads_messages_whole_however_they_arrive_and_stops_at_the_parents_end():
     parent, child = socket.socketpair()
     sender = Connection(os.dup(parent.fileno()))
-    inbox = _Inbox(child.fileno())
+    inbox = Inbox(child.fileno())
     # Two messages in one go: the second is kept for the next receive, not lost.
     sender.send_bytes(b"first")
     sender.send_bytes(b"second")
@@ -244,9 +244,9 @@ def test_the_worker_reads_messages_whole_however_they_arrive_and_stops_at_the_pa
 
 
 def test_a_worker_measures_its_memory_after_a_millisecond_of_jobs_not_after_each_trivial_one():
-    from aiocompile._pool.child import _JobState
+    from aiocompile._pool.child import JobState
 
-    state = _JobState()
+    state = JobState()
     measured: list[int] = []
     state.rss = lambda: (measured.append(1), 1000 * len(measured))[1]  # type: ignore[method-assign]
     assert state.rss_after(0.00001) == 1000  # the first job's is measured

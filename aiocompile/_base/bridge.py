@@ -61,7 +61,7 @@ class Once:
     holds what holds the future (a job, its cache entry) would make them a reference cycle,
     freed only by the garbage collector's next full pass: a burst of thousands of requests
     left tens of thousands of objects for it, and the pass that freed them held every
-    event loop of the process for tens of milliseconds."""
+    event loop of the process meanwhile."""
 
     __slots__ = ("_fn", "_args")
 

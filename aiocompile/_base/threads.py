@@ -5,9 +5,9 @@ Why not ``anyio.to_thread.run_sync`` for each call: it starts a new thread whene
 is idle, so thirty-two requests arriving together start thirty-two threads from the event
 loop's thread. ``Thread.start()`` waits until the new thread has run, and for that the
 new thread needs the GIL, which a busy thread (hashing a kernel source, building a
-launcher) gives up only every switch interval (5 ms). The loop sat through those waits
-one after the other: 25 to 45 ms in a row on 2 CPUs. A lane is a few long-lived threads,
-started once per process; work waits in its queue instead.
+launcher) gives up only at the interpreter's switch interval. The loop sat through those
+waits one after the other, one per request of the burst. A lane is a few long-lived
+threads, started once per process; work waits in its queue instead.
 
 A lane's executor belongs to the process that made it: after ``fork()`` the child gets a
 fresh one (the parent's threads do not exist there, but its executor would believe they
@@ -79,7 +79,7 @@ LOADS = Lane("aiocompile-load", min(4, os.cpu_count() or 1))
 
 def preload_async_backend(library: str) -> None:
     """Import, in a lane's thread, the parts of anyio that its first use would otherwise
-    import in the event loop's thread (25 ms and more there, all holding the loop)."""
+    import in the event loop's thread, holding the loop for as long as the imports take."""
 
     def imports() -> None:
         import importlib

@@ -1,4 +1,4 @@
-"""The CompiledTritonKernels cache: results by key, in memory, with single-flight entries.
+"""The memory cache: results by key, in memory, with single-flight entries.
 
 Concurrent requests for one key share one :class:`Entry`, and so one job (or one read of
 the disk cache); later requests are answered from the results. An entry leaves the
@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import enum
 import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from aiocompile._pool.job import Job
+from aiocompile.records import Outcome
 
 
 @dataclass(eq=False)
@@ -36,10 +38,29 @@ class Entry:
     job: Job | None = None
     waiters: int = 1
     load_time: float | None = None
-    source: str = "job"
-    """Where the result came from: "job" (a worker made it), "disk" or "shared"."""
+    source: Outcome = Outcome.COMPILED
+    """Where the result came from: a worker (``COMPILED``), ``DISK_HIT`` or ``SHARED_HIT``."""
     details: Mapping[str, Any] | None = None
     """What the backend read from the worker's answer for the record (stage times)."""
+
+
+class Found(enum.Enum):
+    """What the cache made of a request (``KernelCache.join_or_start``)."""
+
+    HIT = "hit"
+    """Its result, at once."""
+    ERROR = "error"
+    """A compile error remembered for its key, at once."""
+    JOINED = "joined"
+    """The entry of the work already under way for its key."""
+    STARTED = "started"
+    """A new entry, its work started."""
+
+
+class Lookup(NamedTuple):
+    how: Found
+    value: Any
+    """The result (``HIT``), the exception (``ERROR``) or the :class:`Entry`."""
 
 
 class KernelCache:
@@ -70,9 +91,8 @@ class KernelCache:
                 return True, self._results[key][0]
         return False, None
 
-    def join_or_start(self, key: str | None, start: Callable[[Entry], None]) -> tuple[str, Any]:
-        """("hit", result), ("error", remembered exception), ("joined", entry) or
-        ("started", entry).
+    def join_or_start(self, key: str | None, start: Callable[[Entry], None]) -> Lookup:
+        """The result, a remembered error, the entry under way, or a new entry started.
 
         ``start(entry)`` submits the work; it runs outside the lock and, if it raises, the
         entry is withdrawn (any request that joined it in between gets the same error).
@@ -80,21 +100,21 @@ class KernelCache:
         if key is None:
             entry = Entry(None)
             start(entry)
-            return "started", entry
+            return Lookup(Found.STARTED, entry)
         with self._lock:
             found = self._results.get(key)
             if found is not None:
                 self._results.move_to_end(key)
-                return "hit", found[0]
+                return Lookup(Found.HIT, found[0])
             remembered = self._errors.get(key)
             if remembered is not None:
                 if remembered[1] > time.monotonic():
-                    return "error", remembered[0]
+                    return Lookup(Found.ERROR, remembered[0])
                 del self._errors[key]
             shared = self._in_flight.get(key)
             if shared is not None:
                 shared.waiters += 1
-                return "joined", shared
+                return Lookup(Found.JOINED, shared)
             entry = self._in_flight[key] = Entry(key)
         try:
             start(entry)
@@ -103,7 +123,7 @@ class KernelCache:
             if not entry.future.done():
                 entry.future.set_exception(exc)
             raise
-        return "started", entry
+        return Lookup(Found.STARTED, entry)
 
     def leave(self, entry: Entry, stop: Callable[[Entry], bool] | None = None) -> int:
         """A request stops waiting; returns how many still wait.

@@ -3,7 +3,8 @@
 Admitting a request (checking it, pickling its job, handing it to the pool) costs tens of
 microseconds in the event loop's thread. Two thousand requests arriving together, say
 ``gather`` over two thousand ``run()`` calls, would all be admitted in one iteration of the
-loop: it was held for over 100 ms, every timer and socket of the application waiting.
+loop: the loop would be held for the whole burst, every timer and socket of the
+application waiting.
 
 A :class:`Gate` per event loop lets requests through for at most ``budget`` seconds of one
 iteration, counted from the first admission in it. Requests past that wait, first come
@@ -29,11 +30,9 @@ import sys
 import time
 from typing import Any, Callable
 
-# Long enough to admit dozens of requests (tens of microseconds each) at once, short
-# enough that the application's timers run about a millisecond late at most. Measured on
-# 2 CPUs with 2,000 requests at once: 1 ms slices kept every tick of a 1 ms ticker within
-# 15-17 ms (the caller's own gather() took 5.5 of those), 4 ms slices 26-34 ms, at the same
-# wall time for the burst.
+# Long enough to admit dozens of requests at once, short enough that the application's
+# timers run about a millisecond late at most; a longer slice lengthens a burst's longest
+# tick at the same wall time for the burst (docs/benchmarks.md, bench_loop_lag.py).
 BUDGET = 0.001
 _MAX_BATCH = 4096
 

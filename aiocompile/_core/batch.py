@@ -20,13 +20,13 @@ from aiocompile._core.costs import longest_first
 from aiocompile.backends import Request
 
 if TYPE_CHECKING:
-    from aiocompile._core.scheduler import Scheduler
+    from aiocompile._core.engine import Engine
 
 __all__ = ["compile_batch"]
 
 
 async def compile_batch(
-    sched: Scheduler,
+    engine: Engine,
     specs: Iterable[Mapping[str, Any]],
     *,
     progress: bool,
@@ -37,7 +37,7 @@ async def compile_batch(
     kinds = [checks.SPEC_KIND.check(f"kind of spec #{index}", spec.pop("kind", "triton"))
              for index, spec in enumerate(spec_list)]
     for index, (kind, spec) in enumerate(zip(kinds, spec_list)):
-        for needed in sched._backends[kind].needs:
+        for needed in engine.backend(kind).needs:
             if needed not in spec:
                 raise TypeError(f"spec #{index} has no {needed!r}")
     results: list[Any] = [None] * len(spec_list)
@@ -45,10 +45,10 @@ async def compile_batch(
     timeouts: list[float | None] = [spec.pop("timeout", None) for spec in spec_list]
     for index, timeout in enumerate(timeouts):
         checks.CALL_TIMEOUT.check(f"timeout of spec #{index}", timeout)
-    labels = [str(spec.pop("label", None) or sched._backends[kind].label(spec))
+    labels = [str(spec.pop("label", None) or engine.backend(kind).label(spec))
               for kind, spec in zip(kinds, spec_list)]
     first_error: list[BaseException] = []
-    bar = sched._progress(len(spec_list), progress)
+    bar = engine.progress(len(spec_list), progress)
 
     def failed(index: int, exc: Exception, scope: anyio.CancelScope) -> None:
         bar.finished(labels[index], ok=False)
@@ -60,26 +60,26 @@ async def compile_batch(
 
     async def execute(index: int, request: Request, admitted: Any, scope: anyio.CancelScope) -> None:
         try:
-            results[index] = await sched._requests.result(request, admitted)
+            results[index] = await engine.result(request, admitted)
         except Exception as exc:
             failed(index, exc, scope)
             return
         bar.finished(labels[index], ok=True)
 
     try:
-        await threads.LOADS.run(sched._costs.load)
+        await threads.LOADS.run(engine.costs.load)
         # First every key (checked arguments, then each backend's key: one trip to the key
         # thread per kind, in order), so that the compiles can start longest first: a batch
         # ends when its last compile does, and a long one started last runs alone at the end.
         unstarted = anyio.CancelScope()  # nothing has started yet for a failure to cancel
-        for index, prepared in enumerate(await _prepare(sched, kinds, spec_list)):
+        for index, prepared in enumerate(await _prepare(engine, kinds, spec_list)):
             if isinstance(prepared, Exception):
                 failed(index, prepared, unstarted)
             else:
                 requests[index] = prepared
         if not first_error:
             ready = [(index, request) for index, request in enumerate(requests) if request is not None]
-            estimates = [sched._costs.estimate(r.key, r.name, r.backend, r.target, r.features) for _, r in ready]
+            estimates = [engine.costs.estimate(r.key, r.name, r.backend, r.target, r.features) for _, r in ready]
             async with anyio.create_task_group() as group:
                 # Admitted here, in this order, and not by the tasks: the pool's queue is
                 # first come first served, while the order in which new tasks take their
@@ -91,7 +91,7 @@ async def compile_batch(
                         await anyio.lowlevel.checkpoint()
                     index, request = ready[position]
                     try:
-                        admitted = sched._requests.admit(request, timeouts[index])
+                        admitted = engine.admit(request, timeouts[index])
                     except Exception as exc:
                         failed(index, exc, group.cancel_scope)
                         if first_error:
@@ -100,18 +100,18 @@ async def compile_batch(
                     group.start_soon(execute, index, request, admitted, group.cancel_scope)
     finally:
         bar.close()
-        threads.LOADS.submit(sched._costs.save)
+        threads.LOADS.submit(engine.costs.save)
     if first_error:
         raise first_error[0]
     return results
 
 
-async def _prepare(sched: Scheduler, kinds: list[str], specs: list[dict[str, Any]]) -> list[Request | Exception]:
+async def _prepare(engine: Engine, kinds: list[str], specs: list[dict[str, Any]]) -> list[Request | Exception]:
     """Each spec's request (or its exception), in order: one batch per kind."""
     prepared: list[Request | Exception] = [TypeError("not prepared")] * len(specs)
     for kind in dict.fromkeys(kinds):
         indices = [index for index, k in enumerate(kinds) if k == kind]
-        batch = await sched._backends[kind].prepare_specs(sched._context, [specs[i] for i in indices])
+        batch = await engine.backend(kind).prepare_specs(engine, [specs[i] for i in indices])
         for index, request in zip(indices, batch):
             prepared[index] = request
     return prepared

@@ -107,7 +107,7 @@ class SchedulerConfig:
     timeout: float | None = None
     """Default per-job timeout in seconds, counted from when a worker starts the job."""
     max_crashes: int = 2
-    """A job that kills this many workers fails with ``WorkerCrashedError``."""
+    """A job that kills this many workers fails with ``WorkerCrashed``."""
     start_method: str | None = None
     """'forkserver', 'spawn' or 'fork'; None picks forkserver where it works."""
     preload: tuple[str, ...] = (TRITON_PRELOAD,)

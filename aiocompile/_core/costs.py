@@ -70,11 +70,11 @@ _CENTRE = {"source": 10.0, "tile": 10.0, "warps": 2.0}
 _DOT_CENTRE = {"tile": 17.0, "warps": 2.0, "stages": 3.0}
 
 PRIORS: dict[str, tuple[float, ...]] = {
-    # log(seconds), fitted to serial compiles of the benchmark kernels (vector adds,
-    # softmaxes, layer norms and matmuls in 128 tile, dtype and warp configurations, on a
-    # 2-CPU machine) and rounded: the reference kernel 0.25 s, x1.26 per doubling of the
-    # source; a matmul x1.56 per doubling of its tile (BLOCK_M * BLOCK_N * BLOCK_K), /1.5
-    # per doubling of its warps.
+    # log(seconds) per unit of each term, fitted once to serial compiles of the benchmark
+    # kernel sets (benchmarks/_kernel_set.py: vector adds, softmaxes, layer norms and
+    # matmuls in many tile, dtype and warp configurations) and rounded; refitted toward
+    # this machine's own compiles after each one (PRIOR_WEIGHTS). CostHistory.model()
+    # shows the values in use.
     "triton": (-1.4, 0.33, 0.19, -0.21, -0.58, 0.26, -0.43, -0.05),
 }
 DEFAULT_PRIOR = (-1.4, 0.33, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
@@ -93,12 +93,6 @@ def terms(features: Features) -> list[float]:
     return [1.0, source - 10.0, tile - 10.0, warps - 2.0, dot,
             dot * (tile - _DOT_CENTRE["tile"]), dot * (warps - _DOT_CENTRE["warps"]),
             dot * (float(get("stages", _DOT_CENTRE["stages"])) - _DOT_CENTRE["stages"])]
-
-
-def source_features(source: str) -> tuple[tuple[str, float], ...]:
-    """The features of a compile known by its source alone (C++, CUDA, an Inductor
-    kernel's module): log2 of the source's size in bytes, the model's ``source`` term."""
-    return (("source", math.log2(max(len(source.encode("utf-8", errors="surrogatepass")), 1))),)
 
 
 class _Sums:

@@ -32,7 +32,7 @@ class _DefaultScheduler:
         with self._lock:
             if self._scheduler is None or self._scheduler.closed:
                 self._scheduler = Scheduler(config=SchedulerConfig.from_env())
-                self._scheduler._start_benchmark_if_asked()
+                self._scheduler.port.start_benchmark_if_asked()
             return self._scheduler
 
 

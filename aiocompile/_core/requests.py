@@ -20,24 +20,44 @@ import asyncio
 import concurrent.futures as cf
 import functools
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import anyio
 
 from aiocompile._base import bridge
-from aiocompile._base.frozen import build
 from aiocompile._cache.disk import DiskCache
-from aiocompile._cache.memory import Entry, KernelCache
+from aiocompile._cache.memory import Entry, Found, KernelCache
 from aiocompile._cache.shared import SharedCache
 from aiocompile._core.config import SchedulerConfig
 from aiocompile._core.costs import CostHistory
 from aiocompile._foreign.pool import ForeignPool
 from aiocompile._observe.events import EventHub
+from aiocompile._observe.metrics import Metrics
 from aiocompile._pool.job import Job
 from aiocompile._pool.pool import WorkerPool, check_timeout
 from aiocompile.backends import Request
-from aiocompile.errors import CompileError, CompileTimeout, SchedulerClosed, WorkerCrashedError
-from aiocompile.records import JobRecord, Metrics
+from aiocompile.errors import CompileError, JobTimeout, SchedulerClosed, WorkerCrashed
+from aiocompile.records import JobRecord, Outcome
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """What ``Requests.admit`` made of a request, for ``Requests.result``."""
+
+    how: Found
+    value: Any
+    """The result (``HIT``), the remembered exception (``ERROR``), or the :class:`Entry`
+    the request waits on (``JOINED``, ``STARTED``)."""
+    wall: float
+    """When it arrived, by the wall clock (its record's ``queued_at``)."""
+    arrived: float
+    """When it arrived, by the monotonic clock."""
+
+    @property
+    def waits(self) -> bool:
+        """It waits for a job (its own or another's), rather than being answered at once."""
+        return self.how is Found.STARTED or self.how is Found.JOINED
 
 
 class Requests:
@@ -66,11 +86,11 @@ class Requests:
         self._costs = costs
         self._check_open = check_open
 
-    def admit(self, request: Request, timeout: float | None) -> tuple[str, Any, float, float]:
+    def admit(self, request: Request, timeout: float | None) -> Admitted:
         """Count a request, then answer it from the cache, join it to the job under way, or
-        start one: ``(how, found, wall, arrived)`` as ``KernelCache.join_or_start`` says,
-        with the arrival times. A hit, a remembered error and a failure to start are
-        recorded here; the other requests are recorded when their job ends."""
+        start one, as ``KernelCache.join_or_start`` says. A hit, a remembered error and a
+        failure to start are recorded here; the other requests are recorded when their job
+        ends."""
         self._check_open()
         check_timeout(timeout)
         arrived, wall = time.monotonic(), time.time()
@@ -84,25 +104,25 @@ class Requests:
                 # the result from one to the other, were a tenth of a trivial job's round
                 # trip).
                 job = self._submit_job(request, timeout)
-                return "started", Entry(None, future=job.future, job=job), wall, arrived
+                return Admitted(Found.STARTED, Entry(None, future=job.future, job=job), wall, arrived)
             how, found = self._cache.join_or_start(request.key, lambda entry: self._start(entry, request, timeout))
         except BaseException as exc:
             self._record(request, _failure_outcome(exc), wall, arrived, None, error=exc)
             raise
-        if how == "hit":
-            self._record(request, "cache_hit", wall, arrived, None, result=found)
-        elif how == "error":
-            self._record(request, "error_hit", wall, arrived, None, error=found)
-        return how, found, wall, arrived
+        if how is Found.HIT:
+            self._record(request, Outcome.CACHE_HIT, wall, arrived, None, result=found)
+        elif how is Found.ERROR:
+            self._record(request, Outcome.ERROR_HIT, wall, arrived, None, error=found)
+        return Admitted(how, found, wall, arrived)
 
-    async def result(self, request: Request, admitted: tuple[str, Any, float, float]) -> Any:
+    async def result(self, request: Request, admitted: Admitted) -> Any:
         """The result of a request ``admit`` let in. Its first await is inside the
         bookkeeping below, so a caller that admits and then starts a task for this (under
         anyio, whose tasks always run to their first checkpoint) loses no request."""
-        how, found, wall, arrived = admitted
-        if how == "hit":
+        how, found, wall, arrived = admitted.how, admitted.value, admitted.wall, admitted.arrived
+        if how is Found.HIT:
             return found
-        if how == "error":
+        if how is Found.ERROR:
             raise found.with_traceback(None)
         entry: Entry = found
         try:
@@ -110,10 +130,10 @@ class Requests:
         except BaseException as exc:
             if isinstance(exc, anyio.get_cancelled_exc_class()):
                 self._cache.leave(entry, self._stop_abandoned)
-                self._record(request, "cancelled", wall, arrived, entry)
+                self._record(request, Outcome.CANCELLED, wall, arrived, entry)
             else:
                 self._cache.leave(entry)
-                outcome = _failure_outcome(exc) if how == "started" else "joined"
+                outcome = _failure_outcome(exc) if how is Found.STARTED else Outcome.JOINED
                 self._record(request, outcome, wall, arrived, entry, error=exc)
             raise
         self._cache.leave(entry)
@@ -122,7 +142,7 @@ class Requests:
             self._record(request, outcome, wall, arrived, entry, result=result)
         return result
 
-    def _record_later(self, request: Request, outcome: str, wall: float, arrived: float, entry: Entry,
+    def _record_later(self, request: Request, outcome: Outcome, wall: float, arrived: float, entry: Entry,
                       result: Any) -> bool:
         """Leave a request's record to the event loop's next turn, if nobody would see it
         before then: no listener, no event file, no logger at DEBUG (``statistics()`` and
@@ -191,7 +211,7 @@ class Requests:
             found = done.result()
             if found is not None:
                 result, entry.load_time = found
-                entry.source = tier
+                entry.source = Outcome.DISK_HIT if tier == "disk" else Outcome.SHARED_HIT
                 self._complete(entry, request, result)
                 if tier == "shared":
                     self._keep_on_disk(request, result)
@@ -242,8 +262,8 @@ class Requests:
                 entry.load_time = time.perf_counter() - started
         except BaseException as exc:
             # Only a deterministic compile error is worth remembering: a crash or a
-            # timeout may well not happen again.
-            remember = isinstance(exc, CompileError) and not isinstance(exc, (CompileTimeout, WorkerCrashedError))
+            # timeout (neither is a CompileError) may well not happen again.
+            remember = isinstance(exc, CompileError)
             self._cache.fail(entry, exc, remember)
             entry.future.set_exception(exc)
             return
@@ -274,7 +294,7 @@ class Requests:
     def _record(
         self,
         request: Request,
-        outcome: str,
+        outcome: Outcome,
         wall: float,
         arrived: float,
         entry: Entry | None,
@@ -290,31 +310,31 @@ class Requests:
         now, finished = (time.monotonic(), time.time()) if clock is None else clock
         job = entry.job if entry is not None else None
         # Only a request whose own job ran owns its timings; one that joined shares them.
-        own = job if job is not None and outcome != "joined" else None
+        own = job if job is not None and outcome is not Outcome.JOINED else None
         details = entry.details if entry is not None and entry.details is not None and own is not None else {}
         if result is not None:
             size = getattr(result, "size", None)
-        record = build(JobRecord, {
-            "key": request.key,
-            "name": request.name,
-            "backend": request.backend,
-            "target": request.target,
-            "outcome": outcome,
-            "error": None if error is None else f"{type(error).__name__}: {error}",
-            "queued_at": wall,
-            "started_at": None if own is None or own.started_at is None else finished - (now - own.started_at),
-            "finished_at": finished,
-            "queue_wait": own.queue_wait if own is not None else None,
-            "run_time": own.run_time if own is not None else None,
-            "load_time": entry.load_time if entry is not None and outcome != "joined" else None,
-            "total_time": now - arrived,
-            "stages": details.get("stages", ()),
-            "compiler_cache_hit": details.get("compiler_cache_hit"),
-            "attempts": own.attempts if own is not None else 0,
-            "worker_pid": job.worker_pid if job is not None else None,
-            "worker_rss": (own.worker_rss or None) if own is not None else None,
-            "artifact_size": size if isinstance(size, int) else None,
-        })
+        record = JobRecord(
+            key=request.key,
+            name=request.name,
+            backend=request.backend,
+            target=request.target,
+            outcome=outcome,
+            error=None if error is None else f"{type(error).__name__}: {error}",
+            queued_at=wall,
+            started_at=None if own is None or own.started_at is None else finished - (now - own.started_at),
+            finished_at=finished,
+            queue_wait=own.queue_wait if own is not None else None,
+            run_time=own.run_time if own is not None else None,
+            load_time=entry.load_time if entry is not None and outcome is not Outcome.JOINED else None,
+            total_time=now - arrived,
+            stages=details.get("stages", ()),
+            compiler_cache_hit=details.get("compiler_cache_hit"),
+            attempts=own.attempts if own is not None else 0,
+            worker_pid=job.worker_pid if job is not None else None,
+            worker_rss=(own.worker_rss or None) if own is not None else None,
+            artifact_size=size if isinstance(size, int) else None,
+        )
         self._metrics.finish(record)
         self._events.emit(record)
 
@@ -329,12 +349,13 @@ class Requests:
         job nobody else waits for is dropped, a started one runs on (or is killed, with
         ``cancel_running="kill"``). Raises ``SchedulerClosed`` at once when closed.
         """
-        how, found, wall, arrived = self.admit(request, timeout)
+        admitted = self.admit(request, timeout)
+        how, found, wall, arrived = admitted.how, admitted.value, admitted.wall, admitted.arrived
         answer: cf.Future[Any] = cf.Future()
-        if how == "hit":
+        if how is Found.HIT:
             answer.set_result(found)
             return answer
-        if how == "error":
+        if how is Found.ERROR:
             answer.set_exception(found)
             return answer
         entry: Entry = found
@@ -342,7 +363,7 @@ class Requests:
         def on_cancelled(done: cf.Future[Any]) -> None:
             if done.cancelled():
                 self._cache.leave(entry, self._stop_abandoned)
-                self._record(request, "cancelled", wall, arrived, entry)
+                self._record(request, Outcome.CANCELLED, wall, arrived, entry)
 
         def on_finished(job_done: cf.Future[Any]) -> None:
             # Either this or on_cancelled records the request: once ``answer`` is running
@@ -351,12 +372,12 @@ class Requests:
                 return
             self._cache.leave(entry)
             if job_done.cancelled():  # withdrawn with nobody waiting: not expected here
-                self._record(request, "cancelled", wall, arrived, entry)
+                self._record(request, Outcome.CANCELLED, wall, arrived, entry)
                 answer.set_exception(cf.CancelledError())
                 return
             exc = job_done.exception()
             if exc is not None:
-                outcome = _failure_outcome(exc) if how == "started" else "joined"
+                outcome = _failure_outcome(exc) if how is Found.STARTED else Outcome.JOINED
                 self._record(request, outcome, wall, arrived, entry, error=exc)
                 answer.set_exception(exc)
                 return
@@ -370,22 +391,20 @@ class Requests:
         return answer
 
 
-def _failure_outcome(exc: BaseException) -> str:
+def _failure_outcome(exc: BaseException) -> Outcome:
     """The outcome of a request whose own job raised ``exc``. (A cancelled await is told
     apart where it is caught, by its event loop's own cancellation class.)"""
-    if isinstance(exc, CompileTimeout):
-        return "timeout"
-    if isinstance(exc, WorkerCrashedError):
-        return "crashed"
+    if isinstance(exc, JobTimeout):
+        return Outcome.TIMEOUT
+    if isinstance(exc, WorkerCrashed):
+        return Outcome.CRASHED
     if isinstance(exc, SchedulerClosed):
-        return "closed"
+        return Outcome.CLOSED
     if isinstance(exc, cf.CancelledError):
-        return "cancelled"
-    return "error"
+        return Outcome.CANCELLED
+    return Outcome.ERROR
 
 
-def _success_outcome(how: str, entry: Entry) -> str:
+def _success_outcome(how: Found, entry: Entry) -> Outcome:
     """The outcome of a request whose job (or cache read) succeeded."""
-    if how == "joined":
-        return "joined"
-    return {"disk": "disk_hit", "shared": "shared_hit"}.get(entry.source, "compiled")
+    return Outcome.JOINED if how is Found.JOINED else entry.source

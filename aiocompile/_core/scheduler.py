@@ -1,4 +1,4 @@
-"""Scheduler: the async front door.
+"""``Scheduler``: the async front door.
 
 A request goes through four steps, in this order:
 
@@ -8,71 +8,40 @@ A request goes through four steps, in this order:
 3. the caller waits for the job without blocking its event loop (asyncio, uvloop or trio);
 4. the outcome is recorded.
 
-The scheduler is not tied to an event loop: its pool is driven by a thread, its cache and
-counters are thread-safe, and each await bridges to whichever loop is running. So one
-scheduler (the default one in particular) serves several ``asyncio.run()`` calls in a row,
-trio, and loops in several threads at once.
+The scheduler is the face; its :class:`~aiocompile._core.engine.Engine` builds and owns
+the parts (pool, caches, request path, metrics, backends), and the coroutines here check
+their arguments and hand over to it, to the batch (``compile_many``), to the JIT helpers
+(``warmup``, ``inductor_triton``) or to the tuner (``autotune``).
 
-Its coroutines for Triton's JIT and PyTorch Inductor (``warmup``, ``autotune``,
-``inductor_triton``) are in ``_jit``.
+Not tied to an event loop: one scheduler (the default one in particular) serves several
+``asyncio.run()`` calls in a row, trio, and loops in several threads at once.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Callable
 
 import anyio
 
-from aiocompile._base import bridge, checks, threads
-from aiocompile._base.frozen import build
-from aiocompile._base.target import parse_target
-from aiocompile._cache.disk import DiskCache
-from aiocompile._cache.memory import KernelCache
-from aiocompile._cache.shared import SharedCache
-from aiocompile._core.admission import Gates
+from aiocompile._base import checks, threads
+from aiocompile._core import jit
 from aiocompile._core.batch import compile_batch
 from aiocompile._core.config import SchedulerConfig
-from aiocompile._core.costs import CostHistory
-from aiocompile._core.jit import JitHooks
-from aiocompile._core.requests import Requests
+from aiocompile._core.engine import Engine
 from aiocompile._core.waiting import wait_many
 from aiocompile._foreign.executors import ExecutorSpec
-from aiocompile._foreign.pool import ForeignPool
-from aiocompile._observe.events import EventHub, Listener
-from aiocompile._observe.progress import Progress
-from aiocompile._pool.pool import WorkerPool
-from aiocompile._tuning.tuner import Tuner
-from aiocompile.backends import Request, SpecBackend
-from aiocompile.backends.cpp import CppBackend, NativeLibrary
-from aiocompile.backends.cuda import CudaBackend, CudaBinary
-from aiocompile.backends.triton import TritonBackend
+from aiocompile._observe.events import Listener
+from aiocompile._tuning.tuner import AutotuneResult
+from aiocompile.backends import Request
+from aiocompile.backends.cpp import NativeLibrary
+from aiocompile.backends.cuda import CudaBinary
 from aiocompile.backends.triton._kernel import TritonKernel
-from aiocompile.errors import SchedulerClosed
-from aiocompile.records import JobRecord, Metrics, Statistics
+from aiocompile.records import JobRecord, Statistics
 
 
-class _Context:
-    """What backends may ask of the scheduler (see ``BackendContext``)."""
-
-    def __init__(self, scheduler: Scheduler) -> None:
-        self._scheduler = scheduler
-
-    async def run_in_worker(self, fn: Callable[..., Any], *args: Any) -> Any:
-        # The backend's own errand, not a caller's request: the pool's crash handling, but
-        # no record and no count in the caller's statistics.
-        self._scheduler._check_open()
-        name = getattr(fn, "__qualname__", None) or type(fn).__name__
-        job = self._scheduler._pool.submit_job(fn, args, name=name)
-        return await bridge.wait(job.future)
-
-    async def to_thread(self, fn: Callable[[], Any]) -> Any:
-        return await threads.KEYS.run(fn)
-
-
-class Scheduler(JitHooks):
+class Scheduler:
     """Compiles kernels in a supervised pool of worker processes, from async code.
 
     ``Scheduler(workers=8, timeout=120, max_crashes=2)``, or ``Scheduler(config=...)``.
@@ -95,7 +64,7 @@ class Scheduler(JitHooks):
     timeout and kill semantics (see ``aiocompile.dask``).
 
     ``cache_url="redis://host:6379/0"`` adds a cache shared by a fleet behind the memory
-    cache and ``cache_dir`` (see ``_shared_cache``): a kernel any machine compiled is
+    cache and ``cache_dir`` (see ``_cache.shared``): a kernel any machine compiled is
     read from there rather than compiled again.
     """
 
@@ -124,80 +93,34 @@ class Scheduler(JitHooks):
         )
         if on_event is not None:
             checks.check_callable("on_event", on_event)
-        self._pool: WorkerPool | ForeignPool
-        if executor is not None:
-            self._pool = ForeignPool(executor, max_crashes=self.config.max_crashes)
-        else:
-            self._pool = WorkerPool(
-                self.config.workers,
-                start_method=self.config.start_method,
-                preload=self.config.preload,
-                max_crashes=self.config.max_crashes,
-                max_worker_rss=self.config.max_worker_rss,
-                idle_timeout=self.config.idle_timeout,
-                worker_nice=self.config.worker_nice,
-            )
-        self._cache = KernelCache(self.config.cache_entries, self.config.cache_bytes, self.config.error_ttl)
-        self._disk = None if self.config.cache_dir is None else DiskCache(
-            self.config.cache_dir, self.config.cache_dir_bytes, self.config.cache_key)
-        self._shared = None if self.config.cache_url is None else SharedCache(
-            self.config.cache_url, ttl=self.config.cache_url_ttl, max_entry=self.config.cache_url_entry_bytes,
-            timeout=self.config.cache_url_timeout, retry_after=self.config.cache_url_retry,
-            secret=self.config.cache_key)
-        self._metrics = Metrics()
-        self._events = EventHub(event_log=self.config.event_log if self.config.metrics else None,
-                                on_event=on_event)
-        if self.config.metrics:
-            self._pool.on_event = self._events.emit
-            self._pool.job_events_wanted = self._events.job_events_wanted
-        history, history_read_only = self.config.cost_history, False
-        if history is None and self._disk is not None and self._disk.trusted:
-            # Beside the kernels, under the same rules: read only from a trusted directory,
-            # written only where the kernels are.
-            history = os.path.join(self._disk.directory, "costs.json")
-            history_read_only = self._disk.access != "read-write"
-        self._costs = CostHistory(history, read_only=history_read_only, fleet=self._shared)
-        self._context = _Context(self)
-        self._gates = Gates()
-        self._requests = Requests(self.config, pool=self._pool, cache=self._cache, disk=self._disk,
-                                  shared=self._shared, metrics=self._metrics, events=self._events, costs=self._costs,
-                                  check_open=self._check_open)
-        self._triton = TritonBackend()
-        self._tuner: Tuner | None = None
-        self._tuner_lock = threading.Lock()
-        self._cpp = CppBackend()
-        self._cuda = CudaBackend()
-        # compile_many's specs name their backend by their "kind".
-        self._backends: dict[str, SpecBackend] = {"triton": self._triton, "cpp": self._cpp, "cuda": self._cuda}
-        self._pid = os.getpid()
-        self._closed = False
+        self._engine = Engine(self.config, executor=executor, on_event=on_event)
         # Made inside a running loop (the default scheduler always is): warm anyio now.
         self._async_preloaded = threads.preload_for_current_loop()
+
+    @property
+    def port(self) -> Engine:
+        """What aiocompile's own integrations (``aiocompile.torch``, the Prometheus
+        collector, the tuner) use of this scheduler: its engine, through a few public
+        methods. Not for applications: its methods may change between releases."""
+        return self._engine
 
     # -- lifecycle ------------------------------------------------------------------------
 
     async def __aenter__(self) -> Scheduler:
-        self._check_open()
         # Let the fork server load the compiler while the caller gets on with its own
         # start-up; workers still start on demand.
-        self._pool.start()
+        self._engine.start_pool()
         if not self._async_preloaded:
             self._async_preloaded = threads.preload_for_current_loop()
-        self._start_benchmark_if_asked()
+        self._engine.start_benchmark_if_asked()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
-    def _start_benchmark_if_asked(self) -> None:
-        """With ``benchmark_at_start``: the benchmark processes start now, in the
-        background (asking torch for the devices may take seconds)."""
-        if self.config.benchmark_at_start and not self.closed:
-            self._tuning().start_soon()
-
     @property
     def closed(self) -> bool:
-        return self._closed or self._pid != os.getpid() or self._pool.closed
+        return self._engine.closed
 
     async def aclose(self, grace: float | None = None) -> None:
         """Stop accepting work and shut the pool down.
@@ -209,36 +132,14 @@ class Scheduler(JitHooks):
         ``ValueError`` at once, and closes nothing.
         """
         checks.CLOSE_GRACE.check("grace", grace)
-        if self._closed:
+        if self._engine.closed:
             return
         await anyio.to_thread.run_sync(lambda: self.close(grace))
 
     def close(self, grace: float | None = None) -> None:
         """Blocking counterpart of :meth:`aclose`, for code outside an event loop."""
         checks.CLOSE_GRACE.check("grace", grace)
-        self._closed = True
-        grace = self.config.close_grace if grace is None else grace
-        tuner = self._tuner
-        if tuner is not None and self._pid == os.getpid():
-            tuner.close()  # before the pool: a tuning waiting on compiles then ends with them
-        self._pool.shutdown(wait=True, cancel_futures=True, grace=grace)
-        if self._disk is not None:
-            self._disk.close(wait=True)  # results compiled before the close reach the disk
-        if self._pid == os.getpid():
-            self._costs.save()  # before the shared cache lets its connections go
-        if self._shared is not None:
-            self._shared.close(wait=True)  # and the shared cache (each write bounded by its timeout)
-        self._metrics.drain()
-        self._events.close()  # after the pool: its last worker events reach the file
-
-    def _check_open(self) -> None:
-        # A pool is closed in a forked child (aiocompile's own by a fork hook, a foreign
-        # one by its pid): only then is it worth asking whose scheduler this is.
-        if not (self._closed or self._pool.closed):
-            return
-        if self._pid != os.getpid():
-            raise SchedulerClosed("this scheduler belongs to the parent of a forked process; create a new one here")
-        raise SchedulerClosed("the scheduler is closed")
+        self._engine.close(self.config.close_grace if grace is None else grace)
 
     async def warm(self, target: Any = "cuda:90", *, benchmark: bool = False) -> None:
         """Start every worker now and run one tiny compile in each, so that the compiler's
@@ -252,66 +153,19 @@ class Scheduler(JitHooks):
 
         Cancelling the await leaves the workers starting; they serve later jobs.
         """
-        self._check_open()
         if not isinstance(benchmark, bool):
             raise TypeError(f"benchmark must be True or False, got {benchmark!r}")
-        if benchmark:
-            await self._tuning().warm()
-        parsed = parse_target(target) or parse_target("cuda:90")
-        assert parsed is not None
-        from aiocompile.backends.triton import _kernel as _triton_kernel
-        from aiocompile.backends.triton import _worker as _triton_worker
-
-        keys = threads.KEYS.submit(lambda: self._triton.warm_keys(parsed))
-        loading = threads.LOADS.submit(lambda: _triton_kernel.prime_loading(parsed.backend))
-        jobs = self._pool.warm(_triton_worker.warm_up, ((parsed.backend, parsed.arch, parsed.warp_size),))
-        for job in jobs:
-            await bridge.wait(job.future)
-        await bridge.wait(keys)
-        await bridge.wait(loading)
+        await self._engine.warm(target, benchmark)
 
     # -- introspection ----------------------------------------------------------------------
 
     def statistics(self) -> Statistics:
         """A frozen snapshot of what this scheduler has done (see ``Statistics``)."""
-        counters = self._pool.counters
-        pool = self._pool.snapshot()
-        disk = self._disk
-        shared = self._shared
-        return self._metrics.snapshot({
-            "cache_entries": len(self._cache),
-            "cache_bytes": self._cache.bytes,
-            "cache_evictions": self._cache.evictions,
-            "disk_access": disk.access if disk else "none",
-            "disk_writes": disk.writes if disk else 0,
-            "disk_evictions": disk.evictions if disk else 0,
-            "disk_corrupt": disk.corrupt if disk else 0,
-            "disk_refused": disk.refused if disk else 0,
-            "disk_errors": disk.errors if disk else 0,
-            "shared_state": shared.state if shared else "none",
-            "shared_misses": shared.misses if shared else 0,
-            "shared_writes": shared.writes if shared else 0,
-            "shared_errors": shared.errors if shared else 0,
-            "shared_skipped": shared.skipped if shared else 0,
-            "shared_corrupt": shared.corrupt if shared else 0,
-            "shared_refused": shared.refused if shared else 0,
-            "shared_opened": shared.opened if shared else 0,
-            "worker_crashes": counters.worker_crashes,
-            "retries": counters.retries,
-            "timeouts": counters.timeouts,
-            "workers_started": counters.workers_started,
-            "workers_recycled": counters.recycled,
-            "workers_idle_stopped": counters.idle_stopped,
-            "workers": pool["workers"],
-            "busy_workers": pool["busy_workers"],
-            "queue_depth": pool["queue_depth"],
-            "queue_depth_max": counters.queue_depth_max,
-            **(self._tuner.counters() if self._tuner is not None else {}),
-        })
+        return self._engine.statistics()
 
     def records(self) -> list[JobRecord]:
         """The timing records of the most recent requests (up to 1000), oldest first."""
-        return self._metrics.recent()
+        return self._engine.records()
 
     def subscribe(self, listener: Listener) -> Callable[[], None]:
         """Call ``listener(event)`` with every ``JobRecord``, ``WorkerEvent`` and
@@ -324,11 +178,10 @@ class Scheduler(JitHooks):
         exception it raises is logged once and otherwise ignored. Nothing is reported when
         ``config.metrics`` is off.
         """
-        self._metrics.drain()  # records made before now are not its to see
-        return self._events.subscribe(listener)
+        return self._engine.subscribe(listener)
 
     def worker_pids(self) -> list[int]:
-        return self._pool.worker_pids()
+        return self._engine.worker_pids()
 
     # -- the public coroutines ------------------------------------------------------------------
 
@@ -354,9 +207,9 @@ class Scheduler(JitHooks):
         ``[("tt.divisibility", 16)]``.
 
         Raises ``ValueError``/``TypeError`` at once for bad input, ``CompileError`` if the
-        kernel does not compile (the pool is unaffected), ``CompileTimeout`` if it takes
+        kernel does not compile (the pool is unaffected), ``JobTimeout`` if it takes
         longer than ``timeout`` seconds of worker time (its worker is killed, no other), and
-        ``WorkerCrashedError`` if it killed ``max_crashes`` workers.
+        ``WorkerCrashed`` if it killed ``max_crashes`` workers.
 
         Concurrent requests for the same kernel share one compile; a compiled kernel is
         kept in memory and returned at once the next time. Cancelling the await does not
@@ -364,13 +217,8 @@ class Scheduler(JitHooks):
         nor one that other callers are waiting for; a queued compile nobody waits for any
         more is dropped.
         """
-        checks.CALL_TIMEOUT.check("timeout", timeout)
-        request = await self._triton.prepare(
-            self._context, kernel, signature=signature, constexprs=constexprs, target=target,
-            attrs=attrs, options=options,
-        )
-        result: TritonKernel = await self._execute(request, timeout)
-        return result
+        return await self._engine.compile_triton(kernel, signature=signature, constexprs=constexprs, target=target,
+                                                 timeout=timeout, attrs=attrs, **options)
 
     async def compile_cpp(
         self,
@@ -394,16 +242,16 @@ class Scheduler(JitHooks):
 
         ``TypeError``/``ValueError`` for bad arguments and ``CompilerNotFound`` at once,
         before any worker; ``CompileError`` with the diagnostics and command line;
-        ``CompileTimeout`` past ``timeout`` seconds of worker time, ``WorkerCrashedError``
+        ``JobTimeout`` past ``timeout`` seconds of worker time, ``WorkerCrashed``
         after ``max_crashes`` worker deaths: either way the worker is killed with every
         compiler process it started, no other. Single flight, caches and cancellation are
         ``compile_triton``'s; with ``cancel_running="kill"`` a cancelled compile nobody
         waits for dies with its compiler.
         """
         checks.CALL_TIMEOUT.check("timeout", timeout)
-        request = await self._cpp.prepare(self._context, source=source, flags=flags, include_dirs=include_dirs,
-                                          libraries=libraries, compiler=compiler, name=name)
-        result: NativeLibrary = await self._execute(request, timeout)
+        request = await self._engine.cpp.prepare(self._engine, source=source, flags=flags, include_dirs=include_dirs,
+                                                 libraries=libraries, compiler=compiler, name=name)
+        result: NativeLibrary = await self._engine.execute(request, timeout)
         return result
 
     async def compile_cuda(
@@ -431,9 +279,9 @@ class Scheduler(JitHooks):
         timeouts, crashes, caching and cancellation are ``compile_cpp``'s.
         """
         checks.CALL_TIMEOUT.check("timeout", timeout)
-        request = await self._cuda.prepare(self._context, source=source, arch=arch, output=output, flags=flags,
-                                           include_dirs=include_dirs, compiler=compiler, name=name)
-        result: CudaBinary = await self._execute(request, timeout)
+        request = await self._engine.cuda.prepare(self._engine, source=source, arch=arch, output=output,
+                                                  flags=flags, include_dirs=include_dirs, compiler=compiler, name=name)
+        result: CudaBinary = await self._engine.execute(request, timeout)
         return result
 
     async def compile_many(
@@ -454,7 +302,7 @@ class Scheduler(JitHooks):
         shows a progress bar, naming the kernels being compiled, on a terminal or in a
         notebook (nowhere else).
         """
-        return await compile_batch(self, specs, progress=progress, return_exceptions=return_exceptions)
+        return await compile_batch(self._engine, specs, progress=progress, return_exceptions=return_exceptions)
 
     async def wait(
         self,
@@ -478,11 +326,7 @@ class Scheduler(JitHooks):
         ``return_exceptions`` puts exceptions in place of results. Cancelling ``wait()``
         cancels the waiting, with the same rule for started compiles.
         """
-        return await wait_many(awaitables, lambda total: self._progress(total, progress), return_exceptions)
-
-    def _progress(self, total: int, enabled: bool, description: str = "compiling") -> Progress:
-        return Progress(total, enabled=enabled, description=description,
-                        subscribe=self.subscribe if self.config.metrics else None)
+        return await wait_many(awaitables, lambda total: self._engine.progress(total, progress), return_exceptions)
 
     async def run(
         self, fn: Callable[..., Any], *args: Any, key: str | None = None, timeout: float | None = None
@@ -493,7 +337,7 @@ class Scheduler(JitHooks):
         ``__main__`` needs cloudpickle), or ``TypeError`` is raised at once. An exception
         ``fn`` raises is re-raised here with the worker's traceback as its ``__cause__``.
         The same pool and the same semantics as compiles: ``timeout`` seconds of worker
-        time, then ``CompileTimeout`` (its worker is killed); ``WorkerCrashedError`` after
+        time, then ``JobTimeout`` (its worker is killed); ``WorkerCrashed`` after
         ``max_crashes`` worker deaths. With a ``key``, concurrent calls with that key share
         one run and the result is remembered. Cancelling the await drops the job if it has
         not started; a started one runs to its end. ``fn`` that is not callable, or a bad
@@ -501,28 +345,111 @@ class Scheduler(JitHooks):
         """
         checks.check_callable("fn", fn)
         checks.CALL_TIMEOUT.check("timeout", timeout)
-        # Its turn first (see _admission): in a burst, most requests wait here, and what
-        # they have not built yet costs the loop nothing now.
-        if not self._gates.enter_now():
-            await self._gates.enter()
         name = getattr(fn, "__qualname__", None) or type(fn).__name__
-        request = build(Request, {"backend": "python", "key": key, "name": name, "target": None, "fn": fn,
-                                  "args": args, "finish": None, "encode": None, "decode": None, "size": None,
-                                  "details": None, "direct": True, "features": ()})
-        admitted = self._requests.admit(request, timeout)
-        result = await self._requests.result(request, admitted)
-        if admitted[0] in ("started", "joined"):
-            self._gates.waited()  # it waited for its job: the loop has gone round (see _admission)
-        return result
+        request = Request(backend="python", key=key, name=name, target=None, fn=fn, args=args, finish=None,
+                          direct=True)
+        return await self._engine.execute_now(request, timeout)
 
-    # -- the request path ---------------------------------------------------------------------
+    async def warmup(
+        self,
+        kernel: Any,
+        *args: Any,
+        grid: Any = None,
+        target: Any = None,
+        timeout: float | None = None,
+        **kwargs: Any,
+    ) -> TritonKernel:
+        """Compile, in the pool, what Triton's JIT would compile for
+        ``kernel[grid](*args, **kwargs)``, and prime the JIT so that the next ordinary
+        launch with such arguments compiles nothing.
 
-    async def _execute(self, request: Request, timeout: float | None) -> Any:
-        # A burst of requests is admitted a loop iteration's slice at a time (see
-        # _admission); one waiting its turn has not been counted or started yet.
-        await self._gates.enter()
-        admitted = self._requests.admit(request, timeout)
-        result = await self._requests.result(request, admitted)
-        if admitted[0] in ("started", "joined"):
-            self._gates.waited()  # it waited for its job: the loop has gone round (see _admission)
-        return result
+        ``args`` are example arguments: tensors (or anything with ``data_ptr()`` and
+        ``dtype``; a torch dtype stands for a tensor of that type), integers,
+        floats; ``kwargs`` the constexprs and options the launch passes. The
+        specialisation is Triton's own: argument types, divisibility by 16, integers equal
+        to 1, constexprs and options (see ``aiocompile.backends.triton._warmup``). ``grid``
+        is accepted so that a launch can be copied as it is; it plays no part in the
+        compile.
+
+        With ``target=None`` the kernel is compiled for the current device and put into
+        its JIT cache, binary loaded and launcher built (in a thread). With an explicit
+        target (``"cuda:90"``...) nothing is primed: that is for building ahead on a
+        machine that will not launch. Returns the ``TritonKernel``.
+
+        Errors, timeouts and crashes are those of ``compile_triton``; a kernel wrapped by
+        ``triton.autotune``/``heuristics`` raises ``TypeError``. Cancelling the await while
+        the compile runs lets it finish (and be cached) and primes nothing.
+        """
+        return await jit.warmup(self._engine, kernel, args, kwargs, grid=grid, target=target, timeout=timeout)
+
+    async def autotune(
+        self,
+        kernel: Any,
+        *args: Any,
+        grid: Any = None,
+        device: int | None = None,
+        timeout: float | None = None,
+        progress: bool = False,
+        **kwargs: Any,
+    ) -> AutotuneResult:
+        """Tune a ``@triton.autotune`` kernel for ``kernel[grid](*args, **kwargs)`` without
+        stalling: every configuration compiled in the pool, each timed in a benchmark
+        process (one per GPU, never this process), and Triton primed with the choice, so
+        that the ordinary launch with such arguments neither compiles nor benchmarks.
+
+        ``args`` and ``kwargs`` are what the launch passes (real tensors: their shapes,
+        strides and values are copied to the benchmark process), ``grid`` its grid (a tuple
+        or a callable, as for the launch). The key, the pruning (``prune_configs_by``) and
+        each configuration's specialisation are Triton's own, and configurations are timed
+        as Triton's autotuner times them (its ``do_bench``, ``reset_to_zero``,
+        ``restore_value`` and hooks), so the choice is the one Triton would make on this
+        machine. ``device`` tunes for that GPU, timed on it; None tunes for the current
+        device, timed on any visible GPU of the same model (a batch of calls spreads over
+        them). ``progress=True`` shows a bar over the compiles and the timings.
+
+        The decision is kept (in memory, and in ``cache_dir`` when there is one) by the
+        kernel, the autotuner's key, the device model and Triton's version: a later call,
+        here or in a restarted process, tunes nothing. Returns an ``AutotuneResult``.
+
+        Errors: a kernel without ``@triton.autotune`` raises ``TypeError`` (use
+        ``warmup()``); arguments that do not bind raise what ``warmup()`` raises; no GPU
+        for the device raises ``RuntimeError``, at once, before anything compiles. A
+        configuration that does not compile (within ``timeout`` seconds of worker time),
+        runs out of resources, faults the GPU, crashes its benchmark process or runs past
+        ``benchmark_timeout`` counts as infinitely slow, with its reason in its
+        ``BenchmarkRecord``; a process it brought down is replaced and the others go on.
+        If every configuration fails, ``AutotuneError`` lists each one and why.
+
+        Concurrent calls with the same decision key share one tuning. Cancelling the await
+        leaves a started tuning running (its decision is kept for the next call) and
+        primes nothing.
+        """
+        return await self._engine.tuner().autotune(kernel, args, kwargs, grid=grid, device=device, timeout=timeout,
+                                                   progress=progress)
+
+    async def inductor_triton(
+        self, kernel_name: str, source_code: str, *, device_str: str = "cuda", timeout: float | None = None
+    ) -> Any:
+        """Compile a kernel that PyTorch Inductor generated, and return the kernel object
+        Inductor expects: what ``async_compile.triton(kernel_name, source_code,
+        device_str=...)`` in Inductor's output code yields (a ``CachingAutotuner``, its
+        launchers built).
+
+        ``source_code`` is the kernel's whole module source, ``kernel_name`` the kernel it
+        defines. A wrong type raises ``TypeError`` at once; a source that does not parse,
+        defines no such kernel, or was generated for another device than ``device_str``
+        raises ``ValueError`` before any worker is involved.
+
+        The worker does what Inductor's own compile workers do (every autotuning
+        configuration through Triton); this process then builds the launchers, in a
+        thread. Concurrent requests for one source share one compile, keyed as Inductor
+        keys it (the source and ``torch_key()``). ``CompileError`` if it does not compile
+        (the worker's traceback as its cause), ``JobTimeout`` past ``timeout``
+        seconds of worker time (its worker is killed, no other), ``WorkerCrashed``
+        after ``max_crashes`` worker deaths; a death before that is retried on a fresh
+        worker. Cancelling the await lets a started compile finish, kept for the next
+        caller. Needs torch; a worker imports it on its first such job, unless the fork
+        server preloads it (``aiocompile.torch.PRELOAD`` in ``config.preload``).
+        """
+        return await jit.inductor_triton(self._engine, kernel_name, source_code, device_str=device_str,
+                                         timeout=timeout)

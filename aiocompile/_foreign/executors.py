@@ -4,7 +4,7 @@ How to make another like a given one (to replace a broken one), a Dask client as
 executor that keeps the scheduler's semantics, how many jobs an executor runs in the order
 sent, and how to stop a stdlib process pool's processes, which nothing else can stop.
 
-An executor of a cluster (``aiocompile.dask``) loses jobs one worker at a time rather than
+An executor of a cluster (``aiocompile._foreign.dask``) loses jobs one worker at a time rather than
 all at once, and can do what a stdlib pool cannot. It says so with a few optional members,
 which ``ForeignPool`` uses where they exist:
 
@@ -69,22 +69,6 @@ def factory_for(executor: cf.Executor) -> ExecutorFactory | None:
             options["max_tasks_per_child"] = executor._max_tasks_per_child
         return lambda: ProcessPoolExecutor(**options)
     return None
-
-
-def adapt(executor: Any) -> Any:
-    """A Dask client (or its ``get_executor()``) as ``aiocompile.dask``'s executor over it,
-    which keeps the scheduler's crash and timeout semantics; anything else as it is."""
-    distributed = sys.modules.get("distributed")  # a client in hand means it is imported
-    if distributed is None:
-        return executor
-    client_executor = getattr(sys.modules.get("distributed.cfexecutor"), "ClientExecutor", None)
-    if isinstance(client_executor, type) and isinstance(executor, client_executor):
-        executor = getattr(executor, "_client", executor)
-    if isinstance(executor, distributed.Client):
-        from aiocompile.dask import executor as dask_executor
-
-        return dask_executor(executor)
-    return executor
 
 
 def workers_in_order(executor: cf.Executor | None) -> int:

@@ -9,11 +9,11 @@ every job it holds, and stays broken. Here, a break
 3. runs the suspects one at a time, alone in the executor, holding every other job back,
    so that a suspect that breaks the executor again is the culprit for certain. The
    culprit is retried (alone) until it has broken the executor ``max_crashes`` times, then
-   fails with ``WorkerCrashedError``; every other suspect simply completes;
+   fails with ``WorkerCrashed``; every other suspect simply completes;
 4. releases the held jobs once no suspect is left.
 
 So no innocent job fails. What a foreign executor cannot do is stop a running job: a job
-past its timeout fails with ``CompileTimeout`` at once but occupies its worker until it
+past its timeout fails with ``JobTimeout`` at once but occupies its worker until it
 ends, and cancelling a running job only stops waiting for it. At shutdown, the processes
 of a stdlib ``ProcessPoolExecutor`` still busy after the grace period are killed.
 
@@ -34,14 +34,14 @@ starts when the job is handed over, and its wait in the executor counts. Records
 start time the worker reports with its answer.
 
 A job's exception comes back described in plain values (as aiocompile's own workers send
-it) and is rebuilt here by ``_answers``: an executor would unpickle the exception itself in
+it) and is rebuilt here (``_pool.protocol``): an executor would unpickle the exception itself in
 its own thread, and a stdlib pool that cannot (its class lives in a module only the worker
 imports) breaks, failing or re-running every job it holds.
 
 An executor of a cluster (``aiocompile.dask``) loses jobs one worker at a time rather than
 all at once, and can do what a stdlib pool cannot: it says so with a few optional members
 (a job's future failing with ``WorkerLost``, ``capacity()``, ``kill(future)``,
-``job_runner``; see ``_executors``), which this pool uses where they exist.
+``job_runner``; see ``executors``), which this pool uses where they exist.
 
 The PENDING/RUNNING sort relies on the executor's bookkeeping: when the first future of a
 broken stdlib executor is failed, ours is the first callback to run, and the other futures
@@ -55,6 +55,7 @@ import collections
 import concurrent.futures as cf
 import itertools
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -64,16 +65,15 @@ from aiocompile._base import checks
 from aiocompile._foreign.executors import (
     ExecutorSpec,
     WorkerLost,
-    adapt,
     factory_for,
     join_processes,
     kill_processes,
     workers_in_order,
 )
 from aiocompile._foreign.remote import run_in_foreign_worker
-from aiocompile._pool import answers
-from aiocompile._pool.job import Job, PoolCounters, emit_event, logger
-from aiocompile.errors import CompileTimeout, SchedulerClosed, WorkerCrashedError
+from aiocompile._pool.job import Job, PoolCounters, Stop, emit_event, logger
+from aiocompile._pool.protocol import outcome
+from aiocompile.errors import JobTimeout, SchedulerClosed, WorkerCrashed
 from aiocompile.records import WorkerEvent
 
 # How long a closed stdlib pool's idle processes may take to exit before they are killed.
@@ -198,7 +198,7 @@ class ForeignPool:
                 sent.withdrawn = False  # running already: it stays, and ends as it will
         return False
 
-    def kill(self, job: Job, reason: str = "cancelled") -> None:
+    def kill(self, job: Job, stop: Stop = Stop.CANCELLED) -> None:
         """Drop a queued job; stop a running one where the executor can (``kill``), and
         otherwise let it run on."""
         if self.cancel(job):
@@ -209,7 +209,7 @@ class ForeignPool:
                 return
             sent.stopping = True
             self.counters.killed += 1
-        job.fail(job.stopped_error(reason))
+        job.fail(job.stopped_error(stop))
         self._stop_running(sent)
 
     def snapshot(self) -> dict[str, int]:
@@ -405,7 +405,7 @@ class ForeignPool:
                 job.started_at = job.attempt_started_at
             emit_event(self.on_event, "job_ended", pid, job, status="ok" if ok else "error")
             if not ok:
-                job.fail(answers.outcome(job, False, value, "")[1])
+                job.fail(outcome(False, value, "", job.name, job.key).value)
             else:
                 job.succeed(value)
 
@@ -422,7 +422,7 @@ class ForeignPool:
         # The job's own future fails now; its executor future stays tracked until the
         # worker is free again, so that a later break is still blamed correctly.
         then = "it was stopped and its worker restarted" if stop else "the executor cannot stop it: it runs on"
-        job.fail(CompileTimeout(f"did not finish within {job.timeout:g} s ({then})",
+        job.fail(JobTimeout(f"did not finish within {job.timeout:g} s ({then})",
                                 timeout=job.timeout, kernel_name=job.name, key=job.key))
         if stop:
             emit_event(self.on_event, "worker_exited", None, job, status="timeout")
@@ -495,7 +495,7 @@ class ForeignPool:
     def _crashed(self, job: Job) -> None:
         job.crashes += 1
         if job.crashes >= job.max_crashes:
-            job.fail(WorkerCrashedError(
+            job.fail(WorkerCrashed(
                 f"killed its worker (or broke the executor) {job.crashes} time(s), running alone each time",
                 exitcode=None, attempts=job.attempts, kernel_name=job.name, key=job.key))
         else:
@@ -524,3 +524,19 @@ def _stop_clock(sent: _Sent) -> None:
     if sent.timer is not None:
         sent.timer.cancel()
         sent.timer = None
+
+
+def adapt(executor: Any) -> Any:
+    """A Dask client (or its ``get_executor()``) as ``aiocompile.dask``'s executor over it,
+    which keeps the scheduler's crash and timeout semantics; anything else as it is."""
+    distributed = sys.modules.get("distributed")  # a client in hand means it is imported
+    if distributed is None:
+        return executor
+    client_executor = getattr(sys.modules.get("distributed.cfexecutor"), "ClientExecutor", None)
+    if isinstance(client_executor, type) and isinstance(executor, client_executor):
+        executor = getattr(executor, "_client", executor)
+    if isinstance(executor, distributed.Client):
+        from aiocompile._foreign.dask import executor as dask_executor
+
+        return dask_executor(executor)
+    return executor

@@ -35,11 +35,13 @@ import threading
 import time
 from typing import Any, Callable
 
-from aiocompile._pool.child import _JobState, describe_job_failure, job_env
+from aiocompile._pool.child import JobState
+from aiocompile._pool.procs import job_env
+from aiocompile._pool.protocol import describe_failure
 
 Answer = tuple[bool, Any, float, int, float]
 
-_state = _JobState()
+_state = JobState()
 _MAGIC = b"AIOCOMPILE-ANSWER\n"
 _VERSION = 1
 _DIGEST = hashlib.sha256().digest_size
@@ -50,7 +52,7 @@ def run_in_foreign_worker(payload: bytes, env: dict[str, str], sys_path: list[st
     """What a foreign executor runs: apply the job's environment, run it, time it.
 
     Returns ``(ok, value, run_time, pid, started_wall)``: ``value`` is the result, or the
-    job's exception described by ``describe_job_failure``; this never raises."""
+    job's exception described by ``describe_failure``; this never raises."""
     return run_payload(payload, lambda: _state.apply(env, sys_path))
 
 
@@ -66,7 +68,7 @@ def run_payload(payload: bytes, prepare: Callable[[], None] | None = None) -> An
         result = fn(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - a job's failure, whatever it is, goes to its caller
         run_time = time.perf_counter() - started
-        return False, describe_job_failure(exc), run_time, os.getpid(), started_wall
+        return False, describe_failure(exc), run_time, os.getpid(), started_wall
     return True, result, time.perf_counter() - started, os.getpid(), started_wall
 
 
@@ -129,7 +131,7 @@ def frame_answer(answer: Answer) -> bytes:
         body = pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:  # noqa: BLE001 - a result that does not pickle fails its own job
         _, _, run_time, pid, started_wall = answer
-        failure = describe_job_failure(TypeError(f"the job's result cannot be sent back: {exc}"))
+        failure = describe_failure(TypeError(f"the job's result cannot be sent back: {exc}"))
         body = pickle.dumps((False, failure, run_time, pid, started_wall), protocol=pickle.HIGHEST_PROTOCOL)
     return _MAGIC + struct.pack("<B", _VERSION) + hashlib.sha256(body).digest() + body
 

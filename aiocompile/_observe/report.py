@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from aiocompile.records import FAILURES, OUTCOMES, JobRecord, WorkerEvent
+from aiocompile.records import FAILURES, OUTCOMES, JobRecord, Outcome, WorkerEvent
 
 __all__ = ["Events", "draw_timeline", "read_events", "summary_table"]
 
@@ -90,6 +90,10 @@ def _record(data: dict[str, Any]) -> JobRecord:
     if not isinstance(stages, dict) or not all(_is_number(v) for v in stages.values()):
         raise _Unreadable("stages that are not a dict of seconds")
     fields["stages"] = tuple(stages.items())
+    try:
+        fields["outcome"] = Outcome(fields["outcome"])
+    except ValueError:
+        raise _Unreadable(f"an outcome that is none: {fields['outcome']!r}") from None
     try:
         return JobRecord(**fields)
     except TypeError as exc:  # a required field is missing
@@ -317,7 +321,7 @@ def _kernel_table(requests: Sequence[JobRecord]) -> list[str]:
 
     rows = []
     for (name, target), group in sorted(groups.items(), key=lambda item: worker_seconds(item[1]), reverse=True):
-        outcomes = [record.outcome for record in group]
+        outcomes: list[str] = [str(record.outcome) for record in group]
         run_times = sorted(record.run_time for record in group
                            if record.outcome == "compiled" and record.run_time is not None)
         stage_means = []

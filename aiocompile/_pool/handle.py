@@ -1,4 +1,4 @@
-"""A worker's life, as an explicit state machine.
+"""The parent's handle on one worker process: its life, as an explicit state machine.
 
 ::
 
@@ -18,11 +18,10 @@
   crash of its job), KILLING (a death on purpose: never counted as a crash), RETIRING (a
   worker stopped on purpose).
 
-Every transition goes through :meth:`Worker._move`, which checks it against
-``TRANSITIONS``; anything else is a bug and raises :class:`InvalidTransition`. Transitions
-happen under the pool's lock (idle workers are taken from several threads); everything
-else about a worker belongs to the pool's supervisor thread, or to the thread reading its
-answer.
+Every transition is checked against ``TRANSITIONS`` (see ``state``); anything else is a
+bug and raises ``InvalidTransition``. Transitions happen under the roster's lock (idle
+workers are taken from several threads); everything else about a worker belongs to the
+pool's supervisor thread, or to the thread reading its answer.
 """
 
 from __future__ import annotations
@@ -33,9 +32,14 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from aiocompile._pool.job import Stop
+from aiocompile._pool.state import InvalidTransition, Transitions, from_every
+
 if TYPE_CHECKING:
     from aiocompile._pool.job import Job
     from aiocompile._pool.launch import WorkerProcess
+
+__all__ = ["TRANSITIONS", "Death", "InvalidTransition", "LoopReader", "Move", "Retire", "State", "Worker"]
 
 
 class State(enum.Enum):
@@ -47,27 +51,41 @@ class State(enum.Enum):
     GONE = "gone"
 
 
-S = State
-TRANSITIONS: dict[tuple[State, str], State] = {
-    (S.STARTING, "ready"): S.IDLE,
-    (S.IDLE, "claim"): S.BUSY,
-    (S.BUSY, "release"): S.IDLE,  # claimed for a job that was cancelled before it was sent
-    (S.BUSY, "answered"): S.IDLE,
-    (S.BUSY, "outgrown"): S.RETIRING,  # answered, and too big to keep
-    (S.BUSY, "kill"): S.KILLING,
-    (S.KILLING, "answered"): S.KILLING,
-    (S.KILLING, "outgrown"): S.KILLING,
-    (S.IDLE, "retire"): S.RETIRING,
-    **{(state, "ended"): S.GONE for state in State if state is not S.GONE},
-}
+class Retire(enum.Enum):
+    """Why a worker is stopped on purpose (RETIRING)."""
 
-# Why a worker is being killed, when it is not its job's deadline or its caller: the job
-# could not be sent to it (it had died), so the job never ran there.
-UNDELIVERED = "undelivered"
+    IDLE = "idle"
+    """It went unused for ``idle_timeout`` seconds."""
+    RECYCLED = "recycled"
+    """It grew past ``max_worker_rss`` (compilers leak)."""
 
 
-class InvalidTransition(RuntimeError):
-    """A worker was asked to do what its state does not allow: a bug in the pool."""
+class Move(enum.Enum):
+    READY = "ready"
+    CLAIM = "claim"
+    RELEASE = "release"
+    """Claimed for a job that was cancelled before it was sent."""
+    ANSWERED = "answered"
+    OUTGROWN = "outgrown"
+    """Answered, and too big to keep."""
+    KILL = "kill"
+    RETIRE = "retire"
+    ENDED = "ended"
+
+
+S, M = State, Move
+TRANSITIONS: Transitions[State, Move] = Transitions("worker", {
+    (S.STARTING, M.READY): S.IDLE,
+    (S.IDLE, M.CLAIM): S.BUSY,
+    (S.BUSY, M.RELEASE): S.IDLE,
+    (S.BUSY, M.ANSWERED): S.IDLE,
+    (S.BUSY, M.OUTGROWN): S.RETIRING,
+    (S.BUSY, M.KILL): S.KILLING,
+    (S.KILLING, M.ANSWERED): S.KILLING,
+    (S.KILLING, M.OUTGROWN): S.KILLING,
+    (S.IDLE, M.RETIRE): S.RETIRING,
+    **from_every([state for state in State if state is not S.GONE], M.ENDED, S.GONE),
+})
 
 
 @dataclass(eq=False)
@@ -77,13 +95,12 @@ class Worker:
     proc: WorkerProcess
     state: State = State.STARTING
     job: Job | None = None
-    kill_reason: str | None = None
-    """Why it is being killed (KILLING): "timeout", "cancelled", ``UNDELIVERED``, or the
-    message its job fails with (the scheduler closing)."""
-    retire_reason: str | None = None
+    stop: Stop | None = None
+    """Why it is being killed (KILLING)."""
+    retire_reason: Retire | None = None
     """Why it is being stopped (RETIRING): "idle" or "recycled"."""
     # The environment and import path this worker was last sent: a job that carries the
-    # same objects sends None instead (see the protocol in _worker).
+    # same objects sends None instead (see ``protocol``).
     sent_env: dict[str, str] | None = None
     sent_path: list[str] | None = None
     deadline: float | None = None
@@ -104,66 +121,63 @@ class Worker:
     registration: Any = None
     watched: bool = False  # in the supervisor's current wait (written under the lock)
 
-    def _move(self, event: str) -> None:
-        target = TRANSITIONS.get((self.state, event))
-        if target is None:
-            raise InvalidTransition(f"a {self.state.value} worker (pid {self.proc.pid}) cannot take {event!r}")
-        self.state = target
+    def _move(self, move: Move) -> None:
+        self.state = TRANSITIONS.after(self.state, move, f"pid {self.proc.pid}")
 
     # -- the transitions (each under the pool's lock) -------------------------------------------
 
     def ready(self) -> None:
-        self._move("ready")
+        self._move(Move.READY)
 
     @property
     def idle(self) -> bool:
         return self.state is State.IDLE
 
     def claim(self, job: Job) -> None:
-        self._move("claim")
+        self._move(Move.CLAIM)
         self.job = job
 
     def release(self) -> None:
-        self._move("release")
+        self._move(Move.RELEASE)
         self.job = None
         self.deadline = None
 
     def answered(self, outgrown: bool) -> None:
         """Its job has answered. Idle again, unless it is being killed (it stays so, its
         job's result standing) or has grown too big (``outgrown``: to be replaced)."""
-        self._move("outgrown" if outgrown else "answered")
+        self._move(Move.OUTGROWN if outgrown else Move.ANSWERED)
         self.job = None
         self.deadline = None
         self.reader = None
         self.streaming = False
         if self.state is State.RETIRING:
-            self.retire_reason = "recycled"
+            self.retire_reason = Retire.RECYCLED
 
-    def kill(self, job: Job, reason: str) -> bool:
+    def kill(self, job: Job, stop: Stop) -> bool:
         """Decide to kill this worker for ``job``: True if the caller is now to send the
         signal; False if the worker no longer holds that job (it answered, or the kill is
         on its way already), and then nothing may be sent."""
         if self.state is not State.BUSY or self.job is not job:
             return False
-        self._move("kill")
-        self.kill_reason = reason
+        self._move(Move.KILL)
+        self.stop = stop
         self.deadline = None
         return True
 
-    def retire(self, reason: str) -> None:
-        self._move("retire")
+    def retire(self, reason: Retire) -> None:
+        self._move(Move.RETIRE)
         self.retire_reason = reason
 
-    def ended(self) -> tuple[State, Job | None, str | None]:
-        """The worker has died. Returns the state it died in, the job it held (if any) and
-        why it was being killed (if it was)."""
-        before, job, reason = self.state, self.job, self.kill_reason
-        self._move("ended")
+    def ended(self) -> Death:
+        """The worker has died: the state it died in, the job it held and why it was being
+        killed."""
+        death = Death(self.state, self.job, self.stop)
+        self._move(Move.ENDED)
         self.job = None
         self.deadline = None
         self.reader = None
         self.streaming = False
-        return before, job, reason
+        return death
 
     # -- descriptors ---------------------------------------------------------------------------
 
@@ -177,6 +191,17 @@ class Worker:
         if self.registration is not None and self.registration.loop.is_closed():
             self.registration.close()
             self.registration = None
+
+
+@dataclass(frozen=True, slots=True)
+class Death:
+    """A worker's end, as its handle knew it."""
+
+    state: State
+    """The state it died in: what its death means (see the module's docstring)."""
+    job: Job | None
+    stop: Stop | None
+    """Why it was being killed, if it was."""
 
 
 class LoopReader:

@@ -1,12 +1,14 @@
-"""A job's record, the pool's counters, and the events a pool reports.
+"""A job's record, why a job is stopped, the pool's counters, and the events a pool
+reports.
 
-Shared by aiocompile's own pool (``_pool``) and the pool over a foreign executor
-(``_foreign``): a job is the same thing in both, whoever runs it.
+Shared by aiocompile's own pool and the pool over a foreign executor (``_foreign``): a job
+is the same thing in both, whoever runs it.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import enum
 import logging
 import sys
 import time
@@ -14,12 +16,24 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from aiocompile._pool import serialize
-from aiocompile._pool.child import job_env
-from aiocompile._pool.handle import UNDELIVERED
-from aiocompile.errors import CompileTimeout, SchedulerClosed, WorkerCrashedError
+from aiocompile._pool.procs import job_env
+from aiocompile.errors import JobTimeout, SchedulerClosed, WorkerCrashed
 from aiocompile.records import WorkerEvent
 
 logger = logging.getLogger("aiocompile")
+
+
+class Stop(enum.Enum):
+    """Why a job is stopped on purpose, and the worker holding it killed."""
+
+    TIMEOUT = "timeout"
+    """It ran past its timeout: ``JobTimeout``."""
+    CANCELLED = "cancelled"
+    """Nobody waits for it any more (``cancel_running="kill"``): ``CancelledError``."""
+    CLOSED = "closed"
+    """The scheduler closed while it ran, and the grace period is over: ``SchedulerClosed``."""
+    UNDELIVERED = "undelivered"
+    """It could not be sent: its worker had died. It never ran there, and runs again."""
 
 
 @dataclass(eq=False)
@@ -86,29 +100,32 @@ class Job:
         except RuntimeError:  # finished already, or started meanwhile in another thread
             return self.future.running()
 
-    def stopped_error(self, reason: str) -> BaseException:
-        """What it fails with when stopped on purpose: cancelled by its caller, or the
-        scheduler closing (``reason`` says so)."""
-        return cf.CancelledError() if reason == "cancelled" else SchedulerClosed(reason)
+    def stopped_error(self, stop: Stop) -> BaseException:
+        """What it fails with when stopped on purpose, other than by its timeout."""
+        if stop is Stop.CANCELLED:
+            return cf.CancelledError()
+        if stop is Stop.CLOSED and self.started_at is not None:
+            return SchedulerClosed("the scheduler was closed while the job ran")
+        return SchedulerClosed("the scheduler was closed before the job started")
 
-    def after_death(self, reason: str | None, exitcode: int | None, tail: str, machinery_failed: bool,
+    def after_death(self, stop: Stop | None, exitcode: int | None, tail: str, machinery_failed: bool,
                     counters: PoolCounters) -> bool:
-        """Its worker died holding it: ``reason`` says why it was killed, None if it was
-        not (a crash). Fails it, or returns True: it is to run again."""
+        """Its worker died holding it: ``stop`` says why it was killed, None if it was not
+        (a crash). Fails it, or returns True: it is to run again."""
         self.last_exitcode = exitcode
         self.last_output = tail
         self.finished_at = time.monotonic()
-        if reason == UNDELIVERED:
+        if stop is Stop.UNDELIVERED:
             self.attempts -= 1  # it never reached the worker
             return True
-        if reason == "timeout":
+        if stop is Stop.TIMEOUT:
             counters.timeouts += 1
-            self.fail(CompileTimeout(f"did not finish within {self.timeout:g} s; its worker was killed",
+            self.fail(JobTimeout(f"did not finish within {self.timeout:g} s; its worker was killed",
                                      timeout=self.timeout, kernel_name=self.name, key=self.key, output=tail))
             return False
-        if reason is not None:
+        if stop is not None:
             counters.killed += 1
-            self.fail(self.stopped_error(reason))
+            self.fail(self.stopped_error(stop))
             return False
         counters.worker_crashes += 1
         if machinery_failed:
@@ -118,7 +135,7 @@ class Job:
             return True
         self.crashes += 1
         if self.crashes >= self.max_crashes:
-            self.fail(WorkerCrashedError(
+            self.fail(WorkerCrashed(
                 f"killed its worker {self.crashes} time(s), last with {signal_name(exitcode)}",
                 exitcode=exitcode, attempts=self.attempts, kernel_name=self.name, key=self.key, output=tail))
             return False
@@ -155,18 +172,25 @@ class Job:
         )
 
 
-# sys.path as the last job carried it: jobs share one copy while it stays the same.
-_path_seen: list[str] = []
+class _ImportPath:
+    """``sys.path`` as the last job carried it: jobs share one copy while it stays the
+    same, so that "unchanged" is told by identity (and the worker is sent it only then)."""
+
+    def __init__(self) -> None:
+        self._seen: list[str] = []
+
+    def now(self) -> list[str]:
+        """A copy of ``sys.path``; it must not be modified."""
+        if self._seen != sys.path:
+            self._seen = list(sys.path)
+        return self._seen
+
+
+_IMPORT_PATH = _ImportPath()
 
 
 def _import_path() -> list[str]:
-    """A copy of ``sys.path``, the same list for as long as ``sys.path`` does not change
-    (so "unchanged" is told by identity); it must not be modified."""
-    global _path_seen
-    seen = _path_seen
-    if seen != sys.path:
-        seen = _path_seen = list(sys.path)
-    return seen
+    return _IMPORT_PATH.now()
 
 
 @dataclass
@@ -183,14 +207,14 @@ class PoolCounters:
     queue_depth_max: int = 0
 
 
-def death_statuses(kill_reason: str | None, machinery_failed: bool) -> tuple[str, str]:
+def death_statuses(stop: Stop | None, machinery_failed: bool) -> tuple[str, str]:
     """(worker_exited status, job_ended status) for a worker that died holding a job."""
-    if kill_reason == UNDELIVERED:
+    if stop is Stop.UNDELIVERED:
         return "crashed", "lost"
-    if kill_reason == "timeout":
+    if stop is Stop.TIMEOUT:
         return "timeout", "timeout"
-    if kill_reason is not None:
-        return "killed", "cancelled" if kill_reason == "cancelled" else "closed"
+    if stop is not None:
+        return "killed", "cancelled" if stop is Stop.CANCELLED else "closed"
     return "crashed", "lost" if machinery_failed else "crashed"
 
 

@@ -1,7 +1,7 @@
 """Starting, killing and reaping worker processes: the three start methods.
 
 - ``forkserver`` (default on Linux): workers are forked from a private zygote process that
-  has preloaded the compiler (see ``_zygote``). Starting a worker costs a few milliseconds.
+  has preloaded the compiler (see ``zygote``).
 - ``spawn``: each worker is a fresh interpreter that preloads for itself. Slower to start,
   available everywhere ``fork`` is not wanted.
 - ``fork``: workers are forked from this process. Only when asked: forking a process with
@@ -11,7 +11,7 @@ None of them imports the parent's ``__main__`` in the worker.
 
 Every worker gets three descriptors: its job socket, the read end of an "alive" pipe whose
 only writer is this process (the worker dies when it closes, see
-``_worker.die_with_parent``), and a capture file for its stdout and stderr. A launcher is
+``procs.die_with_parent``), and a capture file for its stdout and stderr. A launcher is
 used by the pool's supervisor thread only.
 """
 
@@ -19,18 +19,28 @@ from __future__ import annotations
 
 import fcntl
 import os
-import pickle
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Protocol
 
-from aiocompile._pool.child import kill_group, kill_leftovers
+from aiocompile._pool.procs import capture_file, child_env, file_tail, kill_group, kill_leftovers
+from aiocompile._pool.protocol import (
+    CONTROL_MAX,
+    Exited,
+    Fork,
+    Forked,
+    Init,
+    Kill,
+    ZygoteMessage,
+    ZygoteReady,
+    decode_control,
+    encode_control,
+)
 
 _OUTPUT_TAIL = 8192
 
@@ -110,7 +120,7 @@ class _Descriptors:
 
     @property
     def worker_fds(self) -> tuple[int, int, int, int]:
-        """The worker's, in the order ``_worker.start`` takes them."""
+        """The worker's, in the order ``child.start`` takes them."""
         return self.child_sock.fileno(), self.jobs_r, self.alive_r, self.output_fd
 
     def close_worker_fds(self) -> None:
@@ -130,7 +140,8 @@ class _Descriptors:
 
 # Room in a job pipe: a job is written whole by the thread that submits it (an event
 # loop's, often), and a write larger than the room waits for the worker to read. A pipe
-# has 64 KiB unless told otherwise; a socket's buffer held about 200 KiB.
+# has 64 KiB unless told otherwise (pipe(7)): widened, so that a caller's job is written
+# at once.
 _JOB_PIPE_SIZE = 1 << 20
 
 
@@ -142,25 +153,8 @@ def _worker_descriptors() -> _Descriptors:
     except (OSError, AttributeError):
         pass  # not Linux, or over this system's limit: the default room, and a wait
     alive_r, alive_w = os.pipe()
-    output_fd = _capture_file()
+    output_fd = capture_file()
     return _Descriptors(parent_sock, child_sock, jobs_r, jobs_w, alive_r, alive_w, output_fd)
-
-
-def file_tail(fd: int, limit: int) -> str:
-    """The last ``limit`` bytes of the file ``fd`` (a process's captured output), decoded;
-    "" if it cannot be read."""
-    try:
-        size = os.fstat(fd).st_size
-        data = os.pread(fd, limit, max(0, size - limit))
-    except OSError:
-        return ""
-    return data.decode("utf-8", "replace")
-
-
-def _capture_file() -> int:
-    # Unlinked at once: nothing is left on disk whatever happens to either process.
-    with tempfile.TemporaryFile(prefix="aiocompile-worker-") as f:
-        return os.dup(f.fileno())
 
 
 def _close_all(*fds: int) -> None:
@@ -169,18 +163,6 @@ def _close_all(*fds: int) -> None:
             os.close(fd)
         except OSError:
             pass
-
-
-def _package_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _child_env() -> dict[str, str]:
-    # The child must find this package even when it was put on sys.path by hand.
-    env = dict(os.environ)
-    root = _package_root()
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
 
 
 class LauncherError(RuntimeError):
@@ -214,7 +196,7 @@ class ZygoteLauncher:
         self._exits.clear()
         self._forked.clear()
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._output_fd = _capture_file()
+        self._output_fd = capture_file()
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "aiocompile._pool.zygote", str(child.fileno())],
@@ -222,14 +204,14 @@ class ZygoteLauncher:
                 stdin=subprocess.DEVNULL,
                 stdout=self._output_fd,
                 stderr=self._output_fd,
-                env=_child_env(),
+                env=child_env(),
                 # Its own session: a Ctrl-C meant for the application does not reach it.
                 start_new_session=True,
             )
         finally:
             child.close()
         self._ctrl = parent
-        parent.send(pickle.dumps(("init", list(sys.path), os.getcwd(), self._preload)))
+        parent.send(encode_control(Init(list(sys.path), os.getcwd(), self._preload)))
         deadline = time.monotonic() + self._start_timeout
         while True:
             message = self._recv(deadline)
@@ -237,9 +219,8 @@ class ZygoteLauncher:
                 tail = self._zygote_output()
                 self._stop_zygote()
                 raise LauncherError(f"the worker fork server did not start:\n{tail}")
-            if message[0] == "ready":
-                problems = message[2]
-                self.problems = list(problems) if isinstance(problems, list) else []
+            if isinstance(message, ZygoteReady):
+                self.problems = list(message.problems)
                 return parent
             self._note(message)
 
@@ -252,7 +233,7 @@ class ZygoteLauncher:
         except OSError:
             return ""
 
-    def _recv(self, deadline: float | None) -> tuple[object, ...] | None:
+    def _recv(self, deadline: float | None) -> ZygoteMessage | None:
         """One control message; None when the deadline passed or the zygote is gone (then
         ``self._ctrl`` is None afterwards)."""
         if self._ctrl is None:
@@ -260,7 +241,7 @@ class ZygoteLauncher:
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         self._ctrl.settimeout(timeout)
         try:
-            data = self._ctrl.recv(1 << 20)
+            data = self._ctrl.recv(CONTROL_MAX)
         except (TimeoutError, BlockingIOError, InterruptedError):
             # Nothing there (a zero timeout makes the socket non-blocking): not an end.
             return None
@@ -275,18 +256,13 @@ class ZygoteLauncher:
             self._ctrl.close()
             self._ctrl = None
             return None
-        message: tuple[object, ...] = pickle.loads(data)
-        return message
+        return decode_control(data)
 
-    def _note(self, message: tuple[object, ...]) -> None:
-        if message[0] == "exit":
-            pid, code = message[1], message[2]
-            assert isinstance(pid, int) and isinstance(code, int)
-            self._exits[pid] = code
-        elif message[0] == "forked":
-            request_id, pid = message[1], message[2]
-            assert isinstance(request_id, int) and isinstance(pid, int)
-            self._forked[request_id] = pid
+    def _note(self, message: ZygoteMessage) -> None:
+        if isinstance(message, Exited):
+            self._exits[message.pid] = message.exitcode
+        elif isinstance(message, Forked):
+            self._forked[message.request_id] = message.pid
 
     def _stop_zygote(self) -> None:
         if self._ctrl is not None:
@@ -315,7 +291,7 @@ class ZygoteLauncher:
         self._request_ids += 1
         request_id = self._request_ids
         try:
-            socket.send_fds(ctrl, [pickle.dumps(("fork", request_id))], list(fds.worker_fds))
+            socket.send_fds(ctrl, [encode_control(Fork(request_id))], list(fds.worker_fds))
         except OSError as exc:
             fds.close_parent_fds()
             raise LauncherError(f"the worker fork server is gone: {exc}") from exc
@@ -336,7 +312,7 @@ class ZygoteLauncher:
         if self._ctrl is None:
             return
         try:
-            self._ctrl.send(pickle.dumps(("kill", worker.pid, signal.SIGKILL)))
+            self._ctrl.send(encode_control(Kill(worker.pid, signal.SIGKILL)))
         except OSError:
             pass
 
@@ -414,7 +390,7 @@ class SpawnLauncher(_DirectChildren):
                 stdin=subprocess.DEVNULL,
                 stdout=fds.output_fd,
                 stderr=fds.output_fd,
-                env=_child_env(),
+                env=child_env(),
                 cwd=os.getcwd(),
                 start_new_session=True,
             )
@@ -462,7 +438,7 @@ class ForkLauncher(_DirectChildren):
     name = "fork"
 
     def __init__(self, preload: tuple[str, ...]) -> None:
-        from aiocompile._pool.zygote import Preload
+        from aiocompile._pool.preload import Preload
 
         # Imports only: the warm-up steps are for a process of our own (they set
         # environment variables for a moment), and this one is the application's.
@@ -479,13 +455,13 @@ class ForkLauncher(_DirectChildren):
                 keep = sorted({0, 1, 2, *fds.worker_fds})
                 for low, high in zip(keep, keep[1:] + [os.sysconf("SC_OPEN_MAX")]):
                     os.closerange(low + 1, high)
-                from aiocompile._pool import child as _worker
+                from aiocompile._pool import child
 
-                _worker.start(fds.child_sock.detach(), fds.jobs_r, fds.alive_r, fds.output_fd)
+                child.start(fds.child_sock.detach(), fds.jobs_r, fds.alive_r, fds.output_fd)
             finally:
                 os._exit(72)
         try:
-            os.setpgid(pid, pid)  # as the worker does itself (see _zygote.fork)
+            os.setpgid(pid, pid)  # as the worker does itself (see zygote.fork)
         except OSError:
             pass
         fds.close_worker_fds()

@@ -18,14 +18,12 @@ import select
 import socket
 import struct
 import sys
+import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from aiocompile._pool.child import parse_message
 from aiocompile._pool.handle import LoopReader, Worker
-
-if TYPE_CHECKING:
-    from aiocompile._pool.pool import WorkerPool
+from aiocompile._pool.protocol import Done, read_answer
 
 logger = logging.getLogger("aiocompile")
 
@@ -37,11 +35,22 @@ AUDIT_PERIOD = 0.25
 LOOP_READ_MAX = 64 * 1024
 
 
-class LoopReads:
-    """The loop-read half of a :class:`~aiocompile._pool.pool.WorkerPool`."""
+class Answers(Protocol):
+    """Where a loop's reads go: the roster its workers are in (``roster.Roster``)."""
 
-    def __init__(self, pool: WorkerPool) -> None:
-        self._pool = pool
+    lock: threading.Lock
+
+    def wake(self) -> None:
+        """Wake the supervisor (to read what the loop would not)."""
+
+    def answered(self, worker: Worker, done: Done, *, in_loop: bool) -> bool: ...
+
+
+class LoopReads:
+    """The event loops that read a pool's answers, and the supervisor's audit of them."""
+
+    def __init__(self, answers: Answers) -> None:
+        self._answers = answers
 
     def reader_for(self, worker: Worker, loop: Any) -> LoopReader | None:
         """The registration through which ``loop`` reads ``worker``'s answer (under the
@@ -79,9 +88,9 @@ class LoopReads:
         answer to a job this loop holds. Anything else unregisters: the worker's end, a
         partial or large message (the supervisor is woken to read those), or an answer to
         a job someone else reads (the supervisor, another loop)."""
-        pool = self._pool
+        answers = self._answers
         data: bytes | memoryview | None = None
-        with pool._lock:
+        with answers.lock:
             mine = worker.reader is reader
             if mine:
                 data = None if worker.peek is None else whole_message(worker.peek)
@@ -98,9 +107,11 @@ class LoopReads:
                 pass
             reader.close()
             if mine:
-                pool._wake()
+                answers.wake()
             return
-        pool._answered(worker, parse_message(data), in_loop=True)
+        message = read_answer(data)
+        if isinstance(message, Done):
+            answers.answered(worker, message, in_loop=True)
 
     def audit(self, workers: list[Worker]) -> None:
         """In the supervisor: take back the sockets of answers an event loop has left
@@ -119,7 +130,7 @@ class LoopReads:
                     reader.waiting_since = now
                 if now - reader.waiting_since < LOOP_GRACE:
                     continue
-            with self._pool._lock:
+            with self._answers.lock:
                 if worker.reader is not reader:
                     continue  # the loop has just read it
                 worker.reader = None

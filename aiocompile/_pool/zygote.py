@@ -14,92 +14,37 @@ for every cache key) and a throw-away compile. Workers forked during that time d
 work themselves, in parallel, as a fresh interpreter would; workers forked after it start
 with all of it done, in a few milliseconds.
 
-Control protocol (pickled tuples over a SOCK_SEQPACKET socket, file descriptors attached
-with SCM_RIGHTS):
-
-    parent -> zygote   ("init", sys_path, cwd, preload)
-    zygote -> parent   ("ready", pid, problems)
-    parent -> zygote   ("fork", request_id)  + [job_fd, alive_fd, output_fd]
-    zygote -> parent   ("forked", request_id, pid)
-    parent -> zygote   ("kill", pid, signum)
-    zygote -> parent   ("exit", pid, exitcode)          exitcode < 0: killed by a signal
+It talks to the parent over a ``SOCK_SEQPACKET`` socket; the messages are in
+``protocol``. The parent's side is ``launch.ZygoteLauncher``.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
-import pickle
 import select
 import signal
 import socket
 import sys
 import traceback
-from collections.abc import Iterator
-from typing import Any, NoReturn
+from typing import NoReturn
 
-_MAX_MESSAGE = 1 << 20
+from aiocompile._pool.preload import Preload
+from aiocompile._pool.procs import kill_group, kill_leftovers, set_parent_death_signal
+from aiocompile._pool.protocol import (
+    CONTROL_MAX,
+    Exited,
+    Fork,
+    Forked,
+    Init,
+    Kill,
+    ZygoteMessage,
+    ZygoteReady,
+    decode_control,
+    encode_control,
+)
+
+# Warm-up steps run only after this long without a fork asked for.
 _QUIET = 0.05
-
-
-class Preload:
-    """The preload entries: ``module`` is imported; ``module:function`` is imported and
-    ``function()`` called. A function may be a generator: what it does before its first
-    ``yield`` happens at once, each later step by ``step()``, one at a time.
-
-    A broken entry makes workers slower, not wrong, so it is reported in ``problems``
-    rather than raised.
-    """
-
-    def __init__(self, entries: list[str]) -> None:
-        self.problems: list[str] = []
-        self._steps: list[tuple[str, Iterator[Any]]] = []
-        for entry in entries:
-            module_name, _, func_name = entry.partition(":")
-            try:
-                module = importlib.import_module(module_name)
-                result = getattr(module, func_name)() if func_name else None
-                if isinstance(result, Iterator):
-                    self._steps.append((entry, result))
-                    self.step()
-            except Exception:
-                self.problems.append(f"preloading {entry!r} failed:\n{traceback.format_exc()}")
-
-    @property
-    def pending(self) -> bool:
-        return bool(self._steps)
-
-    def step(self) -> None:
-        """Run the next step of the first unfinished entry."""
-        if not self._steps:
-            return
-        entry, steps = self._steps[0]
-        try:
-            next(steps)
-        except StopIteration:
-            self._steps.pop(0)
-        except Exception:
-            self._steps.pop(0)
-            self.problems.append(f"preloading {entry!r} failed:\n{traceback.format_exc()}")
-
-    def finish(self) -> list[str]:
-        while self._steps:
-            self.step()
-        return self.problems
-
-
-def _set_parent_death_signal() -> None:
-    # Linux only: if the zygote itself is killed, its workers go with it.
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except Exception:
-        pass
 
 
 class _Zygote:
@@ -110,8 +55,8 @@ class _Zygote:
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
 
-    def send(self, message: tuple[object, ...]) -> None:
-        self.ctrl.send(pickle.dumps(message))
+    def send(self, message: ZygoteMessage) -> None:
+        self.ctrl.send(encode_control(message))
 
     def run(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -144,21 +89,18 @@ class _Zygote:
 
     def handle_request(self) -> bool:
         try:
-            data, fds, _, _ = socket.recv_fds(self.ctrl, _MAX_MESSAGE, 4)
+            data, fds, _, _ = socket.recv_fds(self.ctrl, CONTROL_MAX, 4)
         except (ConnectionResetError, OSError):
             return False
         if not data:
             return False  # the parent is gone
-        message = pickle.loads(data)
-        if message[0] == "fork":
-            self.fork(message[1], fds)
-        elif message[0] == "kill":
-            _, pid, signum = message
-            if pid in self.children:
-                from aiocompile._pool.child import kill_group
-
-                kill_group(pid, signum)  # the worker and whatever compilers it runs
-        for fd in fds if message[0] != "fork" else ():
+        message = decode_control(data)
+        if isinstance(message, Fork):
+            self.fork(message.request_id, fds)
+            return True
+        if isinstance(message, Kill) and message.pid in self.children:
+            kill_group(message.pid, message.signum)  # the worker and whatever compilers it runs
+        for fd in fds:
             os.close(fd)
         return True
 
@@ -175,7 +117,7 @@ class _Zygote:
         for fd in fds:
             os.close(fd)
         self.children.add(pid)
-        self.send(("forked", request_id, pid))
+        self.send(Forked(request_id, pid))
 
     def become_worker(self, job_fd: int, jobs_fd: int, alive_fd: int, output_fd: int) -> NoReturn:
         try:
@@ -184,7 +126,7 @@ class _Zygote:
             os.close(self.wake_r)
             os.close(self.wake_w)
             self.ctrl.close()
-            _set_parent_death_signal()
+            set_parent_death_signal()
             from aiocompile._pool import child
 
             child.start(job_fd, jobs_fd, alive_fd, output_fd)
@@ -193,8 +135,6 @@ class _Zygote:
         os._exit(72)
 
     def reap(self) -> None:
-        from aiocompile._pool.child import kill_leftovers
-
         while self.children:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -206,13 +146,11 @@ class _Zygote:
             # Before the parent hears of the exit, and so before the job can run again.
             kill_leftovers(pid)
             try:
-                self.send(("exit", pid, os.waitstatus_to_exitcode(status)))
+                self.send(Exited(pid, os.waitstatus_to_exitcode(status)))
             except OSError:
                 pass
 
     def shutdown(self) -> None:
-        from aiocompile._pool.child import kill_group
-
         for pid in list(self.children):
             kill_group(pid)
         for pid in list(self.children):
@@ -225,8 +163,10 @@ class _Zygote:
 def main(ctrl_fd: int) -> None:
     ctrl = socket.socket(fileno=ctrl_fd)
     os.set_inheritable(ctrl_fd, False)
-    message = pickle.loads(ctrl.recv(_MAX_MESSAGE))
-    _, sys_path, cwd, preload = message
+    init = decode_control(ctrl.recv(CONTROL_MAX))
+    if not isinstance(init, Init):
+        raise SystemExit(f"the fork server expected its Init, got {init!r}")
+    sys_path, cwd, preload = init.sys_path, init.cwd, init.preload
     sys.path[:] = sys_path
     try:
         os.chdir(cwd)
@@ -236,7 +176,7 @@ def main(ctrl_fd: int) -> None:
     from aiocompile._pool import child  # noqa: F401
 
     loaded = Preload(preload)
-    ctrl.send(pickle.dumps(("ready", os.getpid(), loaded.problems)))
+    ctrl.send(encode_control(ZygoteReady(os.getpid(), loaded.problems)))
     _Zygote(ctrl, loaded).run()
 
 

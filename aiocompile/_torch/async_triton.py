@@ -77,7 +77,7 @@ def submit_triton(installation: Installation, async_compile: Any, kernel_name: s
         return held if in_parallel else held.result()
 
     request = inductor.build_request(kernel_name, source_code, strict=False)
-    answer = installation.current_scheduler()._execute_sync(request, installation.timeout)
+    answer = installation.current_scheduler().port.execute_sync(request, installation.timeout)
     graph = bundles.graph_context(module)  # for a repro bundle, should the kernel fail
 
     def get_result() -> Any:

@@ -39,10 +39,10 @@ from typing import TYPE_CHECKING, Any, Callable
 from aiocompile._tuning.benchpool import BenchPool, GpuTiming, Outcome, Session, Timing
 from aiocompile._tuning.inputs import Inputs
 from aiocompile._tuning.task import CallTask
-from aiocompile.records import BenchmarkRecord
+from aiocompile.records import BenchmarkOutcome, BenchmarkRecord
 
 if TYPE_CHECKING:
-    from aiocompile._core.scheduler import Scheduler
+    from aiocompile._torch.port import TorchPort
 
 _log = logging.getLogger("aiocompile")
 
@@ -172,9 +172,10 @@ class TuningPool:
     """What Inductor's ``get_tuning_process_pool()`` returns while installed: its
     ``benchmark(choices)`` and ``shutdown()``, on aiocompile's benchmark processes."""
 
-    def __init__(self, scheduler: Callable[[], Scheduler], build: Builder) -> None:
-        self._scheduler = scheduler
-        self._build = build
+    def __init__(self, port: Callable[[], TorchPort], build: Builder) -> None:
+        self._port = port
+        self.build = build
+        """What hands a native build to the scheduler (``install``'s ``_NativeSubmit``)."""
         self._lock = threading.Lock()
         self._host: BenchPool | None = None
         self._sessions: dict[int, Session] = {}
@@ -188,9 +189,9 @@ class TuningPool:
         """Each choice's time in milliseconds, ``inf`` for one that could not be timed
         (with a ``BenchmarkRecord`` saying why). Blocks the calling thread (Inductor's
         compile) until every choice is answered; never raises for a choice."""
-        sched = self._scheduler()
+        port = self._port()
         timings: dict[Any, float] = {}
-        built = _build_libraries(choices, self._build)
+        built = _build_libraries(choices, self.build)
         settings = _worker_settings()
         waiting: list[tuple[Any, cf.Future[Outcome], BenchPool]] = []
         elsewhere: list[Any] = []
@@ -198,17 +199,17 @@ class TuningPool:
             failure = built.get(id(choice))
             if failure is not None:
                 timings[choice] = math.inf
-                self._emit_failure(sched, choice, "compile_error", failure)
+                self._emit_failure(port, choice, "compile_error", failure)
                 continue
             if _elsewhere(choice):
                 elsewhere.append(choice)
                 continue
             try:
-                pool, devices = self._pool_for(sched, choice.bmreq)
+                pool, devices = self._pool_for(port, choice.bmreq)
                 task = _call_task(choice, settings)
             except Exception as exc:  # noqa: BLE001 - this choice's problem, not the compile's
                 timings[choice] = math.inf
-                self._emit_failure(sched, choice, "error", f"{type(exc).__name__}: {exc}")
+                self._emit_failure(port, choice, "error", f"{type(exc).__name__}: {exc}")
                 continue
             future = pool.submit(self._session(pool), task, devices)
             waiting.append((choice, future, pool))
@@ -219,7 +220,7 @@ class TuningPool:
             outcome = future.result()
             value = outcome.timings[0] if outcome.ok and outcome.timings else math.inf
             timings[choice] = value if not math.isnan(value) else math.inf
-            self._emit(sched, choice, outcome)
+            self._emit(port, choice, outcome)
             if outcome.ok and outcome.timings and len(outcome.timings) >= 5:
                 _log.debug("max-autotune choice %s: %.4f ms (rebuilt in %.3f s, benchmark() %.3f s, of which Triton "
                            "compiled %.3f s, cache hit %s)", _label(choice), *outcome.timings[:4],
@@ -238,11 +239,11 @@ class TuningPool:
         """Start the benchmark processes the choices will need (Inductor asks for its pool
         before it precompiles), and have them import Inductor meanwhile."""
         try:
-            sched = self._scheduler()
+            port = self._port()
             if GpuTiming().count() > 0:
-                pool = sched._tuning().pool()
+                pool = port.tuner().pool()
             else:
-                pool = self._host_pool(sched)
+                pool = self._host_pool(port)
             for device in pool.devices:
                 with self._lock:
                     if (id(pool), device) in self._warmed:
@@ -263,14 +264,14 @@ class TuningPool:
         if inductor is not None:
             inductor.shutdown()
 
-    def _pool_for(self, sched: Scheduler, bmreq: Any) -> tuple[BenchPool, frozenset[int]]:
+    def _pool_for(self, port: TorchPort, bmreq: Any) -> tuple[BenchPool, frozenset[int]]:
         if bmreq is None:
             raise ValueError("the choice has no benchmark request")
         device = _device_of(bmreq)
         if device is None or device.type == "cpu":
-            pool = self._host_pool(sched)
+            pool = self._host_pool(port)
             return pool, frozenset(pool.devices)
-        pool = sched._tuning().pool()
+        pool = port.tuner().pool()
         if not pool.devices:
             raise RuntimeError("no GPU to time this choice on (tuning_devices, or none visible)")
         index = device.index or 0
@@ -284,12 +285,12 @@ class TuningPool:
                 self._inductor = autotune_process.TuningProcessPool()
             return self._inductor
 
-    def _host_pool(self, sched: Scheduler) -> BenchPool:
+    def _host_pool(self, port: TorchPort) -> BenchPool:
         with self._lock:
             if self._closed:
                 raise RuntimeError("aiocompile.torch was uninstalled")
             if self._host is None:
-                self._host = BenchPool(HostTiming(), [0], timeout=sched.config.benchmark_timeout)
+                self._host = BenchPool(HostTiming(), [0], timeout=port.config.benchmark_timeout)
             return self._host
 
     def _session(self, pool: BenchPool) -> Session:
@@ -300,25 +301,20 @@ class TuningPool:
                 session = self._sessions[id(pool)] = Session(Inputs((), ()))
             return session
 
-    def _emit(self, sched: Scheduler, choice: Any, outcome: Outcome) -> None:
+    def _emit(self, port: TorchPort, choice: Any, outcome: Outcome) -> None:
         timings = outcome.timings or (None,)
-        _emit_record(sched, BenchmarkRecord(
-            name=_name(choice), config=_label(choice), outcome=outcome.status, time_ms=timings[0], p20_ms=None,
-            p80_ms=None, reason=outcome.reason, device=outcome.device, device_name=outcome.device_name,
+        port.record_benchmark(BenchmarkRecord(
+            name=_name(choice), config=_label(choice), outcome=BenchmarkOutcome(outcome.status), time_ms=timings[0],
+            p20_ms=None, p80_ms=None, reason=outcome.reason, device=outcome.device, device_name=outcome.device_name,
             attempt=outcome.attempt, pid=outcome.pid, started_at=outcome.started_at,
             finished_at=outcome.finished_at))
 
-    def _emit_failure(self, sched: Scheduler, choice: Any, status: str, reason: str) -> None:
+    def _emit_failure(self, port: TorchPort, choice: Any, status: str, reason: str) -> None:
         now = time.time()
-        _emit_record(sched, BenchmarkRecord(
-            name=_name(choice), config=_label(choice), outcome=status, time_ms=None, p20_ms=None, p80_ms=None,
-            reason=reason, device=None, device_name=None, attempt=0, pid=None, started_at=now, finished_at=now))
-
-
-def _emit_record(sched: Scheduler, record: BenchmarkRecord) -> None:
-    sched._metrics.benchmark(record, keep=sched.config.metrics)
-    if sched.config.metrics:
-        sched._events.emit(record)
+        port.record_benchmark(BenchmarkRecord(
+            name=_name(choice), config=_label(choice), outcome=BenchmarkOutcome(status), time_ms=None, p20_ms=None,
+            p80_ms=None, reason=reason, device=None, device_name=None, attempt=0, pid=None, started_at=now,
+            finished_at=now))
 
 
 def _name(choice: Any) -> str:
@@ -459,7 +455,7 @@ def _cpp_precompile(original: Any, pool: TuningPool) -> Any:
         # pool's workers instead, and the library is loaded here, as Inductor would.
         from torch._inductor.codecache import CppCodeCache
 
-        CppCodeCache.load_async(self.source_code, device_type="cpu", submit_fn=pool._build())()
+        CppCodeCache.load_async(self.source_code, device_type="cpu", submit_fn=pool.build())()
 
     setattr(precompile, _MARK, pool)
     return precompile

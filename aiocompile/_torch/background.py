@@ -32,9 +32,10 @@ from aiocompile._core.scheduler import Scheduler
 from aiocompile._observe import repro as _repro
 from aiocompile._torch import ahead, export, graph
 from aiocompile._torch import parcel as _parcel
+from aiocompile._torch.job import ENV_PREFIXES, ExportJob
 from aiocompile._torch.states import TRANSITIONS, BackgroundStatus, ShapeStatus, _Entry
 from aiocompile.backends import Request
-from aiocompile.errors import CompileError, CompileTimeout, WorkerCrashedError
+from aiocompile.errors import CompileError, JobTimeout, WorkerCrashed
 
 __all__ = ["TRANSITIONS", "BackgroundCompiled", "BackgroundStatus", "ShapeStatus", "compile_in_background"]
 
@@ -200,10 +201,10 @@ class BackgroundCompiled:
             torch.save((tuple(args), dict(kwargs)), inputs)
             device_index = _device_index(torch, args, kwargs)
             form = _form(self._artifact, on_gpu=device_index >= 0)
-            job = export.ExportJob(
+            job = ExportJob(
                 name=self._name, signature=entry.text, parcel=parcel, inputs=inputs.getvalue(),
                 inductor_configs=dict(self._configs), device_index=device_index,
-                env={name: value for name, value in os.environ.items() if name.startswith(export.ENV_PREFIXES)},
+                env={name: value for name, value in os.environ.items() if name.startswith(ENV_PREFIXES)},
                 repro=_repro.root_of(self._scheduler.config), form=form,
             )
             request = Request(
@@ -211,7 +212,7 @@ class BackgroundCompiled:
                 target="cpu" if device_index < 0 else f"cuda:{device_index}",
                 fn=export.build_package, args=(job,), finish=_identity, details=_details,
             )
-            answer = self._scheduler._execute_sync(request, self._timeout)
+            answer = self._scheduler.port.execute_sync(request, self._timeout)
         except BaseException as exc:
             self._release_parcel()
             self._fail(entry, exc)
@@ -243,7 +244,7 @@ class BackgroundCompiled:
                 self._packing_users = 0
                 self._parcel = None
 
-    def _finish(self, entry: _Entry, job: export.ExportJob, done: cf.Future[Any]) -> None:
+    def _finish(self, entry: _Entry, job: ExportJob, done: cf.Future[Any]) -> None:
         """Load what the worker built and switch the signature to it (in a lane's
         thread), or record why there is none. Whatever goes wrong here fails the
         signature: nothing is left compiling for ever."""
@@ -254,10 +255,10 @@ class BackgroundCompiled:
             self._fail(entry, exc)
             raise
 
-    def _settle(self, entry: _Entry, job: export.ExportJob, done: cf.Future[Any]) -> None:
+    def _settle(self, entry: _Entry, job: ExportJob, done: cf.Future[Any]) -> None:
         exc = done.exception()
         if exc is not None:
-            if isinstance(exc, (WorkerCrashedError, CompileTimeout)) and exc.repro is None \
+            if isinstance(exc, (WorkerCrashed, JobTimeout)) and exc.repro is None \
                     and job.repro is not None:
                 # The worker could not write a bundle: it was gone.
                 from aiocompile._torch import bundles
@@ -313,7 +314,7 @@ class BackgroundCompiled:
         runner.load_constants(constants, check_full_update=True, user_managed=True)
         return runner, constants
 
-    def _load_failure(self, job: export.ExportJob, exc: Exception) -> CompileError:
+    def _load_failure(self, job: ExportJob, exc: Exception) -> CompileError:
         error = CompileError(f"loading the compiled package here failed: {type(exc).__name__}: {exc}",
                              kernel_name=self._name)
         error.__cause__ = exc
@@ -613,7 +614,7 @@ def _scheduler_for_background(device: str = "cpu", form: str = "package") -> tup
     config = SchedulerConfig.from_env()
     scheduler = Scheduler(config=config.with_changes(preload=(*config.preload, PRELOAD),
                                                      workers=min(config.workers, MAX_OWN_WORKERS)))
-    scheduler._warm_workers(export.warm_up, (device, form))
+    scheduler.port.warm_workers(export.warm_up, (device, form))
     return scheduler, True
 
 

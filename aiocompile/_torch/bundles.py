@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from aiocompile._observe.repro import ReproRoot
 
 if TYPE_CHECKING:
-    from aiocompile._torch.export import ExportJob
+    from aiocompile._torch.job import ExportJob
 
 # Generated sources collected from Inductor's cache directory, at most.
 _SOURCE_SUFFIXES = (".py", ".cpp", ".h", ".hpp", ".cu", ".ttir", ".ttgir", ".llir", ".ptx", ".json")
@@ -180,7 +180,7 @@ def background_script(job: ExportJob, stage: str, error_type: str) -> str:
 
 
 def _package_configs() -> dict[str, Any]:
-    from aiocompile._torch.export import PACKAGE_CONFIGS
+    from aiocompile._torch.job import PACKAGE_CONFIGS
 
     return dict(PACKAGE_CONFIGS)
 
@@ -325,7 +325,7 @@ def graph_context(async_compile_module: Any) -> tuple[Any, Any] | None:
 def kernel_failure(root: ReproRoot, exc: BaseException, kernel_name: str, source_code: str,
                    context: tuple[Any, Any] | None) -> str:
     """Write the bundle of an Inductor kernel that did not compile; returns its directory."""
-    from aiocompile._pool.child import job_env
+    from aiocompile._pool.procs import job_env
     from aiocompile.backends.inductor._backend import WORKER_ENV_NAMES
 
     # What the worker compiled under: the job's own variables and Inductor's.

@@ -36,46 +36,14 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-from aiocompile._observe.repro import ReproRoot
 from aiocompile._torch import cxx, graph, isa
-from aiocompile._torch.parcel import Parcel, unpack
+from aiocompile._torch.job import ENV_PREFIXES, PACKAGE_CONFIGS, ExportJob
+from aiocompile._torch.parcel import unpack
 from aiocompile.errors import CompileError
 
 STAGES = ("load", "export", "compile", "trial")
-
-# Set on every package: the serving process gives the weights itself.
-PACKAGE_CONFIGS = {"aot_inductor.package_constants_in_so": False}
-
-
-@dataclass(frozen=True)
-class ExportJob:
-    """One background compile: everything the worker needs, in plain values."""
-
-    name: str
-    """The model's name, for messages and bundle names."""
-    signature: str
-    """The inputs, readable (``f32[4, 128, 256] cpu``)."""
-    parcel: Parcel = field(repr=False)
-    inputs: bytes = field(repr=False)
-    """``torch.save((args, kwargs))``."""
-    inductor_configs: dict[str, Any]
-    device_index: int
-    """Where the package runs: the inputs' CUDA device, or -1."""
-    env: dict[str, str]
-    """Inductor's environment variables (``ENV_PREFIXES``) as the parent has them: set
-    here first, and those the parent lacks unset."""
-    repro: ReproRoot | None
-    form: str = "package"
-    """What to build: ``"package"`` (AOTInductor's, with a C++ wrapper) or ``"python"``
-    (Inductor's Python wrapper, :mod:`._graph`; a program it cannot run gets a package)."""
-
-
-# Environment variables of Inductor's that a compile carries from the parent.
-ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_", "TORCH_LOGS")
-
 
 # What a compile imports beyond what the fork server preloads: seconds, paid in the
 # warm-up rather than by the first compile.

@@ -139,7 +139,7 @@ def _patch(scheduler: Scheduler | None, early: Scheduler | None, timeout: float 
         installation.graph_hook = graph_repro.patch(lambda: repro.root_of(installation.scheduler.config))
         # max-autotune: template choices timed in aiocompile's benchmark processes.
         installation.tuning = autotune.patch(
-            autotune.TuningPool(installation.current_scheduler, lambda: _NativeSubmit(installation)))
+            autotune.TuningPool(lambda: installation.current_scheduler().port, lambda: _NativeSubmit(installation)))
         STATE.current = installation
     return installation
 
@@ -147,7 +147,7 @@ def _patch(scheduler: Scheduler | None, early: Scheduler | None, timeout: float 
 def _own_scheduler() -> Scheduler:
     scheduler = Scheduler(config=_own_config())
     # The fork server preloads now, while the program goes on to torch.compile.
-    scheduler._prepare_pool()
+    scheduler.port.start_pool()
     return scheduler
 
 
@@ -296,7 +296,7 @@ def _cuda(self: Any, source_code: str, dst_file_ext: str, aot_compile: bool = Fa
     module = async_triton.async_compile_module()
     _log_kernel(module, "CUDA Kernel:\n%s", source_code)
     request = _native.cuda_request(source_code, dst_file_ext, aot_compile)
-    answer = installation.current_scheduler()._execute_sync(request, installation.timeout)
+    answer = installation.current_scheduler().port.execute_sync(request, installation.timeout)
 
     def load() -> Any:
         # What Inductor's compile thread does once the build is done: the compile finds
@@ -326,7 +326,7 @@ class _NativeSubmit:
         from aiocompile.backends.inductor import _native
 
         request = _native.cpp_request(build)
-        self.future = self.installation.current_scheduler()._execute_sync(request, self.installation.timeout)
+        self.future = self.installation.current_scheduler().port.execute_sync(request, self.installation.timeout)
         return self.future
 
 
@@ -394,7 +394,7 @@ def _warm(installation: Installation) -> None:
             return
         installation.warmed = True
     try:
-        scheduler._warm_workers(_warm_up_function())
+        scheduler.port.warm_workers(_warm_up_function())
     except Exception:  # a closed scheduler, a pool that cannot start: the compile will say
         pass
 

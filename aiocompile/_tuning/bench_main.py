@@ -151,7 +151,7 @@ def _exit_if_broken(timer: Any, conn: Connection) -> None:
 
 
 def main() -> NoReturn:  # pragma: no cover - runs in a fresh interpreter
-    from aiocompile._pool.child import die_with_parent
+    from aiocompile._pool.procs import die_with_parent
 
     began = time.time()
     sock_fd, alive_fd = int(sys.argv[1]), int(sys.argv[2])

@@ -306,7 +306,7 @@ class BenchPool:
             for slot in self._slots.values():
                 process = slot.process
                 if process is not None and process.state is not State.GONE:
-                    from aiocompile._pool.child import kill_group
+                    from aiocompile._pool.procs import kill_group
 
                     kill_group(process.pid)
         for task in queued:

@@ -9,8 +9,10 @@
        └──kill──▶ KILLING                      │  └──kill(T)──▶ KILLING  (T ran past its time)
     any state ──ended──▶ GONE
 
-- Only the thread that drives a process (one per device, see ``_benchpool``) moves it, so
-  the state needs no lock; closing the pool only kills, and the driver then sees it end.
+- Every move is checked against ``TRANSITIONS`` (``aiocompile._pool.state``, as a pool
+  worker's are). Only the thread that drives a process (one per device, see ``benchpool``)
+  moves it, so the state needs no lock; closing the pool only kills, and the driver then
+  sees it end.
 - ``ended`` is the process's death, whatever its cause; what it means depends on the state
   it died in: STARTING (a failed start), IDLE (a crash that cost no configuration), BUSY
   (its configuration crashed it), KILLING or EXITING (a death that was expected).
@@ -33,8 +35,8 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from aiocompile._pool.child import kill_group
-from aiocompile._pool.launch import _child_env, file_tail
+from aiocompile._pool.procs import child_env, file_tail, kill_group
+from aiocompile._pool.state import Transitions, from_every
 
 _OUTPUT_TAIL = 4096
 
@@ -48,21 +50,28 @@ class State(enum.Enum):
     GONE = "gone"
 
 
-S = State
-TRANSITIONS: dict[tuple[State, str], State] = {
-    (S.STARTING, "ready"): S.IDLE,
-    (S.STARTING, "kill"): S.KILLING,
-    (S.IDLE, "claim"): S.BUSY,
-    (S.IDLE, "stop"): S.EXITING,
-    (S.BUSY, "answered"): S.IDLE,
-    (S.BUSY, "faulted"): S.EXITING,
-    (S.BUSY, "kill"): S.KILLING,
-    **{(state, "ended"): S.GONE for state in State if state is not S.GONE},
-}
+class Move(enum.Enum):
+    READY = "ready"
+    CLAIM = "claim"
+    ANSWERED = "answered"
+    FAULTED = "faulted"
+    """Its configuration left the device unusable: it exits."""
+    KILL = "kill"
+    STOP = "stop"
+    ENDED = "ended"
 
 
-class InvalidTransition(RuntimeError):
-    """A benchmark process was asked to do what its state does not allow: a bug."""
+S, M = State, Move
+TRANSITIONS: Transitions[State, Move] = Transitions("benchmark process", {
+    (S.STARTING, M.READY): S.IDLE,
+    (S.STARTING, M.KILL): S.KILLING,
+    (S.IDLE, M.CLAIM): S.BUSY,
+    (S.IDLE, M.STOP): S.EXITING,
+    (S.BUSY, M.ANSWERED): S.IDLE,
+    (S.BUSY, M.FAULTED): S.EXITING,
+    (S.BUSY, M.KILL): S.KILLING,
+    **from_every([state for state in State if state is not S.GONE], M.ENDED, S.GONE),
+})
 
 
 class Lost(Exception):
@@ -90,36 +99,33 @@ class BenchProcess:
     def pid(self) -> int:
         return self.popen.pid
 
-    def _move(self, event: str) -> None:
-        target = TRANSITIONS.get((self.state, event))
-        if target is None:
-            raise InvalidTransition(f"a {self.state.value} benchmark process (pid {self.pid}) cannot take {event!r}")
-        self.state = target
+    def _move(self, move: Move) -> None:
+        self.state = TRANSITIONS.after(self.state, move, f"pid {self.pid}")
 
     # -- the transitions ---------------------------------------------------------------------
 
     def ready(self, device_name: str) -> None:
-        self._move("ready")
+        self._move(Move.READY)
         self.device_name = device_name
 
     def claim(self, task: Any) -> None:
-        self._move("claim")
+        self._move(Move.CLAIM)
         self.task = task
 
     def answered(self) -> None:
-        self._move("answered")
+        self._move(Move.ANSWERED)
         self.task = None
 
     def faulted(self) -> None:
-        self._move("faulted")
+        self._move(Move.FAULTED)
 
     def kill(self) -> None:
         """Move to KILLING and send the signal (to its whole process group)."""
-        self._move("kill")
+        self._move(Move.KILL)
         kill_group(self.pid)
 
     def stop(self) -> None:
-        self._move("stop")
+        self._move(Move.STOP)
         try:
             self.conn.send(("stop",))
         except OSError:
@@ -129,7 +135,7 @@ class BenchProcess:
         """Reap the process (killing it if it has not gone within ``timeout`` seconds) and
         close this side; returns the state it ended in and its exit status."""
         before = self.state
-        self._move("ended")
+        self._move(Move.ENDED)
         try:
             self.exitcode = self.popen.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -202,7 +208,7 @@ def launch(device: int, env: dict[str, str]) -> BenchProcess:
             stdin=subprocess.DEVNULL,
             stdout=output_fd,
             stderr=output_fd,
-            env={**_child_env(), **env},
+            env={**child_env(), **env},
             cwd=os.getcwd(),
             start_new_session=True,
         )

@@ -92,7 +92,7 @@ class TritonTimer:
         if compiled is None:
             # Loading checks the kernel's shared memory and registers against the device:
             # a configuration that does not fit raises OutOfResources here.
-            compiled = TritonKernel.from_bytes(task.kernel)._ensure_loaded()
+            compiled = TritonKernel.from_bytes(task.kernel).ensure_loaded()
             if len(self._kernels) > 64:
                 self._kernels.clear()
             self._kernels[task.kernel] = compiled

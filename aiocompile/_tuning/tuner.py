@@ -32,8 +32,9 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiocompile._base import bridge, checks, threads
 from aiocompile._tuning import plan as _plan
@@ -44,10 +45,13 @@ from aiocompile._tuning.inputs import Inputs
 from aiocompile._tuning.rounds import Rounds, screen_for
 from aiocompile._tuning.task import BenchTask
 from aiocompile.errors import AutotuneError, CompileError, SchedulerClosed
-from aiocompile.records import BenchmarkRecord
+from aiocompile.records import BenchmarkOutcome, BenchmarkRecord
 
 if TYPE_CHECKING:
-    from aiocompile._core.scheduler import Scheduler
+    from aiocompile._core.config import SchedulerConfig
+    from aiocompile._observe.progress import Progress
+    from aiocompile.backends import Request
+    from aiocompile.backends.triton import TritonBackend
     from aiocompile.backends.triton._kernel import TritonKernel
 
 _log = logging.getLogger("aiocompile")
@@ -92,12 +96,42 @@ class AutotuneResult:
         return _plan.describe(self.config)
 
 
+class TuningPort(Protocol):
+    """What a tuner asks of the scheduler it tunes for (the scheduler's engine)."""
+
+    config: SchedulerConfig
+    triton: TritonBackend
+    """The Triton backend, whose keys a tuning's compiles need."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    def check_open(self) -> None:
+        """``SchedulerClosed`` if the scheduler may not take work."""
+
+    def execute_sync(self, request: Request, timeout: float | None) -> cf.Future[Any]:
+        """A compile from a tuning thread: the scheduler's request path, answered through
+        a ``concurrent.futures.Future``."""
+        ...
+
+    async def compile_triton(self, kernel: Any, *, signature: Mapping[str, Any],
+                             constexprs: Mapping[str, Any] | None = None, target: Any = None,
+                             timeout: float | None = None, attrs: Mapping[str, Any] | None = None,
+                             **options: Any) -> TritonKernel: ...
+
+    def progress(self, total: int, enabled: bool, description: str = "compiling") -> Progress: ...
+
+    def count_tuning(self, what: str, count: int = 1) -> None: ...
+
+    def record_benchmark(self, record: BenchmarkRecord) -> None: ...
+
+
 class Tuner:
     """The ``autotune()`` machinery of one scheduler: its benchmark processes (started on
     first use), its decisions, and the tunings under way."""
 
-    def __init__(self, scheduler: Scheduler, timing: Timing | None = None) -> None:
-        self._sched = scheduler
+    def __init__(self, port: TuningPort, timing: Timing | None = None) -> None:
+        self._port = port
         self.timing = timing or GpuTiming()
         self._lock = threading.Lock()
         self._pool: BenchPool | None = None
@@ -109,7 +143,7 @@ class Tuner:
         """Wall-clock times of the latest ``autotune()``'s steps, and each configuration's
         (compiled, sent, timed; seconds loading and timing it), for profiles."""
         self._executor = cf.ThreadPoolExecutor(32, thread_name_prefix="aiocompile-tuning")
-        config = scheduler.config
+        config = port.config
         disk = None
         if config.cache_dir is not None:
             from aiocompile._cache.disk import DiskCache
@@ -124,7 +158,7 @@ class Tuner:
         """The devices benchmark processes may use, of ``count`` visible (blocking: may
         ask torch)."""
         count = self.timing.count() if count is None else count
-        wanted = self._sched.config.tuning_devices
+        wanted = self._port.config.tuning_devices
         if wanted is None:
             return list(range(count))
         missing = [d for d in wanted if d >= count]
@@ -166,7 +200,7 @@ class Tuner:
                 raise SchedulerClosed("the scheduler is closed")
             if self._pool is None:
                 self._pool = BenchPool(self.timing, self.devices() if devices is None else devices,
-                                       timeout=self._sched.config.benchmark_timeout, on_process=self._on_process)
+                                       timeout=self._port.config.benchmark_timeout, on_process=self._on_process)
             return self._pool
 
     def _on_process(self, what: str, device: int, pid: int, detail: str | None) -> None:
@@ -212,7 +246,7 @@ class Tuner:
             if not priming.imported("triton", within):
                 return
             started = time.monotonic()
-            self._sched._triton.warm_triton_key()
+            self._port.triton.warm_triton_key()
             if self.timing.loads_in_parent and priming.imported("torch", within - (time.monotonic() - started)):
                 priming.prime_parent_loading()
         except Exception:  # paid by the first tuning instead
@@ -237,12 +271,12 @@ class Tuner:
 
     async def autotune(self, kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, grid: Any,
                        device: int | None, timeout: float | None, progress: bool) -> AutotuneResult:
-        sched = self._sched
+        port = self._port
         checks.CALL_TIMEOUT.check("timeout", timeout)
         checks.DEVICE.check("device", device)
         if grid is None or not (callable(grid) or isinstance(grid, (tuple, list, int))):
             raise TypeError(f"autotune() needs the launch's grid: a tuple of ints or a callable, got {grid!r}")
-        sched._check_open()
+        port.check_open()
         if "triton" not in sys.modules:  # then it cannot be a Triton kernel
             raise TypeError(f"autotune() takes a kernel decorated with @triton.autotune, got {type(kernel).__name__}; "
                             "for a plain @triton.jit function use warmup()")
@@ -251,16 +285,16 @@ class Tuner:
         profile: dict[str, Any] = {"called_at": time.time()}
         # The first compile's key needs Triton hashed (once per process, and the costliest
         # step of a first key): hashed now, beside the plan, rather than after it.
-        threads.KEYS.submit(sched._triton.warm_triton_key)
+        threads.KEYS.submit(port.triton.warm_triton_key)
         target, devices, device_name = await threads.LOADS.run(lambda: self._resolve_and_start(device, current))
         profile["resolved_at"] = time.time()
         plan = await threads.LOADS.run(lambda: _plan.prepare(kernel, args, kwargs, grid, target))
         profile["planned_at"] = time.time()
-        sched._check_open()
+        port.check_open()
         if not plan.tunes:
             await threads.LOADS.run(plan.expand)
             result = await self._prime(plan, plan.configs[0], None, "single", device_name, timeout)
-            sched._metrics.tuning("answered")
+            port.count_tuning("answered")
             return result
         decision_key = plan.decision_key(device_name)
         try:
@@ -289,11 +323,11 @@ class Tuner:
             profile["source"] = source
             self.last_profile = profile
         except BaseException:
-            sched._metrics.tuning("failures")
+            port.count_tuning("failures")
             raise
-        sched._metrics.tuning("answered")
+        port.count_tuning("answered")
         if source in ("memory", "disk"):
-            sched._metrics.tuning("hits")
+            port.count_tuning("hits")
         return result
 
     def _resolve_and_start(self, device: int | None, current: int) -> tuple[int, frozenset[int], str]:
@@ -350,7 +384,7 @@ class Tuner:
 
     def _tune(self, plan: _plan.TuningPlan, key: str, devices: frozenset[int], device_name: str,
               timeout: float | None, progress: bool, profile: dict[str, Any]) -> Decision:
-        sched = self._sched
+        port = self._port
         started = time.perf_counter()
         profile["tune_at"] = time.time()
         pool = self.pool()
@@ -363,16 +397,16 @@ class Tuner:
         rows: dict[int, dict[str, Any]] = {index: {"label": _plan.describe(config)}
                                            for index, config in enumerate(plan.pruned)}
         profile["configs"] = [rows[index] for index in range(len(plan.pruned))]
-        bar = sched._progress(2 * len(plan.pruned), progress, description=f"tuning {plan.name}")
+        bar = port.progress(2 * len(plan.pruned), progress, description=f"tuning {plan.name}")
         compiles: dict[cf.Future[Any], _plan.ConfigPlan] = {}
         failed: dict[int, tuple[str, str]] = {}
         reading: cf.Future[Inputs] | None = None
         tensors = 0
         # Each configuration compiles as soon as it is specialised, the first at once.
         for planned in plan.expanding():
-            request = sched._triton._prepare_now({"kernel": plan.chain.jit, **_request_item(planned.spec.request())},
+            request = port.triton.prepare_now({"kernel": plan.chain.jit, **_request_item(planned.spec.request())},
                                                  None)
-            compiles[sched._execute_sync(request, timeout)] = planned
+            compiles[port.execute_sync(request, timeout)] = planned
             rows[planned.index]["compile_submitted_at"] = time.time()
             if reading is None:
                 # The launch's tensors are known once one configuration is specialised
@@ -393,7 +427,7 @@ class Tuner:
             profile["inputs_read_at"] = time.time()
             profile["inputs_sent"] = session.sent
             pool.offer(session, devices)
-            screen = screen_for(plan.hooks.timing, sched.config.tuning_screen, len(plan.configs))
+            screen = screen_for(plan.hooks.timing, port.config.tuning_screen, len(plan.configs))
             live = session
 
             def submit(index: int, compiled: Any, settings: tuple[float, float] | None) -> cf.Future[Outcome]:
@@ -467,7 +501,7 @@ class Tuner:
                 reason = failed.get(planned.index, (None, None))[1] or (outcome.reason if outcome else None)
                 rows.append((planned.label, None, reason or "not timed"))
         closed = any(o is not None and o.status == "closed" for o in outcomes.values())
-        if self._sched.closed or closed or any(reason.startswith("SchedulerClosed") for _, reason in failed.values()):
+        if self._port.closed or closed or any(reason.startswith("SchedulerClosed") for _, reason in failed.values()):
             # Timings cut short say nothing about the configurations left: no decision.
             raise SchedulerClosed("the scheduler was closed while it tuned")
         if all(t[0] == inf for t in timings.values()):
@@ -482,7 +516,7 @@ class Tuner:
                             triton_version=triton.__version__, config=_plan.config_id(best.config), label=best.label,
                             timings=tuple(rows), tuned_at=time.time())
         if left_out:
-            self._sched._metrics.tuning("left_out", len(left_out))
+            self._port.count_tuning("left_out", len(left_out))
         if any(o is not None and o.status == "start_failed" for o in outcomes.values()):
             # Chosen among the configurations some benchmark process could time: good for
             # this call, not to be kept (the next call tunes again).
@@ -491,7 +525,7 @@ class Tuner:
             self.decisions.forget(key)
         else:
             self.decisions.keep(decision)
-        self._sched._metrics.tuning("tuned")
+        self._port.count_tuning("tuned")
         _log.info("tuned %s for %s in %.2f s: [%s] at %.4f ms (%d configurations, %d failed)", plan.name,
                   device_name, seconds, best.label, timings[best.index][0], len(rows),
                   sum(1 for _, ms, _ in rows if ms is None))
@@ -501,7 +535,7 @@ class Tuner:
                 round_: str) -> None:
         timings = outcome.timings or (None, None, None)
         record = BenchmarkRecord(
-            name=plan.name, config=planned.label, outcome=outcome.status, time_ms=timings[0],
+            name=plan.name, config=planned.label, outcome=BenchmarkOutcome(outcome.status), time_ms=timings[0],
             p20_ms=timings[1] if len(timings) > 1 else None, p80_ms=timings[2] if len(timings) > 2 else None,
             reason=outcome.reason, device=outcome.device, device_name=outcome.device_name, attempt=outcome.attempt,
             pid=outcome.pid, started_at=outcome.started_at, finished_at=outcome.finished_at, key=key, round=round_)
@@ -509,22 +543,19 @@ class Tuner:
 
     def _record_failure(self, plan: _plan.TuningPlan, planned: _plan.ConfigPlan, status: str, reason: str) -> None:
         now = time.time()
-        self._emit(BenchmarkRecord(name=plan.name, config=planned.label, outcome=status, time_ms=None, p20_ms=None,
-                                   p80_ms=None, reason=reason, device=None, device_name=None, attempt=0, pid=None,
-                                   started_at=now, finished_at=now))
+        self._emit(BenchmarkRecord(name=plan.name, config=planned.label, outcome=BenchmarkOutcome(status),
+                                   time_ms=None, p20_ms=None, p80_ms=None, reason=reason, device=None,
+                                   device_name=None, attempt=0, pid=None, started_at=now, finished_at=now))
 
     def _emit(self, record: BenchmarkRecord) -> None:
-        sched = self._sched
-        sched._metrics.benchmark(record, keep=sched.config.metrics)
-        if sched.config.metrics:
-            sched._events.emit(record)
+        self._port.record_benchmark(record)
 
     # -- priming ----------------------------------------------------------------------------
 
     async def _prime(self, plan: _plan.TuningPlan, chosen: _plan.ConfigPlan, decision: Decision | None, source: str,
                      device_name: str, timeout: float | None) -> AutotuneResult:
-        sched = self._sched
-        kernel: TritonKernel = await sched.compile_triton(plan.chain.jit, timeout=timeout, **chosen.spec.request())
+        port = self._port
+        kernel: TritonKernel = await port.compile_triton(plan.chain.jit, timeout=timeout, **chosen.spec.request())
         load = self.timing.loads_in_parent
         await threads.LOADS.run(lambda: priming.warmup_prime(plan, chosen, kernel, decision, load))
         timings = () if decision is None else tuple(ConfigTiming(*row) for row in decision.timings)
@@ -538,7 +569,7 @@ def _check_and_expand_first(plan: _plan.TuningPlan) -> None:
 
 
 def _request_item(request: dict[str, Any]) -> dict[str, Any]:
-    """``_warmup.Plan.request()`` as ``TritonBackend._prepare_now`` takes an item."""
+    """``_warmup.Plan.request()`` as ``TritonBackend.prepare_now`` takes an item."""
     request = dict(request)
     return {"signature": request.pop("signature"), "constexprs": request.pop("constexprs"),
             "attrs": request.pop("attrs"), "target": request.pop("target"), "options": request}
@@ -546,14 +577,8 @@ def _request_item(request: dict[str, Any]) -> dict[str, Any]:
 
 def _bench_task(plan: _plan.TuningPlan, planned: _plan.ConfigPlan, compiled: Any,
                 screen: tuple[float, float] | None) -> BenchTask:
-    from aiocompile.backends.triton._kernel import TritonKernel
-
     # Only the binary travels: loading needs nothing else.
-    binary_only = TritonKernel(
-        name=compiled.name, key=compiled.key, target=compiled.target,
-        asm={compiled.binary_ext: compiled.asm[compiled.binary_ext]}, metadata_json=compiled._metadata_json,
-        compile_time=compiled.compile_time, arg_names=compiled.arg_names, signature=compiled.signature,
-        constexprs=compiled.constexprs, triton_version=compiled.triton_version, triton_hash=compiled.triton_hash)
+    binary_only = compiled.binary_only()
     import pickle
 
     config = planned.config

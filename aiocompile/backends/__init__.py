@@ -8,6 +8,7 @@ sees requests, so it never branches on the language; adding a compiler is one ne
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
@@ -69,3 +70,10 @@ class BackendContext(Protocol):
 
     async def to_thread(self, fn: Callable[[], Any]) -> Any: ...
 
+
+
+def source_features(source: str) -> tuple[tuple[str, float], ...]:
+    """The features of a compile known by its source alone (C++, CUDA, an Inductor
+    kernel's module): log2 of the source's size in bytes, the cost model's ``source`` term
+    (see ``aiocompile._core.costs``)."""
+    return (("source", math.log2(max(len(source.encode("utf-8", errors="surrogatepass")), 1))),)

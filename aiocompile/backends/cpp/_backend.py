@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiocompile._base import checks
-from aiocompile._core.costs import source_features
-from aiocompile.backends import Request
+from aiocompile.backends import Request, source_features
 from aiocompile.backends._native import _compiler
 from aiocompile.backends._native._backend import NativeBackend, key_of, keyed_headers, record_details
 from aiocompile.backends._native._compiler import Compiler

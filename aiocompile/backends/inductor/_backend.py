@@ -39,8 +39,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiocompile._core.costs import source_features
-from aiocompile.backends import BackendContext, Request
+from aiocompile.backends import BackendContext, Request, source_features
 from aiocompile.backends.inductor import _worker as _inductor_worker
 from aiocompile.backends.triton._backend import KEY_ENV_NAMES
 

@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any, Callable
 
-from aiocompile._pool.child import environment
+from aiocompile._pool.procs import environment
 
 __all__ = ["BuildStep", "build_commands", "build_cuda", "build_native", "ready"]
 

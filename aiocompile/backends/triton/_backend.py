@@ -383,7 +383,7 @@ class TritonBackend:
             out: list[Request | Exception] = []
             for item in items:
                 try:
-                    out.append(self._prepare_now(item, current))
+                    out.append(self.prepare_now(item, current))
                 except Exception as exc:
                     out.append(exc)
                 time.sleep(0)  # the interpreter lock released: a waiting event loop may take it now
@@ -392,7 +392,7 @@ class TritonBackend:
         prepared: list[Request | Exception] = await ctx.to_thread(prepare_all)
         return prepared
 
-    def _prepare_now(self, item: dict[str, Any], current: Target | Exception | None) -> Request:
+    def prepare_now(self, item: dict[str, Any], current: Target | Exception | None) -> Request:
         """``prepare`` of one item in one go, in the calling thread, ``current`` standing
         for the current device's target."""
         found = self._recall_or_check(item["kernel"], item["signature"], item.get("constexprs"),

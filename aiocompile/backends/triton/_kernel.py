@@ -55,7 +55,8 @@ class TritonKernel:
         self.target = target
         self.asm = dict(asm)
         self.metadata: dict[str, Any] = json.loads(metadata_json)
-        self._metadata_json = metadata_json
+        self.metadata_json = metadata_json
+        """The metadata as Triton wrote it (``metadata`` is this, parsed)."""
         self.compile_time = compile_time
         self.arg_names = tuple(arg_names)
         self.signature = dict(signature)
@@ -108,7 +109,7 @@ class TritonKernel:
             "name": self.name,
             "key": self.key,
             "target": self.target,
-            "metadata_json": self._metadata_json,
+            "metadata_json": self.metadata_json,
             "compile_time": self.compile_time,
             "arg_names": list(self.arg_names),
             "signature": self.signature,
@@ -162,6 +163,15 @@ class TritonKernel:
     def __reduce__(self) -> tuple[Any, ...]:
         return (TritonKernel.from_bytes, (self.to_bytes(),))
 
+    def binary_only(self) -> TritonKernel:
+        """This kernel without its intermediate forms: what loading it takes, and no more
+        (a benchmark process is sent this)."""
+        return TritonKernel(
+            name=self.name, key=self.key, target=self.target, asm={self.binary_ext: self.asm[self.binary_ext]},
+            metadata_json=self.metadata_json, compile_time=self.compile_time, arg_names=self.arg_names,
+            signature=self.signature, constexprs=self.constexprs, triton_version=self.triton_version,
+            triton_hash=self.triton_hash)
+
     # -- loading and launching ------------------------------------------------------------
 
     @property
@@ -174,10 +184,12 @@ class TritonKernel:
         from aiocompile._base.threads import LOADS
 
         device = _current_device()
-        await LOADS.run(lambda: self._ensure_loaded(device))
+        await LOADS.run(lambda: self.ensure_loaded(device))
         return self
 
-    def _ensure_loaded(self, device: int | None = None) -> Any:
+    def ensure_loaded(self, device: int | None = None) -> Any:
+        """Load the binary here and now (blocking; ``load()`` is the awaitable form) and
+        return Triton's ``CompiledKernel``, handles ready."""
         with self._load_lock:
             if self._compiled is None:
                 self._compiled = rebuild_compiled_kernel(self)
@@ -191,7 +203,7 @@ class TritonKernel:
 
     def __getitem__(self, grid: Any) -> Callable[..., None]:
         def launch(*args: Any, stream: Any = None, **kwargs: Any) -> None:
-            compiled = self._ensure_loaded()
+            compiled = self.ensure_loaded()
             full_args = self._bind(args, kwargs)
             meta = dict(zip(self.arg_names, full_args))
             dims = grid(meta) if callable(grid) else grid
@@ -323,7 +335,7 @@ def rebuild_compiled_kernel(kernel: TritonKernel, src: Any = None) -> Any:
             group[f"{kernel.name}.{ext}"] = path
         path = os.path.join(scratch, f"{kernel.name}.json")
         with open(path, "w") as f:
-            f.write(kernel._metadata_json)
+            f.write(kernel.metadata_json)
         group[f"{kernel.name}.json"] = path
         if src is None:
             src = ASTSource(_LaunchFn(kernel.name, kernel.arg_names), dict(kernel.signature), dict(kernel.constexprs))

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from aiocompile._pool.child import environment
+from aiocompile._pool.procs import environment
 from aiocompile.backends.triton._ship import Resolver
 from aiocompile.errors import CompileError
 
