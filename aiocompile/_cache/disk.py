@@ -4,20 +4,17 @@ Layout: ``<dir>/<key[:2]>/<key>.aiok``, one file per key, holding the result's o
 form (for Triton, ``TritonKernel.to_bytes()``: versioned and checksummed), sealed
 (``_sealed``) when a secret is set.
 
-- A file is written to a temporary name in the same directory and renamed into place, so
-  a reader sees a whole file or none, and several processes may write the same key at once
-  (the last rename wins; the contents are the same). Directories made here are 0700 and
-  files 0600, whatever the umask: they hold code this process will run.
+- A file is written to a temporary name and renamed into place: a reader sees a whole
+  file or none, and processes may write one key at once. Directories are 0700 and files
+  0600, whatever the umask: they hold code this process will run.
 - Reading a file touches its modification time; when the directory grows past its bound,
   the files touched longest ago are deleted until it is back under 90% of it.
 - Nothing that goes wrong with a file fails a request: a file that cannot be read, is not
   trusted or does not decode is a miss, and the kernel is compiled; each is counted, each
   cause logged once at WARNING.
-- Trust: a file read here becomes code that runs on the GPU, and its checksum stops no one
-  who writes a kernel of their own. So the directory, each subdirectory and each file
-  (a regular file: no link) must be owned by this user or root and writable by neither
-  group nor others; or, with a secret (``SchedulerConfig.cache_key``), a file loads only
-  if its seal verifies, whoever owns it. docs/deployment.md tells users how to ship it.
+- Trust: a file read here becomes code that runs on the GPU. So the directory and each
+  file (regular, no link) must be this user's or root's and writable by no one else; or,
+  with a secret (``cache_key``), a file loads only if its seal verifies.
 
 What the cache may do with its directory (``access``), decided when it opens:
 
@@ -31,9 +28,8 @@ refused      not trusted and no secret, or not a usable directory: nothing is re
              written, every kernel is compiled
 ===========  ============================================================================
 
-All of it runs in the disk cache's own threads, never on an event loop or in the pool's
-supervisor thread, but for the few system calls that decide ``access`` where the cache is
-made.
+All of it runs in the disk cache's own threads, but for the few system calls that decide
+``access`` where the cache is made.
 """
 
 from __future__ import annotations

@@ -7,55 +7,9 @@ Every field is checked when a configuration is made, by the rule ``SETTINGS`` gi
 ``MAX_SECONDS`` (about 11.6 days), and ``None`` stands for "no limit" where there may be
 none.
 
-=========================  ============================================================
-AIOCOMPILE_WORKERS         worker processes (default: the CPUs this process may use, at
-                           most 16)
-AIOCOMPILE_TIMEOUT         default per-job timeout in seconds (default: none)
-AIOCOMPILE_MAX_CRASHES     crashes after which a job fails (default: 2)
-AIOCOMPILE_START_METHOD    forkserver, spawn or fork (default: forkserver on Linux)
-AIOCOMPILE_CANCEL_RUNNING  keep or kill: what cancelling the last waiter of a running
-                           job does (default: keep)
-AIOCOMPILE_MAX_WORKER_RSS  bytes of resident memory after which a worker is replaced
-                           (default: no limit)
-AIOCOMPILE_IDLE_TIMEOUT    seconds after which an idle worker is stopped (default: never)
-AIOCOMPILE_CACHE_DIR       directory of the disk cache shared by processes (default: none)
-AIOCOMPILE_CACHE_DIR_BYTES bound of that directory in bytes (default: 4 GiB)
-AIOCOMPILE_CACHE_KEY       secret that signs the directory's entries: only entries
-                           signed with it are loaded (default: none: entries unsigned,
-                           the directory used only if no other user can write it)
-AIOCOMPILE_CACHE_URL       a shared cache for a fleet: redis://host:6379/0, rediss://...
-                           or unix:///path/redis.sock (default: none)
-AIOCOMPILE_CACHE_URL_TTL   seconds a shared entry lives after it was last written or
-                           read (default: 7 days)
-AIOCOMPILE_CACHE_URL_ENTRY_BYTES  largest entry written to it (default: 64 MiB)
-AIOCOMPILE_CACHE_URL_TIMEOUT      seconds each call to it may take, connecting
-                           included (default: 0.25)
-AIOCOMPILE_CACHE_URL_RETRY seconds it is left alone after failing (default: 5)
-AIOCOMPILE_EVENT_LOG       JSON-lines file every record and worker event is appended to
-                           (default: none)
-AIOCOMPILE_COST_HISTORY    JSON file of compile times, for starting a batch's longest
-                           compiles first (default: costs.json in the cache directory if
-                           there is one, else kept in memory only)
-AIOCOMPILE_METRICS         0 keeps only the counters: no records, summaries or events
-                           (default: 1)
-AIOCOMPILE_WORKER_NICE     how much nicer than this process workers run (default: 10)
-AIOCOMPILE_BENCHMARK_TIMEOUT
-                           seconds one configuration may take in a benchmark process
-                           (``autotune()``) before it counts as hung (default: 60)
-AIOCOMPILE_TUNING_DEVICES  the devices given a benchmark process, comma-separated
-                           (default: every visible device)
-AIOCOMPILE_TUNING_SCREEN   how far behind the fastest, after a short timing, a
-                           configuration may be and still be timed in full, or off:
-                           time every one in full (default: 1.25)
-AIOCOMPILE_BENCHMARK_AT_START
-                           1: start the benchmark processes with the scheduler, not at
-                           the first ``autotune()`` (default: 0)
-AIOCOMPILE_REPRO_DIR       where a repro bundle is written for each failed compile, or
-                           off (default: aiocompile/repro under $XDG_CACHE_HOME, else
-                           under ~/.cache)
-AIOCOMPILE_REPRO_KEEP      bundles kept there, the oldest removed first (default: 50)
-AIOCOMPILE_REPRO_DIR_BYTES bound of that directory in bytes (default: 1 GiB)
-=========================  ============================================================
+Each setting, its default and its variable (``AIOCOMPILE_WORKERS``, ``AIOCOMPILE_TIMEOUT``,
+...) are listed where the code declares them (``SETTINGS``, the fields below) and in
+docs/api.md ("Configuration").
 """
 
 from __future__ import annotations

@@ -16,31 +16,17 @@ compile's cost before it runs. In order of trust:
    corrected likewise by its target's residuals where that target was measured.
 
 The model is a small linear regression of log(seconds), one per backend, on the terms of
-``TERMS``: for Triton, log2 of the source's size (the kernel and the ``@jit`` functions it
-calls), log2 of the tile (the product of the ``BLOCK*``/``TILE*`` constexprs), log2 of
-``num_warps``, whether it calls ``tl.dot``, and, for a kernel that does, its tile, warps
-and ``num_stages`` again (a matmul's compile grows with its unrolled tile; an elementwise
-kernel's hardly does); other backends give the source's size alone. It starts from
-``PRIORS`` (fitted once to 128 Triton compiles of this repository's benchmark kernels:
-enough to put a 128x256 matmul before a 16x32 one, and a matmul before a vector add)
-and learns from every compile: ridge regression toward the prior, whose slopes count as
-one observation each (``PRIOR_WEIGHTS``) and whose bias hardly counts, so that the first
-compile on a machine sets its speed, the next few bend the slopes and a few dozen replace
-them. ``CostHistory.model(backend)`` shows the coefficients in use.
+``TERMS`` (for Triton: source size, tile, warps, ``tl.dot``, stages; for the others the
+source's size), learned from every compile as a ridge regression toward ``PRIORS``
+(``PRIOR_WEIGHTS`` say how far); ``CostHistory.model(backend)`` shows it. docs/architecture.md
+("Ordering a batch") tells why each term is there.
 
-The history lives in memory for the scheduler's life and, given a path, in a JSON file that
-later processes read (a restarted server, a fresh build machine with the directory):
-``{"version": 2, "costs": {key: [seconds, name, backend, target, when, features]}}``
-(version 1 files, without the features, are read too). Writes merge with what the file
-holds (another process may have written it meanwhile), keep the newest ``limit`` entries
-and replace the file atomically. Compiles Triton answered from its own disk cache are not
-noted: their time says nothing about the compile.
-
-With a shared cache (``cache_url``), the history is also kept there, one entry per key
-(see ``SharedCache.read_costs``): a fresh build machine with an empty ``cache_dir`` starts
-with the fleet's history. It is read with the file and merged with it (for a key in both,
-the newer entry), and each save sends the entries noted since the last one. Entries from
-there are checked as the file's are; they are not signed, being only an order of work.
+The history lives in memory and, given a path, in a JSON file later processes read
+(``{"version": 2, "costs": {key: [seconds, name, backend, target, when, features]}}``);
+writes merge with what the file holds and replace it atomically. With a shared cache
+(``cache_url``) it is kept there too, so a fresh machine starts with the fleet's history.
+Compiles Triton answered from its own disk cache are not noted: their time says nothing
+about the compile.
 """
 
 from __future__ import annotations

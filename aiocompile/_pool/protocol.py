@@ -19,31 +19,17 @@ Between the parent and a worker, jobs go on a pipe and answers come back on a so
                                    data's length: the data then comes as a message of its
                                    own, which the parent unpickles as it reads (``Payload``)
 
-The worker reads its pipe with ``Inbox``; the parent reads answers with ``read_answer``,
-or, for a streamed answer, with ``Payload``. Both are headers of fixed layout rather than
-pickled tuples, so that neither side pickles a payload twice.
+The worker reads its pipe with ``Inbox``, the parent answers with ``read_answer`` (a
+streamed one with ``Payload``): headers of fixed layout, so no payload is pickled twice.
+Between the parent and the fork server, one pickled dataclass a ``SOCK_SEQPACKET`` packet:
+``Init`` -> ``ZygoteReady``; ``Fork`` (with the worker's descriptors attached) ->
+``Forked``; ``Kill``; ``Exited`` for each worker reaped.
 
-Between the parent and the fork server, over a ``SOCK_SEQPACKET`` socket, one pickled
-message a packet (descriptors attached with ``SCM_RIGHTS``)::
-
-    parent -> zygote   Init(sys_path, cwd, preload)
-    zygote -> parent   ZygoteReady(pid, problems)
-    parent -> zygote   Fork(request_id)  + [answer socket, job pipe, alive pipe, output file]
-    zygote -> parent   Forked(request_id, pid)
-    parent -> zygote   Kill(pid, signum)
-    zygote -> parent   Exited(pid, exitcode)          exitcode < 0: killed by that signal
-
-*Decoding never raises*: whatever a job returned or raised, ``outcome`` makes of it a result
-or an exception for its caller, and nothing else is touched. An exception that cannot be
-rebuilt in the parent (its class lives in a module only the worker could import, its
-``__reduce__`` fails here) becomes a ``JobError`` carrying its type's name, its message and
-the worker's traceback; it never escapes into the thread that read it (the supervisor,
-which would take every other job down with it, or an event loop's callback, which would
-leave the caller waiting forever).
-
-*A large answer never holds the interpreter lock for long*: it is streamed (``Payload``),
-the unpickler reading large buffers straight into the object being rebuilt, each
-``readv`` letting the lock go while the kernel copies.
+*Decoding never raises* (``outcome``): an exception the parent cannot rebuild becomes a
+``JobError`` with its type's name, its message and the worker's traceback, and never
+escapes into the thread that read it (the supervisor, or an event loop's callback). *A
+large answer never holds the interpreter lock for long*: it is streamed (``Payload``),
+each ``readv`` letting the lock go while the kernel copies into the object rebuilt.
 """
 
 from __future__ import annotations
