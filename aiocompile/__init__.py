@@ -21,7 +21,7 @@ first used: worker processes import parts of this package, and must not pay for 
 import importlib as _importlib
 import typing as _typing
 
-__version__ = "0.1.0"
+from aiocompile._base.version import VERSION as __version__  # noqa: F401 - the package's version
 
 # Public name -> the module that defines it.
 _EXPORTS = {
@@ -31,7 +31,7 @@ _EXPORTS = {
     "JobTimeout": "aiocompile.errors",
     "Scheduler": "aiocompile._core.scheduler",
     "SchedulerClosed": "aiocompile.errors",
-    "SchedulerConfig": "aiocompile._core.config",
+    "SchedulerConfig": "aiocompile._base.config",
     "Target": "aiocompile._base.target",
     "TritonSource": "aiocompile.backends.triton",
     "WorkerCrashed": "aiocompile.errors",
@@ -111,8 +111,8 @@ def __dir__() -> list[str]:
 
 
 if _typing.TYPE_CHECKING:
+    from aiocompile._base.config import SchedulerConfig
     from aiocompile._base.target import Target
-    from aiocompile._core.config import SchedulerConfig
     from aiocompile._core.default import (
         autotune,
         compile_cpp,

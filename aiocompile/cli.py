@@ -28,9 +28,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from aiocompile._base.config import SETTINGS, SchedulerConfig
 from aiocompile._base.target import parse_target
 from aiocompile._cache.disk import DiskCache, make_private_dir, write_private
-from aiocompile._core.config import SETTINGS, SchedulerConfig
 from aiocompile._core.scheduler import Scheduler
 from aiocompile.errors import CompileError
 

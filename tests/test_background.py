@@ -46,7 +46,7 @@ def repro_root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def sched(repro_root):
     """Workers that start with torch imported; a job that kills one fails at once."""
-    from aiocompile._core.config import TRITON_PRELOAD
+    from aiocompile._base.config import TRITON_PRELOAD
 
     config = aiocompile.SchedulerConfig(workers=2, preload=(TRITON_PRELOAD, aiotorch.PRELOAD), max_crashes=1,
                                         repro_dir=str(repro_root))

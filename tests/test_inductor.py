@@ -655,7 +655,7 @@ TOLERANCES = {"mlp": 1e-4, "attention": 1e-4, "convnet": 1e-4}
 
 def torch_scheduler(**kwargs):
     """A scheduler whose workers start with torch imported (as ``install()`` makes one)."""
-    from aiocompile._core.config import TRITON_PRELOAD
+    from aiocompile._base.config import TRITON_PRELOAD
     from aiocompile.torch import PRELOAD
 
     return aiocompile.Scheduler(config=aiocompile.SchedulerConfig(preload=(TRITON_PRELOAD, PRELOAD)), **kwargs)

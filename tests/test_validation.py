@@ -17,7 +17,7 @@ from triton_kernels import ADD_SIGNATURE, add_kernel
 
 import aiocompile
 from aiocompile._base.checks import MAX_SECONDS
-from aiocompile._core.config import ENVIRONMENT, SETTINGS
+from aiocompile._base.config import ENVIRONMENT, SETTINGS
 from aiocompile._foreign.pool import ForeignPool
 from aiocompile._pool.pool import WorkerPool
 

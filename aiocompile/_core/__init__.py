@@ -6,5 +6,5 @@
 - ``batch``: ``compile_many``; ``waiting``: ``wait``;
 - ``jit``: what the scheduler does for Triton's JIT (``warmup``) and Inductor;
 - ``costs``: how long compiles take, for starting the longest first;
-- ``config``: ``SchedulerConfig``; ``default``: the scheduler behind the module functions.
+- ``default``: the scheduler behind the module-level functions.
 """

@@ -8,7 +8,7 @@ import threading
 from collections.abc import Iterable, Mapping
 from typing import Any, Callable
 
-from aiocompile._core.config import SchedulerConfig
+from aiocompile._base.config import SchedulerConfig
 from aiocompile._core.scheduler import Scheduler
 from aiocompile._tuning.tuner import AutotuneResult
 from aiocompile.backends.cpp._library import NativeLibrary

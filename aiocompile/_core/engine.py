@@ -26,12 +26,12 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 from aiocompile._base import bridge, checks, threads
+from aiocompile._base.config import SchedulerConfig
 from aiocompile._base.target import parse_target
 from aiocompile._cache.disk import DiskCache
 from aiocompile._cache.memory import KernelCache
 from aiocompile._cache.shared import SharedCache
 from aiocompile._core.admission import Gates
-from aiocompile._core.config import SchedulerConfig
 from aiocompile._core.costs import CostHistory
 from aiocompile._core.requests import Admitted, Requests
 from aiocompile._foreign.executors import ExecutorSpec

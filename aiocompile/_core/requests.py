@@ -26,10 +26,10 @@ from typing import Any, Callable
 import anyio
 
 from aiocompile._base import bridge
+from aiocompile._base.config import SchedulerConfig
 from aiocompile._cache.disk import DiskCache
 from aiocompile._cache.memory import Entry, Found, KernelCache
 from aiocompile._cache.shared import SharedCache
-from aiocompile._core.config import SchedulerConfig
 from aiocompile._core.costs import CostHistory
 from aiocompile._foreign.pool import ForeignPool
 from aiocompile._observe.events import EventHub

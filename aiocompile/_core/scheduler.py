@@ -26,9 +26,9 @@ from typing import Any, Callable
 import anyio
 
 from aiocompile._base import checks, threads
+from aiocompile._base.config import SchedulerConfig
 from aiocompile._core import jit
 from aiocompile._core.batch import compile_batch
-from aiocompile._core.config import SchedulerConfig
 from aiocompile._core.engine import Engine
 from aiocompile._core.waiting import wait_many
 from aiocompile._foreign.executors import ExecutorSpec

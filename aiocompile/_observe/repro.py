@@ -200,7 +200,7 @@ def versions() -> dict[str, str | None]:
     from their metadata: nothing is imported)."""
     from importlib import metadata
 
-    from aiocompile import __version__
+    from aiocompile._base.version import VERSION as __version__
 
     found: dict[str, str | None] = {
         "python": sys.version.split()[0], "platform": platform.platform(), "machine": platform.machine(),

@@ -604,7 +604,7 @@ def _scheduler_for_background(device: str = "cpu", form: str = "package") -> tup
     started at once, each importing what a compile needs while the program starts up
     (for a package, Inductor's CPU check; for a model on a GPU, compiling a small one
     there: ``export.warm_up``)."""
-    from aiocompile._core.config import SchedulerConfig
+    from aiocompile._base.config import SchedulerConfig
     from aiocompile._torch.installation import STATE
     from aiocompile.backends.inductor._worker import PRELOAD
 

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from typing import Any, Callable
 
 from aiocompile._base import checks
-from aiocompile._core.config import TRITON_PRELOAD, SchedulerConfig, named_in_env
+from aiocompile._base.config import TRITON_PRELOAD, SchedulerConfig, named_in_env
 from aiocompile._core.scheduler import Scheduler
 from aiocompile._observe import repro
 from aiocompile._torch import async_triton, autotune, graph_repro

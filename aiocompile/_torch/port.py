@@ -8,7 +8,7 @@ import concurrent.futures as cf
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 if TYPE_CHECKING:
-    from aiocompile._core.config import SchedulerConfig
+    from aiocompile._base.config import SchedulerConfig
     from aiocompile._tuning.tuner import Tuner
     from aiocompile.backends import Request
     from aiocompile.records import BenchmarkRecord

@@ -48,7 +48,7 @@ from aiocompile.errors import AutotuneError, CompileError, SchedulerClosed
 from aiocompile.records import BenchmarkOutcome, BenchmarkRecord
 
 if TYPE_CHECKING:
-    from aiocompile._core.config import SchedulerConfig
+    from aiocompile._base.config import SchedulerConfig
     from aiocompile._observe.progress import Progress
     from aiocompile.backends import Request
     from aiocompile.backends.triton import TritonBackend
