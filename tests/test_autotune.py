@@ -623,13 +623,14 @@ async def test_the_tensors_reach_a_process_while_it_starts(tmp_path, monkeypatch
     monkeypatch.setenv("STAND_IN_START_GATE", str(gate))
     kernel = tk.tuned([tk.config(64, mode=si.SUM), tk.config(128, cost=2)])
     from aiocompile._tuning.benchproc import BenchProcess
+    from aiocompile._tuning.task import LoadInputs
 
     sent = threading.Event()
     real_send = BenchProcess.send
 
     def send(process, message):
         real_send(process, message)
-        if message[0] == "inputs":
+        if isinstance(message, LoadInputs):
             sent.set()
 
     monkeypatch.setattr(BenchProcess, "send", send)

@@ -33,10 +33,24 @@ from multiprocessing.connection import Connection
 from typing import Any, NoReturn
 
 from aiocompile._tuning.inputs import SharedInputs
-from aiocompile._tuning.task import CallTask
+from aiocompile._tuning.task import (
+    Bench,
+    CallTask,
+    Drop,
+    Init,
+    InputsFailed,
+    InputsLoaded,
+    LoadInputs,
+    Ready,
+    Result,
+    StartFailed,
+    Status,
+    Stop,
+    ToProcess,
+)
 
 # A tuning's tensors are kept for the next few configurations; older ones are dropped
-# (the parent sends them again if asked: "need_inputs").
+# (the parent sends them again if asked: ``Status.NEED_INPUTS``).
 _SESSIONS_KEPT = 2
 
 
@@ -55,16 +69,15 @@ def _reason(exc: BaseException) -> str:
 
 
 def serve(conn: Connection, began: float | None = None) -> NoReturn:
-    message = conn.recv()
-    assert message[0] == "init"
-    _, sys_path, entry, device = message
-    for path in reversed(sys_path):
+    init = conn.recv()
+    assert isinstance(init, Init)
+    for path in reversed(init.sys_path):
         if path not in sys.path:
             sys.path.insert(0, path)
     # Messages are read as they come, by a thread of their own: a tuning's tensors may be
     # sent while this process is still starting (importing torch takes seconds), and are
     # then here, unpickled, when it is ready.
-    inbox: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
+    inbox: queue.Queue[ToProcess | None] = queue.Queue()
 
     def pump() -> None:
         while True:
@@ -78,44 +91,44 @@ def serve(conn: Connection, began: float | None = None) -> NoReturn:
     threading.Thread(target=pump, name="aiocompile-bench-inbox", daemon=True).start()
     opening = time.time()
     try:
-        timer = _import(entry)()
-        name = timer.open(device)
+        timer = _import(init.timer)()
+        name = timer.open(init.device)
     except BaseException as exc:
-        conn.send(("start_failed", f"{_reason(exc)}\n{traceback.format_exc()}"))
+        conn.send(StartFailed(f"{_reason(exc)}\n{traceback.format_exc()}"))
         os._exit(3)
     # Where the start went (wall-clock times, and the timer's own steps), for profiles.
     startup = {"began_at": began, "opening_at": opening, "ready_at": time.time(),
                **dict(getattr(timer, "startup", None) or {})}
-    conn.send(("ready", os.getpid(), str(name), startup))
+    conn.send(Ready(os.getpid(), str(name), startup))
     sessions: collections.OrderedDict[int, Any] = collections.OrderedDict()
     while True:
         message = inbox.get()
         if message is None:  # the parent closed its end
             os._exit(0)
-        kind = message[0]
-        if kind == "stop":
+        if isinstance(message, Stop):
             os._exit(0)
-        if kind == "drop":
-            sessions.pop(message[1], None)
+        if isinstance(message, Drop):
+            sessions.pop(message.session, None)
             continue
-        if kind == "inputs":
-            _, session, inputs = message
+        if isinstance(message, LoadInputs):
+            session = message.session
             try:
+                inputs = message.inputs
                 if isinstance(inputs, SharedInputs):
                     inputs = inputs.open()
                 sessions[session] = timer.load_inputs(inputs)
             except BaseException as exc:
-                conn.send(("inputs_failed", session, _reason(exc)))
+                conn.send(InputsFailed(session, _reason(exc)))
                 _exit_if_broken(timer, conn)
                 continue
             while len(sessions) > _SESSIONS_KEPT:
                 sessions.popitem(last=False)
-            conn.send(("inputs_ok", session))
+            conn.send(InputsLoaded(session))
             continue
-        if kind == "bench":
-            _, task_id, session, task = message
+        if isinstance(message, Bench):
+            task_id, session, task = message.task_id, message.session, message.task
             if session not in sessions:
-                conn.send(("result", task_id, "need_inputs", None, None))
+                conn.send(Result(task_id, Status.NEED_INPUTS))
                 continue
             sessions.move_to_end(session)
             took = time.perf_counter()
@@ -127,14 +140,14 @@ def serve(conn: Connection, began: float | None = None) -> NoReturn:
             except BaseException as exc:
                 reason = _reason(exc)
                 if _healthy(timer):
-                    conn.send(("result", task_id, "error", None, reason))
+                    conn.send(Result(task_id, Status.ERROR, reason=reason))
                     continue
-                conn.send(("result", task_id, "fault", None, reason))
+                conn.send(Result(task_id, Status.FAULT, reason=reason))
                 os._exit(4)
             phases = {"seconds": time.perf_counter() - took}
             if not isinstance(task, CallTask):  # the timer's phases are those of its own last task
                 phases.update(dict(getattr(timer, "last_phases", None) or {}))
-            conn.send(("result", task_id, "ok", [float(t) for t in timings], None, phases))
+            conn.send(Result(task_id, Status.OK, tuple(float(t) for t in timings), None, phases))
 
 
 def _healthy(timer: Any) -> bool:

@@ -24,7 +24,7 @@ What can go wrong, and what it costs:
   with the reason (``start_failed``), and a device whose process failed to start twice in
   a row fails what it is given at once for a while, rather than paying a start each time.
 
-Every configuration's future is answered with an :class:`Outcome`, never an exception,
+Every configuration's future is answered with a :class:`Timed`, never an exception,
 and never left waiting: closing the pool answers what is queued (``closed``) and kills the
 processes, which ends what runs.
 """
@@ -44,7 +44,22 @@ from typing import Any, Callable
 
 from aiocompile._tuning.benchproc import BenchProcess, Lost, State, describe_exit, launch
 from aiocompile._tuning.inputs import Inputs, SharedInputs, share, unshare
-from aiocompile._tuning.task import BenchTask, CallTask
+from aiocompile._tuning.task import (
+    Bench,
+    BenchTask,
+    CallTask,
+    Drop,
+    FromProcess,
+    Init,
+    InputsFailed,
+    InputsLoaded,
+    LoadInputs,
+    Ready,
+    Result,
+    StartFailed,
+    Status,
+)
+from aiocompile.records import BenchmarkOutcome
 
 _log = logging.getLogger("aiocompile")
 
@@ -60,11 +75,11 @@ _FAST_FAIL_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
-class Outcome:
+class Timed:
     """What became of one configuration in a benchmark process."""
 
-    status: str
-    """``ok``, ``error``, ``fault``, ``crashed``, ``timeout``, ``start_failed`` or ``closed``."""
+    status: BenchmarkOutcome
+    """Any but ``COMPILE_ERROR`` (a configuration that did not compile never comes here)."""
     timings: tuple[float, ...] | None
     """Triton's (median, 20th percentile, 80th percentile), in milliseconds, when ``ok``."""
     reason: str | None
@@ -80,7 +95,10 @@ class Outcome:
 
     @property
     def ok(self) -> bool:
-        return self.status == "ok"
+        return self.status is BenchmarkOutcome.OK
+
+
+Outcome = Timed  # the name ``_torch.autotune`` imports
 
 
 class Session:
@@ -194,7 +212,7 @@ class _Task:
     devices: frozenset[int]
     session: Session
     payload: BenchTask | CallTask
-    future: cf.Future[Outcome]
+    future: cf.Future[Timed]
     attempts: int = 0
 
 
@@ -237,15 +255,15 @@ class BenchPool:
     def devices(self) -> list[int]:
         return list(self._slots)
 
-    def submit(self, session: Session, payload: BenchTask | CallTask, devices: frozenset[int]) -> cf.Future[Outcome]:
+    def submit(self, session: Session, payload: BenchTask | CallTask, devices: frozenset[int]) -> cf.Future[Timed]:
         """Queue one configuration for any of ``devices``; its future is always answered
-        with an ``Outcome`` (cancel it to withdraw it while it waits)."""
-        future: cf.Future[Outcome] = cf.Future()
+        with a ``Timed`` (cancel it to withdraw it while it waits)."""
+        future: cf.Future[Timed] = cf.Future()
         task = _Task(next(self._ids), devices, session, payload, future)
         with self._lock:
             if self._closed:
                 future.set_running_or_notify_cancel()
-                future.set_result(_given_up(task, min(devices), "closed", "the scheduler was closed"))
+                future.set_result(_given_up(task, min(devices), BenchmarkOutcome.CLOSED, "the scheduler was closed"))
                 return future
             self._queue.append(task)
             for device in devices:
@@ -311,7 +329,8 @@ class BenchPool:
                     kill_group(process.pid)
         for task in queued:
             if task.future.set_running_or_notify_cancel():
-                task.future.set_result(_given_up(task, min(task.devices), "closed", "the scheduler was closed"))
+                task.future.set_result(_given_up(task, min(task.devices), BenchmarkOutcome.CLOSED,
+                                                 "the scheduler was closed"))
         deadline = time.monotonic() + timeout
         for thread in threads:
             if thread is not threading.current_thread():
@@ -372,7 +391,7 @@ class BenchPool:
                 except Exception as exc:  # a bug here must not leave the configuration unanswered
                     _log.exception("timing a configuration on device %d failed", slot.device)
                     self._abandon(slot)
-                    outcome = _given_up(task, slot.device, "error", f"{type(exc).__name__}: {exc}")
+                    outcome = _given_up(task, slot.device, BenchmarkOutcome.ERROR, f"{type(exc).__name__}: {exc}")
                 task.future.set_result(outcome)
         finally:
             self._retire(slot)
@@ -417,8 +436,10 @@ class BenchPool:
             process.kill()
             self._ended(slot, process, None)
             return "the scheduler was closed"
+        message: FromProcess | None = None
+        lost = False
         try:
-            process.send(("init", list(sys.path), self.timing.timer, slot.device))
+            process.send(Init(tuple(sys.path), self.timing.timer, slot.device))
             deadline = time.monotonic() + self.start_timeout
             early: dict[Session, tuple[float, float]] = {}
             while True:
@@ -428,39 +449,41 @@ class BenchPool:
                 message = process.receive(min(deadline, time.monotonic() + _EARLY_POLL_SECONDS))
                 if message is not None or time.monotonic() >= deadline:
                     break
-            if message is not None and message[0] == "ready":
+            if isinstance(message, Ready):
                 for session, (sending, began) in early.items():
                     answer = process.receive(deadline)
                     if answer is None:
                         raise Lost("the benchmark process did not take the tensors in time")
-                    if answer[0] == "inputs_ok":
+                    if isinstance(answer, InputsLoaded):
                         process.sessions.add(session.id)
                         session.sent[slot.device] = (sending, time.perf_counter() - began)
         except Lost:
-            message = ("lost",)
-        if message is not None and message[0] == "ready":
-            process.ready(str(message[2]))
+            lost = True
+        if isinstance(message, Ready) and not lost:
+            process.ready(message.device_name)
             slot.failed_starts = 0
             self.started += 1
             self.starts.append({"device": slot.device, "pid": process.pid, "launched_at": launched_at,
-                                "ready_at": time.time(), **(message[3] if len(message) > 3 else {})})
+                                "ready_at": time.time(), **message.startup})
             self._event("started", slot.device, process.pid, process.device_name)
             return process
-        if message is None:
+        if lost:
+            why = ""  # said once its exit status is known, below
+        elif message is None:
             process.kill()
             why = f"did not start within {self.start_timeout:g} s"
-        elif message[0] == "start_failed":
-            why = f"could not start: {message[1]}"
+        elif isinstance(message, StartFailed):
+            why = f"could not start: {message.reason}"
         else:
             why = "died while starting"
         _, code = self._ended(slot, process, None if self._closed else "start")
         if self._closed:
             return "the scheduler was closed"
         tail = process.output_tail()
-        if message is not None and message[0] == "lost":
+        if lost:
             why = f"{describe_exit(code)} while starting"
         return self._start_failed(slot, f"the benchmark process for device {slot.device} {why}" +
-                                  (f"\n{tail}" if tail and (message is None or message[0] != 'start_failed') else ""))
+                                  (f"\n{tail}" if tail and not isinstance(message, StartFailed) else ""))
 
     def _send_early(self, slot: _Slot, process: BenchProcess, early: dict[Session, tuple[float, float]]) -> None:
         """Send the tensors offered to a starting process (their answers are read once
@@ -470,7 +493,7 @@ class BenchPool:
             slot.offers.clear()
         for session in offers:
             early[session] = (time.time(), time.perf_counter())
-            process.send(("inputs", session.id, session.wire()))
+            process.send(LoadInputs(session.id, session.wire()))
 
     def _start_failed(self, slot: _Slot, reason: str) -> str:
         slot.failed_starts += 1
@@ -500,22 +523,24 @@ class BenchPool:
             except Exception:  # a listener's bug must not stop a device
                 _log.exception("a benchmark process listener raised")
 
-    def _run(self, slot: _Slot, task: _Task) -> Outcome:
-        """Time ``task`` in the slot's process; every way it can end becomes an Outcome."""
+    def _run(self, slot: _Slot, task: _Task) -> Timed:
+        """Time ``task`` in the slot's process; every way it can end becomes a Timed."""
         while True:
             task.attempts += 1
             started = time.time()
             process = self._start_for(slot)
             if isinstance(process, str):
-                return _given_up(task, slot.device, "closed" if self._closed else "start_failed", process, started)
+                return _given_up(task, slot.device,
+                                 BenchmarkOutcome.CLOSED if self._closed else BenchmarkOutcome.START_FAILED, process,
+                                 started)
             try:
                 self._send_drops(slot, process)
                 if task.session.id not in process.sessions:
                     problem = self._send_inputs(process, task.session)
                     if problem is not None:
-                        return self._outcome(task, process, "error", None, problem, started)
+                        return self._outcome(task, process, BenchmarkOutcome.ERROR, None, problem, started)
                 process.claim(task)
-                process.send(("bench", task.id, task.session.id, task.payload))
+                process.send(Bench(task.id, task.session.id, task.payload))
                 deadline = None if self.timeout is None else time.monotonic() + self.timeout
                 message = process.receive(deadline)
             except Lost:
@@ -524,38 +549,40 @@ class BenchPool:
                 self._ended(slot, process, None if self._closed else "lost while taking the tensors")
                 if task.attempts < 2 and not self._closed:
                     continue  # lost before the configuration was sent: not its fault
-                return _given_up(task, slot.device, "closed" if self._closed else "crashed",
+                return _given_up(task, slot.device,
+                                 BenchmarkOutcome.CLOSED if self._closed else BenchmarkOutcome.CRASHED,
                                  "the benchmark process died before it could time this configuration", started)
             if message is None:
                 process.kill()
                 self._ended(slot, process, "timeout")
-                return self._outcome(task, process, "timeout", None,
+                return self._outcome(task, process, BenchmarkOutcome.TIMEOUT, None,
                                      f"timed out: still running after {self.timeout:g} s (the benchmark process was "
                                      "killed)", started)
-            status, timings, reason = message[2:5]
-            phases = message[5] if len(message) > 5 else None
-            if status == "need_inputs":
+            if not isinstance(message, Result):
+                raise TypeError(f"a benchmark process answered a configuration with {type(message).__name__}")
+            if message.status is Status.NEED_INPUTS:
                 process.answered()
                 process.sessions.discard(task.session.id)
                 task.attempts -= 1
                 continue
-            if status == "fault":
+            if message.status is Status.FAULT:
                 process.faulted()
                 self._ended(slot, process, "fault")
-                return self._outcome(task, process, "fault", None,
-                                     f"{reason} (the device was left unusable; its benchmark process was replaced)",
-                                     started)
+                return self._outcome(task, process, BenchmarkOutcome.FAULT, None,
+                                     f"{message.reason} (the device was left unusable; its benchmark process was "
+                                     "replaced)", started)
             process.answered()
-            return self._outcome(task, process, status, None if timings is None else tuple(timings), reason, started,
-                                 phases)
+            return self._outcome(task, process, _ANSWERED[message.status], message.timings, message.reason, started,
+                                 message.phases)
 
-    def _crashed(self, slot: _Slot, task: _Task, process: BenchProcess, started: float) -> Outcome:
+    def _crashed(self, slot: _Slot, task: _Task, process: BenchProcess, started: float) -> Timed:
         _, code = self._ended(slot, process, None if self._closed else "crashed")
         if self._closed:
-            return self._outcome(task, process, "closed", None, "the scheduler was closed", started)
+            return self._outcome(task, process, BenchmarkOutcome.CLOSED, None, "the scheduler was closed", started)
         tail = process.output_tail()
         reason = f"the benchmark process {describe_exit(code)} while timing this configuration"
-        return self._outcome(task, process, "crashed", None, reason + (f"\n{tail}" if tail else ""), started)
+        return self._outcome(task, process, BenchmarkOutcome.CRASHED, None, reason + (f"\n{tail}" if tail else ""),
+                             started)
 
     def _send_offers(self, slot: _Slot) -> None:
         with self._lock:
@@ -577,34 +604,38 @@ class BenchPool:
             session = slot.drops.popleft()
             if session in process.sessions:
                 process.sessions.discard(session)
-                process.send(("drop", session))
+                process.send(Drop(session))
 
     def _send_inputs(self, process: BenchProcess, session: Session) -> str | None:
         """Send a tuning's tensors; None once they are there, or why they could not be
         built (raises ``Lost`` if the process died meanwhile)."""
         sending, began = time.time(), time.perf_counter()
-        process.send(("inputs", session.id, session.wire()))
+        process.send(LoadInputs(session.id, session.wire()))
         message = process.receive(time.monotonic() + self.start_timeout)
         session.sent[process.device] = (sending, time.perf_counter() - began)
         if message is None:
             process.kill()
             raise Lost("the benchmark process did not take the tensors in time")
-        if message[0] == "inputs_failed":
-            return f"the benchmark process could not build the launch's tensors: {message[2]}"
+        if isinstance(message, InputsFailed):
+            return f"the benchmark process could not build the launch's tensors: {message.reason}"
         process.sessions.add(session.id)
         return None
 
-    def _outcome(self, task: _Task, process: BenchProcess, status: str, timings: tuple[float, ...] | None,
-                 reason: str | None, started: float, phases: dict[str, float] | None = None) -> Outcome:
-        return Outcome(status, timings, reason, process.device, process.device_name, process.pid, task.attempts,
-                       started, time.time(), phases)
+    def _outcome(self, task: _Task, process: BenchProcess, status: BenchmarkOutcome, timings: tuple[float, ...] | None,
+                 reason: str | None, started: float, phases: dict[str, float] | None = None) -> Timed:
+        return Timed(status, timings, reason, process.device, process.device_name, process.pid, task.attempts,
+                     started, time.time(), phases)
 
+
+# What an answer that leaves the process working means for its configuration.
+_ANSWERED = {Status.OK: BenchmarkOutcome.OK, Status.ERROR: BenchmarkOutcome.ERROR}
 
 _WARM: Any = object()
 _OFFER: Any = object()
 _REPLACE: Any = object()
 
 
-def _given_up(task: _Task, device: int, status: str, reason: str, started: float | None = None) -> Outcome:
+def _given_up(task: _Task, device: int, status: BenchmarkOutcome, reason: str,
+              started: float | None = None) -> Timed:
     now = time.time()
-    return Outcome(status, None, reason, device, None, None, max(task.attempts, 1), started or now, now)
+    return Timed(status, None, reason, device, None, None, max(task.attempts, 1), started or now, now)

@@ -37,6 +37,7 @@ from typing import Any
 
 from aiocompile._pool.procs import child_env, file_tail, kill_group
 from aiocompile._pool.state import Transitions, from_every
+from aiocompile._tuning.task import FromProcess, Stop, ToProcess
 
 _OUTPUT_TAIL = 4096
 
@@ -127,7 +128,7 @@ class BenchProcess:
     def stop(self) -> None:
         self._move(Move.STOP)
         try:
-            self.conn.send(("stop",))
+            self.conn.send(Stop())
         except OSError:
             pass
 
@@ -147,20 +148,20 @@ class BenchProcess:
 
     # -- talking to it -----------------------------------------------------------------------
 
-    def send(self, message: tuple[Any, ...]) -> None:
+    def send(self, message: ToProcess) -> None:
         try:
             self.conn.send(message)
         except (OSError, EOFError) as exc:
             raise Lost(str(exc)) from exc
 
-    def receive(self, deadline: float | None) -> tuple[Any, ...] | None:
+    def receive(self, deadline: float | None) -> FromProcess | None:
         """The next message, or None once ``deadline`` (``time.monotonic()``) passes;
         raises ``Lost`` when the process is gone."""
         try:
             while True:
                 remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
                 if self.conn.poll(remaining if remaining is None else min(remaining, 1.0)):
-                    message: tuple[Any, ...] = self.conn.recv()
+                    message: FromProcess = self.conn.recv()
                     return message
                 if self.popen.poll() is not None and not self.conn.poll(0):
                     raise Lost("the process exited")
@@ -195,7 +196,7 @@ def describe_exit(code: int | None) -> str:
 
 
 def launch(device: int, env: dict[str, str]) -> BenchProcess:
-    """Start a benchmark process for ``device`` (not yet told what to run: ``init``)."""
+    """Start a benchmark process for ``device`` (not yet told what to run: ``Init``)."""
     parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     alive_r, alive_w = os.pipe()
     with tempfile.TemporaryFile(prefix="aiocompile-bench-") as capture:

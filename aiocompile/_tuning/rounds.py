@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from aiocompile._tuning.benchpool import Outcome
+from aiocompile._tuning.benchpool import Timed
 from aiocompile._tuning.plan import DO_BENCH_DEFAULTS
 
 MIN_CONFIGS = 4
@@ -76,10 +76,10 @@ def screen_for(timing: tuple[Any, ...], margin: float | None, configs: int) -> S
     return Screen(warmup * SHORT_FRACTION, rep * SHORT_FRACTION, margin)
 
 
-Submit = Callable[[int, Any, "tuple[float, float] | None"], "cf.Future[Outcome]"]
+Submit = Callable[[int, Any, "tuple[float, float] | None"], "cf.Future[Timed]"]
 """Sends configuration ``index`` (its compiled kernel) to be timed, short (the settings)
 or in full (None)."""
-Seen = Callable[[int, Outcome, str, bool], None]
+Seen = Callable[[int, Timed, str, bool], None]
 """Told of each timing's outcome, once: the configuration's index, the outcome, the round
 (``"short"`` or ``"full"``), and whether it is the configuration's last."""
 
@@ -96,8 +96,8 @@ class Rounds:
         self._ready: dict[int, Any] = {}
         self._compiled: dict[int, Any] = {}
         self._following = 0
-        self._short: dict[cf.Future[Outcome], int] = {}
-        self._full: dict[cf.Future[Outcome], int] = {}
+        self._short: dict[cf.Future[Timed], int] = {}
+        self._full: dict[cf.Future[Timed], int] = {}
         self.left_out: dict[int, str] = {}
         """Configurations not timed in full, and why (their short timing stands)."""
 
@@ -116,14 +116,14 @@ class Rounds:
                 self._full[self._submit(following, ready, None)] = following
             self._following += 1
 
-    def outcomes(self, seen: Seen) -> dict[int, Outcome]:
+    def outcomes(self, seen: Seen) -> dict[int, Timed]:
         """Every timing's outcome, by configuration (blocking: call it once every compile
         has ended)."""
-        outcomes: dict[int, Outcome] = {}
+        outcomes: dict[int, Timed] = {}
         if self.screen is None:
             self._wait_full(outcomes, seen)
             return outcomes
-        short: dict[int, Outcome] = {}
+        short: dict[int, Timed] = {}
         medians: dict[int, float] = {}
         for future in cf.as_completed(self._short):
             index = self._short[future]
@@ -172,7 +172,7 @@ class Rounds:
             self.left_out[index] = f"left out after a short timing at {ratio:.3f}x the fastest's ({why} timed in full)"
         return [index for index in self._order if index in chosen]
 
-    def _wait_full(self, outcomes: dict[int, Outcome], seen: Seen) -> None:
+    def _wait_full(self, outcomes: dict[int, Timed], seen: Seen) -> None:
         for future in cf.as_completed(self._full):
             index = self._full[future]
             outcomes[index] = future.result()

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from aiocompile._base import bridge, checks, threads
 from aiocompile._tuning import plan as _plan
 from aiocompile._tuning import priming
-from aiocompile._tuning.benchpool import BenchPool, GpuTiming, Outcome, Session, Timing
+from aiocompile._tuning.benchpool import BenchPool, GpuTiming, Session, Timed, Timing
 from aiocompile._tuning.decisions import SUBDIRECTORY, Decision, Decisions
 from aiocompile._tuning.inputs import Inputs
 from aiocompile._tuning.rounds import Rounds, screen_for
@@ -399,7 +399,7 @@ class Tuner:
         profile["configs"] = [rows[index] for index in range(len(plan.pruned))]
         bar = port.progress(2 * len(plan.pruned), progress, description=f"tuning {plan.name}")
         compiles: dict[cf.Future[Any], _plan.ConfigPlan] = {}
-        failed: dict[int, tuple[str, str]] = {}
+        failed: dict[int, tuple[BenchmarkOutcome, str]] = {}
         reading: cf.Future[Inputs] | None = None
         tensors = 0
         # Each configuration compiles as soon as it is specialised, the first at once.
@@ -413,7 +413,7 @@ class Tuner:
                 # (they are the launch's arguments): read beside the others.
                 tensors = len(plan.collector)
                 reading = threads.LOADS.submit(plan.read_inputs)
-        outcomes: dict[int, Outcome] = {}
+        outcomes: dict[int, Timed] = {}
         session: Session | None = None
         keys: dict[int, str | None] = {}
         rounds: Rounds | None = None
@@ -430,11 +430,11 @@ class Tuner:
             screen = screen_for(plan.hooks.timing, port.config.tuning_screen, len(plan.configs))
             live = session
 
-            def submit(index: int, compiled: Any, settings: tuple[float, float] | None) -> cf.Future[Outcome]:
+            def submit(index: int, compiled: Any, settings: tuple[float, float] | None) -> cf.Future[Timed]:
                 rows[index]["short_submitted_at" if settings else "submitted_at"] = time.time()
                 return pool.submit(live, _bench_task(plan, plan.configs[index], compiled, settings), devices)
 
-            def seen(index: int, outcome: Outcome, round_: str, last: bool) -> None:
+            def seen(index: int, outcome: Timed, round_: str, last: bool) -> None:
                 prefix = "short_" if round_ == "short" else ""
                 rows[index].update({f"{prefix}bench_started_at": outcome.started_at,
                                     f"{prefix}bench_finished_at": outcome.finished_at,
@@ -454,7 +454,7 @@ class Tuner:
                     rows[planned.index]["compiled_at"] = time.time()
                     exc = future.exception()
                     if exc is not None:
-                        failed[planned.index] = ("compile_error", _reason(exc))
+                        failed[planned.index] = (BenchmarkOutcome.COMPILE_ERROR, _reason(exc))
                         bar.finished(f"{planned.label}: did not compile", ok=False)
                         bar.finished(planned.label, ok=False)
                         rounds.compiled(planned.index, None)
@@ -481,8 +481,8 @@ class Tuner:
         left_out = {} if rounds is None else rounds.left_out
         return self._choose(plan, key, device_name, outcomes, failed, left_out, time.perf_counter() - started)
 
-    def _choose(self, plan: _plan.TuningPlan, key: str, device_name: str, outcomes: dict[int, Outcome],
-                failed: dict[int, tuple[str, str]], left_out: dict[int, str], seconds: float) -> Decision:
+    def _choose(self, plan: _plan.TuningPlan, key: str, device_name: str, outcomes: dict[int, Timed],
+                failed: dict[int, tuple[BenchmarkOutcome, str]], left_out: dict[int, str], seconds: float) -> Decision:
         import triton
 
         inf = float("inf")
@@ -500,7 +500,7 @@ class Tuner:
                 timings[planned.index] = [inf, inf, inf]
                 reason = failed.get(planned.index, (None, None))[1] or (outcome.reason if outcome else None)
                 rows.append((planned.label, None, reason or "not timed"))
-        closed = any(o is not None and o.status == "closed" for o in outcomes.values())
+        closed = any(o is not None and o.status is BenchmarkOutcome.CLOSED for o in outcomes.values())
         if self._port.closed or closed or any(reason.startswith("SchedulerClosed") for _, reason in failed.values()):
             # Timings cut short say nothing about the configurations left: no decision.
             raise SchedulerClosed("the scheduler was closed while it tuned")
@@ -517,7 +517,7 @@ class Tuner:
                             timings=tuple(rows), tuned_at=time.time())
         if left_out:
             self._port.count_tuning("left_out", len(left_out))
-        if any(o is not None and o.status == "start_failed" for o in outcomes.values()):
+        if any(o is not None and o.status is BenchmarkOutcome.START_FAILED for o in outcomes.values()):
             # Chosen among the configurations some benchmark process could time: good for
             # this call, not to be kept (the next call tunes again).
             _log.warning("tuning %s: some configurations could not be timed (no benchmark process started); the "
@@ -531,19 +531,20 @@ class Tuner:
                   sum(1 for _, ms, _ in rows if ms is None))
         return decision
 
-    def _record(self, plan: _plan.TuningPlan, planned: _plan.ConfigPlan, outcome: Outcome, key: str | None,
+    def _record(self, plan: _plan.TuningPlan, planned: _plan.ConfigPlan, outcome: Timed, key: str | None,
                 round_: str) -> None:
         timings = outcome.timings or (None, None, None)
         record = BenchmarkRecord(
-            name=plan.name, config=planned.label, outcome=BenchmarkOutcome(outcome.status), time_ms=timings[0],
+            name=plan.name, config=planned.label, outcome=outcome.status, time_ms=timings[0],
             p20_ms=timings[1] if len(timings) > 1 else None, p80_ms=timings[2] if len(timings) > 2 else None,
             reason=outcome.reason, device=outcome.device, device_name=outcome.device_name, attempt=outcome.attempt,
             pid=outcome.pid, started_at=outcome.started_at, finished_at=outcome.finished_at, key=key, round=round_)
         self._emit(record)
 
-    def _record_failure(self, plan: _plan.TuningPlan, planned: _plan.ConfigPlan, status: str, reason: str) -> None:
+    def _record_failure(self, plan: _plan.TuningPlan, planned: _plan.ConfigPlan, status: BenchmarkOutcome,
+                        reason: str) -> None:
         now = time.time()
-        self._emit(BenchmarkRecord(name=plan.name, config=planned.label, outcome=BenchmarkOutcome(status),
+        self._emit(BenchmarkRecord(name=plan.name, config=planned.label, outcome=status,
                                    time_ms=None, p20_ms=None, p80_ms=None, reason=reason, device=None,
                                    device_name=None, attempt=0, pid=None, started_at=now, finished_at=now))
 
