@@ -353,3 +353,51 @@ async def test_cancelling_a_request_queued_in_the_executor_drops_its_job(tmp_pat
         assert stats.outcomes["cancelled"] == 1 and stats.in_flight == 0
     finally:
         await sched.aclose()
+
+
+# -- a job's life in a foreign executor ----------------------------------------------------
+
+
+def test_a_job_in_a_foreign_executor_moves_only_as_its_table_allows():
+    from aiocompile._foreign.sent import TRANSITIONS, Move, State
+
+    assert TRANSITIONS.reachable(State.WAITING) == set(State)
+    # Every state but GONE can end or be withdrawn; GONE is final.
+    assert all({Move.WITHDRAW, Move.ENDED} <= TRANSITIONS.events(state) for state in State if state is not State.GONE)
+    assert not TRANSITIONS.events(State.GONE)
+    # A job is failed and stopped once: a kill only before a timeout or a kill, a timeout
+    # only once its clock runs (and in the moment a kill is failing it).
+    assert {state for state, move in TRANSITIONS if move is Move.KILL} == {State.WAITING, State.RUNNING}
+    assert {state for state, move in TRANSITIONS if move is Move.TIME_OUT} == {State.RUNNING, State.KILLED}
+
+
+class _StoppablePool(cf.ProcessPoolExecutor):
+    """A stdlib pool (its jobs run in the order sent) that says it can stop a job: it only
+    notes the request, and the job runs on."""
+
+    def __init__(self):
+        super().__init__(1, mp_context=multiprocessing.get_context("forkserver"))
+        self.stopped = []
+
+    def kill(self, future):
+        self.stopped.append(future)
+
+
+def test_a_job_killed_while_it_waits_for_a_worker_still_takes_its_turn():
+    executor = _StoppablePool()
+    pool = ForeignPool(executor)
+    try:
+        first = pool.submit_job(jobs.sleep_then, (1.0, "first"))
+        second = pool.submit_job(jobs.echo, ("second",), timeout=30)
+        # Both are RUNNING in the executor (the second in its call queue, beyond cancel()'s
+        # reach), but only the first has the worker.
+        assert wait_until(lambda: pool.snapshot()["busy_workers"] == 2, timeout=60)
+        pool.kill(second)
+        with pytest.raises(cf.CancelledError):
+            second.future.result(timeout=5)
+        assert first.future.result(timeout=60) == "first"
+        assert pool.submit_job(jobs.echo, ("third",), timeout=30).future.result(timeout=60) == "third"
+        assert len(executor.stopped) == 1 and pool.counters.killed == 1 and pool.counters.timeouts == 0
+        assert wait_until(lambda: pool.snapshot()["queue_depth"] == 0 and pool.snapshot()["busy_workers"] == 0)
+    finally:
+        pool.shutdown()

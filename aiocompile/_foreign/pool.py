@@ -58,7 +58,6 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from aiocompile._base import checks
@@ -71,6 +70,7 @@ from aiocompile._foreign.executors import (
     workers_in_order,
 )
 from aiocompile._foreign.remote import run_in_foreign_worker
+from aiocompile._foreign.sent import Sent
 from aiocompile._pool.job import Job, PoolCounters, Stop, emit_event, logger
 from aiocompile._pool.protocol import outcome
 from aiocompile.errors import JobTimeout, SchedulerClosed, WorkerCrashed
@@ -78,22 +78,6 @@ from aiocompile.records import WorkerEvent
 
 # How long a closed stdlib pool's idle processes may take to exit before they are killed.
 _JOIN_TIMEOUT = 10.0
-
-
-@dataclass(eq=False)
-class _Sent:
-    job: Job
-    future: cf.Future[Any]
-    generation: int
-    # When, by the pool's count, a worker was free for the job (its clock's start).
-    started: float | None = None
-    timer: threading.Timer | None = None
-    timed_out: bool = False
-    # Failed already (timed out, or killed on request) and being stopped in the executor.
-    stopping: bool = False
-    # Being withdrawn by cancel(): cancelling a future runs its done-callbacks at once, in
-    # the cancelling thread, and _on_done must leave this one to cancel().
-    withdrawn: bool = False
 
 
 class ForeignPool:
@@ -120,8 +104,11 @@ class ForeignPool:
         self._ids = itertools.count(1)
         self._closed = False
         self._generation = 0
-        # Jobs whose executor future has not finished, timed-out ones included.
-        self._sent: dict[int, _Sent] = {}
+        # Jobs whose executor future has not finished, timed-out ones included, in the
+        # order sent; each leaves as it moves to GONE (``sent``).
+        self._sent: dict[int, Sent] = {}
+        # The job cancel() is taking back from the executor right now (see ``sent``).
+        self._withdrawing: Sent | None = None
         self._suspects: collections.deque[Job] = collections.deque()
         self._held: collections.deque[Job] = collections.deque()
         self._alone: Job | None = None
@@ -188,14 +175,17 @@ class ForeignPool:
                     return True
             sent = self._sent.get(job.id)
             if sent is not None:
-                sent.withdrawn = True
-                if sent.future.cancel():
-                    del self._sent[job.id]
-                    _stop_clock(sent)
+                self._withdrawing = sent
+                try:
+                    withdrawn = sent.future.cancel()
+                finally:
+                    self._withdrawing = None
+                if withdrawn:
+                    self._forget(sent, withdrawn=True)
                     self._start_clocks()
                     job.future.cancel()
                     return True
-                sent.withdrawn = False  # running already: it stays, and ends as it will
+                # Running already: it stays, and ends as it will.
         return False
 
     def kill(self, job: Job, stop: Stop = Stop.CANCELLED) -> None:
@@ -205,9 +195,9 @@ class ForeignPool:
             return
         with self._lock:
             sent = self._sent.get(job.id)
-            if sent is None or self._killer is None or sent.stopping or job.future.done():
+            if sent is None or self._killer is None or not sent.killable or job.future.done():
                 return
-            sent.stopping = True
+            sent.kill()
             self.counters.killed += 1
         job.fail(job.stopped_error(stop))
         self._stop_running(sent)
@@ -236,7 +226,7 @@ class ForeignPool:
             self._held.clear()
             self._suspects.clear()
             for sent in self._sent.values():
-                _stop_clock(sent)
+                sent.stop_clock()
         for job in waiting:
             job.fail(closed)
         if executor is not None:
@@ -265,12 +255,11 @@ class ForeignPool:
         with self._lock:
             # Killing the busy processes above breaks the executor, and its callbacks
             # may have sorted the lost jobs into suspects and held jobs meanwhile.
-            for sent in self._sent.values():
-                _stop_clock(sent)
             left = [sent.job for sent in self._sent.values()] + list(self._suspects) + list(self._held)
             if self._alone is not None:
                 left.append(self._alone)
-            self._sent.clear()
+            for sent in list(self._sent.values()):
+                self._forget(sent)
             self._suspects.clear()
             self._held.clear()
             self._alone = None
@@ -288,7 +277,11 @@ class ForeignPool:
             return False
         return len(self._sent) >= max(1, self._capacity())
 
-    def _stop_running(self, sent: _Sent) -> None:
+    def _forget(self, sent: Sent, withdrawn: bool = False) -> None:
+        del self._sent[sent.job.id]
+        sent.ended(withdrawn)
+
+    def _stop_running(self, sent: Sent) -> None:
         """Have the executor stop a job that failed already (past its timeout, or killed),
         so that it does not go on holding a worker. Not under the lock: the executor may
         take its time, in a thread of its own."""
@@ -331,12 +324,12 @@ class ForeignPool:
         if not job.future.running():
             job.future.set_running_or_notify_cancel()
         job.attempts += 1
-        sent = self._sent[job.id] = _Sent(job, future, generation)
+        sent = self._sent[job.id] = Sent(job, future, generation)
         if self._slots:
             self._start_clocks()
         else:
             self._start_clock(sent)
-        future.add_done_callback(lambda f: self._on_done(job, f, generation))
+        future.add_done_callback(lambda _: self._on_done(sent))
 
     def _start_clocks(self) -> None:
         """Start the clock of each job that a worker is free for, by count: fewer than
@@ -346,18 +339,19 @@ class ForeignPool:
             return  # each clock started as its job was handed over
         ahead = stuck = 0
         for sent in self._sent.values():
-            if sent.started is None:
+            if sent.waiting:
                 if ahead >= self._slots > stuck:
                     break  # so does every job after it: the jobs with a clock are a prefix
                 self._start_clock(sent)
             ahead += 1
-            stuck += sent.timed_out
+            stuck += sent.overdue
 
-    def _start_clock(self, sent: _Sent) -> None:
+    def _start_clock(self, sent: Sent) -> None:
         if self._closed:
             return  # every job still held fails at the end of shutdown(): no timer may outlive it
         job = sent.job
-        sent.started = now = time.monotonic()
+        sent.clock()
+        now = time.monotonic()
         if job.started_at is None:
             job.started_at = now
         job.attempt_started_at = now
@@ -366,14 +360,14 @@ class ForeignPool:
             sent.timer.daemon = True
             sent.timer.start()
 
-    def _on_done(self, job: Job, future: cf.Future[Any], generation: int) -> None:
+    def _on_done(self, sent: Sent) -> None:
+        job, future = sent.job, sent.future
         with self._lock:
-            sent = self._sent.get(job.id)
-            if sent is None or sent.future is not future or sent.withdrawn:
-                return  # dealt with by a break, or cancelled
+            if sent.gone or sent is self._withdrawing:
+                return  # dealt with by a break, or being cancelled
             exc = None if future.cancelled() else future.exception()
             if isinstance(exc, cf.BrokenExecutor):
-                self._break(generation, job)
+                self._break(sent.generation, job)
                 self._pump()
                 return
             if isinstance(exc, WorkerLost):
@@ -381,8 +375,7 @@ class ForeignPool:
                 self._pump()
                 self._start_clocks()
                 return
-            del self._sent[job.id]
-            _stop_clock(sent)
+            self._forget(sent)
             if job is self._alone:
                 self._alone = None
             self._pump()
@@ -392,8 +385,8 @@ class ForeignPool:
             emit_event(self.on_event, "job_ended", None, job, status="error")
             job.fail(exc)
         elif future.cancelled():
-            # Only the executor's own shutdown cancels a future we still track (ours are
-            # withdrawn from _sent before they are cancelled): the job never ran.
+            # Only the executor's own shutdown cancels a future we still track (those that
+            # cancel() withdraws never get here): the job never ran.
             job.fail(SchedulerClosed("the scheduler was closed before the job started"))
         else:
             ok, value, run_time, pid, started_wall = future.result()
@@ -409,15 +402,15 @@ class ForeignPool:
             else:
                 job.succeed(value)
 
-    def _on_timeout(self, sent: _Sent) -> None:
+    def _on_timeout(self, sent: Sent) -> None:
         job = sent.job
         with self._lock:
-            if self._sent.get(job.id) is not sent or job.future.done():
+            if sent.gone or job.future.done():
                 return
             self.counters.timeouts += 1
-            sent.timed_out = True
-            stop = self._killer is not None and not sent.stopping
-            sent.stopping = sent.stopping or stop
+            # Killed already (its failure on its way): stopped once, by kill().
+            stop = self._killer is not None and sent.killable
+            sent.time_out()
             self._start_clocks()
         # The job's own future fails now; its executor future stays tracked until the
         # worker is free again, so that a later break is still blamed correctly.
@@ -428,13 +421,12 @@ class ForeignPool:
             emit_event(self.on_event, "worker_exited", None, job, status="timeout")
             self._stop_running(sent)
 
-    def _lost(self, sent: _Sent, exc: WorkerLost) -> None:
+    def _lost(self, sent: Sent, exc: WorkerLost) -> None:
         """The worker holding ``sent``'s job died; the executor carries on (a cluster).
         The job runs again: at once if the executor killed that worker on purpose, and
         otherwise as a suspect (alone, so that a death then is its own doing)."""
         job = sent.job
-        del self._sent[job.id]
-        _stop_clock(sent)
+        self._forget(sent)
         if not exc.deliberate and (exc.worker is None or exc.worker not in self._dead):
             self._dead.append(exc.worker)
             self.counters.worker_crashes += 1
@@ -465,8 +457,7 @@ class ForeignPool:
         broken, self._executor = self._executor, None
         lost = [s for s in self._sent.values() if s.generation == generation]
         for sent in lost:
-            del self._sent[sent.job.id]
-            _stop_clock(sent)  # a re-run's clock starts afresh, once a worker is free for it
+            self._forget(sent)  # a re-run's clock starts afresh, once a worker is free for it
         alone, self._alone = self._alone, None
         for sent in lost:
             job = sent.job
@@ -518,12 +509,6 @@ class ForeignPool:
         while self._held and not self._quarantine() and not self._full():
             self._send(self._held.popleft())
 
-
-
-def _stop_clock(sent: _Sent) -> None:
-    if sent.timer is not None:
-        sent.timer.cancel()
-        sent.timer = None
 
 
 def adapt(executor: Any) -> Any:
