@@ -551,6 +551,30 @@ def test_a_record_s_outcome_is_an_enum_that_reads_and_writes_as_its_string():
                                                                   Outcome.CLOSED]
 
 
+def test_a_record_made_in_a_hurry_is_the_record_its_constructor_makes():
+    """``JobRecord.make`` (one per request) takes exactly the dataclass's fields, with their
+    defaults, and makes an equal, frozen record."""
+    import dataclasses
+    import inspect
+
+    from aiocompile.records import JobRecord, Outcome
+
+    parameters = inspect.signature(JobRecord.make).parameters
+    fields = dataclasses.fields(JobRecord)
+    assert list(parameters) == [field.name for field in fields]
+    for field in fields:
+        default = parameters[field.name].default
+        assert default == (inspect.Parameter.empty if field.default is dataclasses.MISSING else field.default)
+    values = dict(key="k", name="add", backend="triton", target="cuda:90", outcome=Outcome.TIMEOUT, error="JobTimeout",
+                  queued_at=1.0, started_at=1.5, finished_at=2.0, queue_wait=0.5, run_time=0.4, load_time=None,
+                  total_time=1.0, stages=(("ttir", 0.1),), attempts=1, worker_pid=7)
+    made = JobRecord.make(**values)
+    assert made == JobRecord(**values) and made.to_dict() == JobRecord(**values).to_dict()
+    assert made.worker_rss is None and made.artifact_size is None and made.compiler_cache_hit is None
+    with pytest.raises(AttributeError):
+        made.outcome = Outcome.ERROR  # type: ignore[misc]  # still frozen
+
+
 async def test_a_run_s_record_is_in_every_read_right_after_its_await(async_runner):
     """Under asyncio, with nobody listening, a trivial run's record is made on the loop's
     next turn (while the caller's next job is on its way): every read of the metrics still

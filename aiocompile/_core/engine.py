@@ -31,7 +31,6 @@ from aiocompile._base.target import parse_target
 from aiocompile._cache.disk import DiskCache
 from aiocompile._cache.memory import KernelCache
 from aiocompile._cache.shared import SharedCache
-from aiocompile._core.admission import Gates
 from aiocompile._core.costs import CostHistory
 from aiocompile._core.requests import Admitted, Requests
 from aiocompile._foreign.executors import ExecutorSpec
@@ -87,10 +86,10 @@ class Engine:
             history = os.path.join(self._disk.directory, "costs.json")
             history_read_only = self._disk.access != "read-write"
         self.costs = CostHistory(history, read_only=history_read_only, fleet=self._shared)
-        self._gates = Gates()
-        self._requests = Requests(config, pool=self._pool, cache=self._cache, disk=self._disk,
-                                  shared=self._shared, metrics=self._metrics, events=self._events, costs=self.costs,
-                                  check_open=self.check_open)
+        self.requests = Requests(config, pool=self._pool, cache=self._cache, disk=self._disk,
+                                 shared=self._shared, metrics=self._metrics, events=self._events, costs=self.costs,
+                                 check_open=self.check_open)
+        """The request path, with its admission gates: ``Scheduler.run`` awaits it directly."""
         self.triton = TritonBackend()
         self.cpp = CppBackend()
         self.cuda = CudaBackend()
@@ -147,39 +146,20 @@ class Engine:
     # -- the request path ------------------------------------------------------------------------
 
     async def execute(self, request: Request, timeout: float | None) -> Any:
-        """A prepared request's result: admitted in its turn (``admission``), answered by a
-        cache, a job under way or a new job, and recorded."""
-        # A burst of requests is admitted a loop iteration's slice at a time; one waiting
-        # its turn has not been counted or started yet.
-        await self._gates.enter()
-        return await self._admitted(request, self._requests.admit(request, timeout))
-
-    async def execute_now(self, request: Request, timeout: float | None) -> Any:
-        """``execute`` for a request built in no time (``run()``): the usual case (asyncio,
-        the gate open) admits it without an await; its turn first otherwise."""
-        # In a burst most requests wait here, and what they have not built yet costs the
-        # loop nothing now.
-        if not self._gates.enter_now():
-            await self._gates.enter()
-        return await self._admitted(request, self._requests.admit(request, timeout))
-
-    async def _admitted(self, request: Request, admitted: Admitted) -> Any:
-        result = await self._requests.result(request, admitted)
-        if admitted.waits:
-            self._gates.waited()  # it waited for its job: the loop has gone round (see admission)
-        return result
+        """A prepared request's result, through the request path (``Requests.execute``)."""
+        return await self.requests.execute(request, timeout)
 
     def admit(self, request: Request, timeout: float | None) -> Admitted:
         """Admit ``request`` now, without waiting its turn (``compile_many`` paces itself)."""
-        return self._requests.admit(request, timeout)
+        return self.requests.admit(request, timeout)
 
     async def result(self, request: Request, admitted: Admitted) -> Any:
-        return await self._requests.result(request, admitted)
+        return await self.requests.result(request, admitted)
 
     def execute_sync(self, request: Request, timeout: float | None) -> cf.Future[Any]:
         """The request path for a caller outside any event loop (Inductor's compile
         threads, a tuning thread), answered through a ``concurrent.futures.Future``."""
-        return self._requests.execute_sync(request, timeout)
+        return self.requests.execute_sync(request, timeout)
 
     async def compile_triton(self, kernel: Any, *, signature: Mapping[str, Any],
                              constexprs: Mapping[str, Any] | None = None, target: Any = None,

@@ -20,8 +20,7 @@ import asyncio
 import concurrent.futures as cf
 import functools
 import time
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import anyio
 
@@ -30,6 +29,7 @@ from aiocompile._base.config import SchedulerConfig
 from aiocompile._cache.disk import DiskCache
 from aiocompile._cache.memory import Entry, Found, KernelCache
 from aiocompile._cache.shared import SharedCache
+from aiocompile._core.admission import Gates
 from aiocompile._core.costs import CostHistory
 from aiocompile._foreign.pool import ForeignPool
 from aiocompile._observe.events import EventHub
@@ -40,10 +40,12 @@ from aiocompile.backends import Request
 from aiocompile.errors import CompileError, JobTimeout, SchedulerClosed, WorkerCrashed
 from aiocompile.records import JobRecord, Outcome
 
+_make = tuple.__new__
 
-@dataclass(frozen=True, slots=True)
-class Admitted:
-    """What ``Requests.admit`` made of a request, for ``Requests.result``."""
+
+class Admitted(NamedTuple):
+    """What ``Requests.admit`` made of a request, for ``Requests.result`` (a typed named
+    tuple: one is made for every request)."""
 
     how: Found
     value: Any
@@ -85,6 +87,32 @@ class Requests:
         self._events = events
         self._costs = costs
         self._check_open = check_open
+        self._gates = Gates()
+
+    async def execute(self, request: Request, timeout: float | None) -> Any:
+        """A request's result: admitted in its turn (``admission``), answered by a cache, a
+        job under way or a new job, and recorded."""
+        # A burst of requests is admitted a loop iteration's slice at a time; one waiting
+        # its turn has not been counted or started yet.
+        await self._gates.enter()
+        admitted = self.admit(request, timeout)
+        result = await self.result(request, admitted)
+        if admitted.waits:
+            self._gates.waited()  # it waited for its job: the loop has gone round (see admission)
+        return result
+
+    async def execute_now(self, request: Request, timeout: float | None) -> Any:
+        """``execute`` for a request built in no time (``run()``): in the usual case
+        (asyncio, the gate open) admitted without an await; its turn first otherwise (in a
+        burst most requests wait there, and what they have not built yet costs the loop
+        nothing now)."""
+        if not self._gates.enter_now():
+            await self._gates.enter()
+        admitted = self.admit(request, timeout)
+        result = await self.result(request, admitted)
+        if admitted.waits:
+            self._gates.waited()
+        return result
 
     def admit(self, request: Request, timeout: float | None) -> Admitted:
         """Count a request, then answer it from the cache, join it to the job under way, or
@@ -104,7 +132,8 @@ class Requests:
                 # the result from one to the other, were a tenth of a trivial job's round
                 # trip).
                 job = self._submit_job(request, timeout)
-                return Admitted(Found.STARTED, Entry(None, future=job.future, job=job), wall, arrived)
+                # Made straight from its values (no Python-level __new__): on every run().
+                return _make(Admitted, (Found.STARTED, Entry(None, future=job.future, job=job), wall, arrived))
             how, found = self._cache.join_or_start(request.key, lambda entry: self._start(entry, request, timeout))
         except BaseException as exc:
             self._record(request, _failure_outcome(exc), wall, arrived, None, error=exc)
@@ -113,13 +142,13 @@ class Requests:
             self._record(request, Outcome.CACHE_HIT, wall, arrived, None, result=found)
         elif how is Found.ERROR:
             self._record(request, Outcome.ERROR_HIT, wall, arrived, None, error=found)
-        return Admitted(how, found, wall, arrived)
+        return _make(Admitted, (how, found, wall, arrived))
 
     async def result(self, request: Request, admitted: Admitted) -> Any:
         """The result of a request ``admit`` let in. Its first await is inside the
         bookkeeping below, so a caller that admits and then starts a task for this (under
         anyio, whose tasks always run to their first checkpoint) loses no request."""
-        how, found, wall, arrived = admitted.how, admitted.value, admitted.wall, admitted.arrived
+        how, found, wall, arrived = admitted
         if how is Found.HIT:
             return found
         if how is Found.ERROR:
@@ -314,7 +343,7 @@ class Requests:
         details = entry.details if entry is not None and entry.details is not None and own is not None else {}
         if result is not None:
             size = getattr(result, "size", None)
-        record = JobRecord(
+        record = JobRecord.make(
             key=request.key,
             name=request.name,
             backend=request.backend,
@@ -350,7 +379,7 @@ class Requests:
         ``cancel_running="kill"``). Raises ``SchedulerClosed`` at once when closed.
         """
         admitted = self.admit(request, timeout)
-        how, found, wall, arrived = admitted.how, admitted.value, admitted.wall, admitted.arrived
+        how, found, wall, arrived = admitted
         answer: cf.Future[Any] = cf.Future()
         if how is Found.HIT:
             answer.set_result(found)

@@ -348,7 +348,7 @@ class Scheduler:
         name = getattr(fn, "__qualname__", None) or type(fn).__name__
         request = Request(backend="python", key=key, name=name, target=None, fn=fn, args=args, finish=None,
                           direct=True)
-        return await self._engine.execute_now(request, timeout)
+        return await self._engine.requests.execute_now(request, timeout)
 
     async def warmup(
         self,

@@ -12,6 +12,7 @@ from typing import Any, Callable
 from aiocompile.records import (
     BENCHMARK_OUTCOMES,
     BUCKETS,
+    FAILED,
     OUTCOMES,
     BenchmarkRecord,
     JobRecord,
@@ -163,7 +164,7 @@ class Metrics:
             self.total_time.add(record.total_time)
             if record.load_time is not None:
                 self.load_time.add(record.load_time)
-            if record.outcome is not Outcome.COMPILED and not record.outcome.failed:
+            if record.outcome is not Outcome.COMPILED and record.outcome not in FAILED:
                 return
             if record.queue_wait is not None:
                 self.queue_wait.add(record.queue_wait)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from aiocompile._pool.job import Stop
-from aiocompile._pool.state import InvalidTransition, Transitions, from_every
+from aiocompile._pool.state import InvalidTransition, Label, Transitions, from_every
 
 if TYPE_CHECKING:
     from aiocompile._pool.job import Job
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 __all__ = ["TRANSITIONS", "Death", "InvalidTransition", "LoopReader", "Move", "Retire", "State", "Worker"]
 
 
-class State(enum.Enum):
+class State(Label):
     STARTING = "starting"
     IDLE = "idle"
     BUSY = "busy"
@@ -60,7 +60,7 @@ class Retire(enum.Enum):
     """It grew past ``max_worker_rss`` (compilers leak)."""
 
 
-class Move(enum.Enum):
+class Move(Label):
     READY = "ready"
     CLAIM = "claim"
     RELEASE = "release"
@@ -122,7 +122,7 @@ class Worker:
     watched: bool = False  # in the supervisor's current wait (written under the lock)
 
     def _move(self, move: Move) -> None:
-        self.state = TRANSITIONS.after(self.state, move, f"pid {self.proc.pid}")
+        self.state = TRANSITIONS.after(self.state, move, self.proc.pid)
 
     # -- the transitions (each under the pool's lock) -------------------------------------------
 

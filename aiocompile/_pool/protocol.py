@@ -25,6 +25,8 @@ Between the parent and the fork server, one pickled dataclass a ``SOCK_SEQPACKET
 ``Init`` -> ``ZygoteReady``; ``Fork`` (with the worker's descriptors attached) ->
 ``Forked``; ``Kill``; ``Exited`` for each worker reaped.
 
+The messages on a job's way (``JobMessage``, ``Done``, ``Decoded``) are typed named tuples:
+immutable like frozen dataclasses, and made at a fraction of their cost on every job.
 *Decoding never raises* (``outcome``): an exception the parent cannot rebuild becomes a
 ``JobError`` with its type's name, its message and the worker's traceback, and never
 escapes into the thread that read it (the supervisor, or an event loop's callback). *A
@@ -39,9 +41,13 @@ import pickle
 import struct
 import traceback
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from aiocompile.errors import JobError, RemoteTraceback
+
+# A named tuple made straight from its values, without its class's Python-level __new__:
+# the messages below are made on every job's way, in the event loop's thread among others.
+_make = tuple.__new__
 
 LENGTH = struct.Struct("!i")
 LONG_LENGTH = struct.Struct("!Q")
@@ -66,8 +72,7 @@ def encode_job(job_id: int, env: dict[str, str] | None, sys_path: list[str] | No
     return b"".join((frame(size), JOB_HEADER.pack(job_id, len(extra)), extra, payload))
 
 
-@dataclass(frozen=True, slots=True)
-class JobMessage:
+class JobMessage(NamedTuple):
     """A job as the worker reads it."""
 
     job_id: int
@@ -82,7 +87,7 @@ def decode_job(message: memoryview) -> JobMessage:
     job_id, extra = JOB_HEADER.unpack_from(message)
     start = JOB_HEADER.size + extra
     env, sys_path = pickle.loads(message[JOB_HEADER.size:start]) if extra else (None, None)
-    return JobMessage(job_id, env, sys_path, message[start:])
+    return _make(JobMessage, (job_id, env, sys_path, message[start:]))
 
 
 _FIRST_READ = 4096
@@ -143,15 +148,13 @@ DONE = struct.Struct("!cQ?dQQQ")
 STREAM_MIN = 1 << 20
 
 
-@dataclass(frozen=True, slots=True)
-class Ready:
+class Ready(NamedTuple):
     """The worker can take jobs."""
 
     pid: int
 
 
-@dataclass(frozen=True, slots=True)
-class Done:
+class Done(NamedTuple):
     """A job's answer."""
 
     job_id: int
@@ -180,7 +183,7 @@ def read_answer(data: bytes | memoryview) -> Ready | Done:
     if data[:1] == b"D":
         _, job_id, ok, run_time, output_size, rss, follows = DONE.unpack_from(data)
         body = None if follows else memoryview(data)[DONE.size:]
-        return Done(job_id, ok, body, run_time, output_size, rss, follows)
+        return _make(Done, (job_id, ok, body, run_time, output_size, rss, follows))
     if data[:1] == b"R":
         return Ready(READY.unpack_from(data)[1])
     raise ValueError(f"not a worker's message: {bytes(data[:16])!r}")
@@ -291,8 +294,7 @@ def _load(data: bytes | memoryview | Payload) -> Any:
     return pickle.loads(data)
 
 
-@dataclass(frozen=True, slots=True)
-class Decoded:
+class Decoded(NamedTuple):
     """What a job's answer made: its result, or the exception its caller gets."""
 
     ok: bool
@@ -308,7 +310,7 @@ def outcome(ok: bool, data: bytes | memoryview | Payload, output: str, name: str
     error made here."""
     if ok:
         try:
-            return Decoded(True, _load(data))
+            return _make(Decoded, (True, _load(data)))
         except Broken:
             raise
         except Exception as exc:

@@ -229,25 +229,27 @@ class Roster:
     def _settle(self, worker: Worker, job: Job | None, done: Done, data: Any, result: Any = None) -> None:
         """The job's outcome, in the thread that read its answer: from ``data``, or the
         ``result`` already made of it (a streamed answer). Never raises."""
-        if job is None or job.id != done.job_id:  # pragma: no cover - protocol invariant
+        job_id, ok, _, run_time, output_size, rss, _ = done
+        if job is None or job.id != job_id:  # pragma: no cover - protocol invariant
             return
         if job.warm_only:
             worker.warmed = True
         job.finished_at = worker.last_used
-        job.run_time = done.run_time
-        job.output_size = done.output_size
-        job.worker_rss = done.rss
-        if not done.ok and done.output_size:
+        job.run_time = run_time
+        job.output_size = output_size
+        job.worker_rss = rss
+        if not ok and output_size:
             job.last_output = worker.proc.output_tail()
         if result is None:
-            result = outcome(done.ok, data, job.last_output if not done.ok else "", job.name, job.key)
-        if result.ok:
-            job.succeed(result.value)
+            result = outcome(ok, data, job.last_output if not ok else "", job.name, job.key)
+        succeeded, value = result
+        if succeeded:
+            job.succeed(value)
         else:
-            job.fail(result.value)
+            job.fail(value)
         # After the answer: the caller need not wait for the report.
         if self.on_event is not None and self.job_events_wanted():
-            emit_event(self.on_event, "job_ended", worker.proc.pid, job, status="ok" if done.ok else "error")
+            emit_event(self.on_event, "job_ended", worker.proc.pid, job, status="ok" if ok else "error")
 
     # -- what it holds ------------------------------------------------------------------------------
 

@@ -18,6 +18,13 @@ S = TypeVar("S", bound=enum.Enum)
 E = TypeVar("E", bound=enum.Enum)
 
 
+class Label(enum.Enum):
+    """An enum of states or events: its members hash by identity (as they compare), which a
+    table's lookup does on every move, in C rather than through ``Enum.__hash__``."""
+
+    __hash__ = object.__hash__
+
+
 class InvalidTransition(RuntimeError):
     """An object was asked to do what its state does not allow: a bug in aiocompile."""
 
@@ -41,10 +48,11 @@ class Transitions(Mapping[tuple[S, E], S]):
 
     def after(self, state: S, event: E, who: object = None) -> S:
         """The state after ``event`` in ``state``; :class:`InvalidTransition` if there is
-        none. ``who`` says which object, in the message."""
+        none. ``who`` says which object in the message, a process by its pid (the message
+        is made only then: a move is made on every job's way)."""
         target = self._table.get((state, event))
         if target is None:
-            name = f" ({who})" if who is not None else ""
+            name = "" if who is None else f" (pid {who})" if isinstance(who, int) else f" ({who})"
             raise InvalidTransition(f"a {state.value} {self.what}{name} cannot take {event.value!r}")
         return target
 

@@ -101,7 +101,7 @@ class BenchProcess:
         return self.popen.pid
 
     def _move(self, move: Move) -> None:
-        self.state = TRANSITIONS.after(self.state, move, f"pid {self.pid}")
+        self.state = TRANSITIONS.after(self.state, move, self.pid)
 
     # -- the transitions ---------------------------------------------------------------------
 

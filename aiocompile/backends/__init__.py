@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 
-@dataclass(frozen=True)
-class Request:
-    """One compile (or other job), as the scheduler sees it."""
+class Request(NamedTuple):
+    """One compile (or other job), as the scheduler sees it. Immutable; a typed named tuple
+    rather than a frozen dataclass because one is made for every ``run()``, where a frozen
+    dataclass's constructor would be a noticeable part of a trivial job's round trip."""
 
     backend: str
     key: str | None
@@ -40,7 +40,7 @@ class Request:
     then read it from the worker itself (``WorkerPool.submit_job(direct=True)``)."""
     features: tuple[tuple[str, float], ...] = ()
     """What is known of the compile's cost before it runs, as ``(name, value)`` pairs, for
-    predicting it (``_costs``): ``source`` (log2 of the source's bytes) from any backend
+    predicting it (``_core.costs``): ``source`` (log2 of the source's bytes) from any backend
     that has a source; from Triton also ``tile``, ``warps``, ``dot`` and ``stages``."""
 
 
