@@ -38,10 +38,10 @@ async def measure(calls: int, rounds: int) -> dict[str, list[float]]:
     import anyio.to_process
 
     import aiocompile
-    from aiocompile._pool import loop_reads, supervisor
+    from aiocompile._pool import loop_reads, roster
 
     marks: dict[str, float] = {}
-    write_all, on_readable = supervisor._write_all, loop_reads.LoopReads.on_readable
+    write_all, on_readable = roster._write_all, loop_reads.LoopReads.on_readable
 
     def timed_write(fd: int, data: bytes) -> None:
         write_all(fd, data)
@@ -51,7 +51,7 @@ async def measure(calls: int, rounds: int) -> dict[str, list[float]]:
         marks["readable"] = time.perf_counter()
         on_readable(reads, worker, reader)  # type: ignore[arg-type]
 
-    supervisor._write_all = timed_write
+    roster._write_all = timed_write
     loop_reads.LoopReads.on_readable = timed_read  # type: ignore[method-assign]
 
     loop = asyncio.get_running_loop()
@@ -108,7 +108,7 @@ async def measure(calls: int, rounds: int) -> dict[str, list[float]]:
         os.close(jobs_w)
         os.waitpid(pid, 0)
         await sched.aclose()
-        supervisor._write_all = write_all
+        roster._write_all = write_all
         loop_reads.LoopReads.on_readable = on_readable  # type: ignore[method-assign]
     return steps
 
