@@ -21,8 +21,8 @@ import ctypes
 import os
 import time
 
-from aiocompile._tuning.benchpool import Timing
 from aiocompile._tuning.inputs import rebuild, resolve
+from aiocompile._tuning.timing import Timing
 
 OK, ERROR, FAULT, CRASH, HANG, BARRIER, SUM, SLOW, FULL_FAILS = range(9)
 

@@ -1,6 +1,6 @@
 """The one state-machine helper that every process manager of aiocompile uses: a worker of
 the pool (``handle``), a benchmark process (``_tuning.benchproc``), a job handed to a
-foreign executor (``_foreign.pool``).
+foreign executor (``_foreign.sent``).
 
 Each machine names its states and its events as enums and every allowed move in one table,
 ``{(state, event): next_state}``; everything else asks the machine rather than keeping

@@ -36,9 +36,10 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from aiocompile._tuning.benchpool import BenchPool, GpuTiming, Outcome, Session, Timing
+from aiocompile._tuning.benchpool import BenchPool, Session, Timed
 from aiocompile._tuning.inputs import Inputs
 from aiocompile._tuning.task import CallTask
+from aiocompile._tuning.timing import GpuTiming, Timing
 from aiocompile.records import BenchmarkOutcome, BenchmarkRecord
 
 if TYPE_CHECKING:
@@ -193,7 +194,7 @@ class TuningPool:
         timings: dict[Any, float] = {}
         built = _build_libraries(choices, self.build)
         settings = _worker_settings()
-        waiting: list[tuple[Any, cf.Future[Outcome], BenchPool]] = []
+        waiting: list[tuple[Any, cf.Future[Timed], BenchPool]] = []
         elsewhere: list[Any] = []
         for choice in choices:
             failure = built.get(id(choice))
@@ -301,10 +302,10 @@ class TuningPool:
                 session = self._sessions[id(pool)] = Session(Inputs((), ()))
             return session
 
-    def _emit(self, port: TorchPort, choice: Any, outcome: Outcome) -> None:
+    def _emit(self, port: TorchPort, choice: Any, outcome: Timed) -> None:
         timings = outcome.timings or (None,)
         port.record_benchmark(BenchmarkRecord(
-            name=_name(choice), config=_label(choice), outcome=BenchmarkOutcome(outcome.status), time_ms=timings[0],
+            name=_name(choice), config=_label(choice), outcome=outcome.status, time_ms=timings[0],
             p20_ms=None, p80_ms=None, reason=outcome.reason, device=outcome.device, device_name=outcome.device_name,
             attempt=outcome.attempt, pid=outcome.pid, started_at=outcome.started_at,
             finished_at=outcome.finished_at))

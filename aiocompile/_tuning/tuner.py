@@ -39,11 +39,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 from aiocompile._base import bridge, checks, threads
 from aiocompile._tuning import plan as _plan
 from aiocompile._tuning import priming
-from aiocompile._tuning.benchpool import BenchPool, GpuTiming, Session, Timed, Timing
+from aiocompile._tuning.benchpool import BenchPool, Session, Timed
 from aiocompile._tuning.decisions import SUBDIRECTORY, Decision, Decisions
 from aiocompile._tuning.inputs import Inputs
 from aiocompile._tuning.rounds import Rounds, screen_for
 from aiocompile._tuning.task import BenchTask
+from aiocompile._tuning.timing import GpuTiming, Timing
 from aiocompile.errors import AutotuneError, CompileError, SchedulerClosed
 from aiocompile.records import BenchmarkOutcome, BenchmarkRecord
 
