@@ -92,7 +92,7 @@ def measure_in_child(mode: str, inductor_dir: str, triton_dir: str) -> None:
     if mode.startswith("aiocompile"):
         import logging
 
-        import aiocompile
+        import aiocompile.records
         import aiocompile.torch
 
         # Each choice's breakdown in its benchmark process (see _autotune's debug log).
@@ -118,7 +118,7 @@ def measure_in_child(mode: str, inductor_dir: str, triton_dir: str) -> None:
             started = time.perf_counter()
             if trace is not None:
                 trace.started = time.time()  # the timeline starts with the clock
-        sched.subscribe(lambda event: records.append(event) if isinstance(event, aiocompile.BenchmarkRecord)
+        sched.subscribe(lambda event: records.append(event) if isinstance(event, aiocompile.records.BenchmarkRecord)
                         else None)
         if trace is not None:
             trace.hook_aiocompile(sched)

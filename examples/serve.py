@@ -65,6 +65,7 @@ from kernels import add_kernel, layer_norm_kernel, softmax_kernel
 from triton.compiler import ASTSource
 
 import aiocompile
+import aiocompile.records
 
 MAX_COLS = 16384
 MAX_ROWS = 4096
@@ -228,13 +229,13 @@ class Built:
 # The records of the request being served. aiocompile reports a request's record from
 # the coroutine that awaited it, so a listener reading this variable sees the record of
 # the request in whose task it was called, and no other.
-_request_records: contextvars.ContextVar[list[aiocompile.JobRecord] | None] = contextvars.ContextVar(
+_request_records: contextvars.ContextVar[list[aiocompile.records.JobRecord] | None] = contextvars.ContextVar(
     "serve_request_records", default=None)
 
 
 def _keep_request_record(event: object) -> None:
     records = _request_records.get()
-    if records is not None and isinstance(event, aiocompile.JobRecord):
+    if records is not None and isinstance(event, aiocompile.records.JobRecord):
         records.append(event)
 
 
@@ -253,7 +254,7 @@ class PooledCompiler:
             await self.scheduler.warm(self._target or "cuda:90")
 
     async def build(self, op: Op, block: int, num_warps: int, launching: bool) -> Built:
-        records: list[aiocompile.JobRecord] = []
+        records: list[aiocompile.records.JobRecord] = []
         token = _request_records.set(records)
         try:
             kernel = await self.scheduler.compile_triton(op.kernel, signature=op.signature,
