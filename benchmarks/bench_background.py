@@ -148,8 +148,8 @@ def background(torch, model, x, expected, timed, pause, timeout, quiet, artifact
     # The pool started before the clock, its workers ready (warmed for the model's
     # device, as compile_in_background warms them), as at a server's start-up.
     form = artifact if artifact != "auto" else ("python" if x.device.type == "cuda" else "package")
-    for job in sched.port._pool.warm(_export.warm_up, (x.device.type, form)):
-        job.future.result(timeout=300)
+    for future in sched.port.warm_workers(_export.warm_up, (x.device.type, form)):
+        future.result(timeout=300)
     cpu, mine, started = cpu_seconds(), time.thread_time(), time.perf_counter()
     _, first = timed(compiled, x)
     during = []

@@ -65,8 +65,8 @@ async def run_aiocompile(workers: int, seconds: float, log: str) -> dict[str, fl
     config = aiocompile.SchedulerConfig(workers=workers, preload=(), max_crashes=2)
     async with aiocompile.Scheduler(config=config) as sched:
         # All workers up (one warm-up job each), so that no worker starts for the queue later.
-        warmed = sched.port._pool.warm(crash_jobs.noop)
-        pids = await asyncio.gather(*[asyncio.wrap_future(job.future) for job in warmed])
+        warmed = sched.port.warm_workers(crash_jobs.noop)
+        pids = await asyncio.gather(*[asyncio.wrap_future(future) for future in warmed])
         crash_jobs.POOL_PIDS[:] = pids
         names = [f"job{i}" for i in range(2 * workers)]
         started = time.perf_counter()

@@ -141,8 +141,8 @@ def start_pool(mode: str, workers: int, wait: bool = True) -> object:
     if wait:
         # As install() readies workers on the first torch.compile: importing Inductor's
         # Triton runtime where Triton kernels may come, nothing for a CPU build of torch.
-        for job in sched.port._pool.warm(aiocompile._torch.install._warm_up_function()):
-            job.future.result(timeout=300)
+        for future in sched.port.warm_workers(aiocompile._torch.install._warm_up_function()):
+            future.result(timeout=300)
     return sched
 
 

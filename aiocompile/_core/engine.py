@@ -191,11 +191,12 @@ class Engine:
 
     # -- workers -------------------------------------------------------------------------------
 
-    def warm_workers(self, fn: Callable[..., Any], args: tuple[Any, ...] = ()) -> None:
+    def warm_workers(self, fn: Callable[..., Any], args: tuple[Any, ...] = ()) -> list[cf.Future[Any]]:
         """Start every worker and run ``fn(*args)`` once in each not yet warmed, without
-        waiting (a warm-up of one's own, such as importing torch for Inductor's kernels)."""
+        waiting (a warm-up of one's own, such as importing torch for Inductor's kernels);
+        the futures of those runs, for a caller that wants to wait."""
         self.check_open()
-        self._pool.warm(fn, args)
+        return [job.future for job in self._pool.warm(fn, args)]
 
     async def warm(self, target: Any, benchmark: bool) -> None:
         """``Scheduler.warm``: its docstring says what it does."""

@@ -28,8 +28,9 @@ class TorchPort(Protocol):
     def start_pool(self) -> None:
         """Start loading the fork server now, without waiting."""
 
-    def warm_workers(self, fn: Callable[..., Any], args: tuple[Any, ...] = ()) -> None:
+    def warm_workers(self, fn: Callable[..., Any], args: tuple[Any, ...] = ()) -> list[cf.Future[Any]]:
         """Start every worker and run ``fn(*args)`` once in each, without waiting."""
+        ...
 
     def tuner(self) -> Tuner:
         """The scheduler's tuner, whose benchmark processes time max-autotune's choices."""
