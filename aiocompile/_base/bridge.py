@@ -19,6 +19,18 @@ from typing import Any, Callable, TypeVar
 T = TypeVar("T")
 
 
+def running_loop() -> Any:
+    """The asyncio event loop running in this thread, or None (none runs, or trio does).
+    Asked without importing asyncio: a process that never imported it runs no loop."""
+    asyncio = sys.modules.get("asyncio")
+    if asyncio is None:
+        return None
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 def current_library() -> str:
     """'asyncio' or 'trio': the async library running the current task."""
     try:

@@ -26,9 +26,10 @@ Cancelling a waiting request drops it before anything about it was counted or st
 from __future__ import annotations
 
 import collections
-import sys
 import time
 from typing import Any, Callable
+
+from aiocompile._base.bridge import running_loop
 
 # Long enough to admit dozens of requests at once, short enough that the application's
 # timers run about a millisecond late at most; a longer slice lengthens a burst's longest
@@ -140,17 +141,6 @@ class _TrioWaiter:
         self.event.set()
 
 
-def _running_loop() -> Any:
-    """The asyncio event loop running in this thread, or None (trio, say)."""
-    asyncio = sys.modules.get("asyncio")
-    if asyncio is None:
-        return None
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
-
-
 class Gates:
     """The gates of one scheduler, one per event loop it is used from (held weakly)."""
 
@@ -165,7 +155,7 @@ class Gates:
     def enter_now(self) -> bool:
         """Whether this request may be admitted at once, without an await: the fast way in
         for the usual case (asyncio, the gate open). False: await ``enter()``."""
-        loop = _running_loop()
+        loop = running_loop()
         if loop is None:
             return False
         return self._gate(loop).open()
@@ -185,13 +175,13 @@ class Gates:
     def waited(self) -> None:
         """The request admitted last has since waited for its job (its task was suspended,
         so the loop went round): see ``Gate.close_lone``."""
-        loop = _running_loop()
+        loop = running_loop()
         if loop is not None:
             self._gate(loop).close_lone()
 
     async def enter(self) -> None:
         """Return when this request may be admitted: at once, or after waiting its turn."""
-        loop = _running_loop()
+        loop = running_loop()
         if loop is None:
             await self._enter_trio()
             return

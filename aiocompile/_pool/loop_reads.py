@@ -17,7 +17,6 @@ import os
 import select
 import socket
 import struct
-import sys
 import threading
 import time
 from typing import Any, Protocol
@@ -140,17 +139,6 @@ class LoopReads:
             if not closed:
                 logger.debug("aiocompile: an event loop left an answer unread for %.1f s; the supervisor reads it",
                              now - (reader.waiting_since or now))
-
-
-def running_loop() -> Any:
-    """The asyncio event loop running in this thread, or None."""
-    asyncio = sys.modules.get("asyncio")
-    if asyncio is None:
-        return None
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
 
 
 def readable_now(conn: Any) -> bool:

@@ -24,8 +24,8 @@ import weakref
 from typing import Any, Callable
 
 from aiocompile._base import checks
+from aiocompile._base.bridge import running_loop
 from aiocompile._pool.job import Job, PoolCounters, Stop
-from aiocompile._pool.loop_reads import running_loop
 from aiocompile._pool.roster import KillJob, Prepare, Shutdown, Submit
 from aiocompile._pool.supervisor import Supervisor
 from aiocompile.errors import SchedulerClosed
