@@ -245,7 +245,7 @@ async def test_a_killed_compile_takes_every_compiler_process_with_it(how):
                 group.start_soon(watch)
                 if how == "timeout":
                     with pytest.raises(aiocompile.JobTimeout):
-                        await sched.compile_cpp(SLOW_CPP, flags=flags, timeout=5)
+                        await sched.compile_cpp(SLOW_CPP, flags=flags, timeout=3)
                 else:
                     async with anyio.create_task_group() as compiling:
                         compiling.start_soon(lambda: sched.compile_cpp(SLOW_CPP, flags=flags))

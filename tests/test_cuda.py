@@ -251,7 +251,7 @@ async def test_a_killed_compile_takes_cicc_and_ptxas_with_it(how):
                 group.start_soon(watch)
                 if how == "timeout":
                     with pytest.raises(aiocompile.JobTimeout):
-                        await sched.compile_cuda(SLOW_CUDA, arch="sm_90", flags=flags, timeout=10)
+                        await sched.compile_cuda(SLOW_CUDA, arch="sm_90", flags=flags, timeout=5)
                 else:
                     async with anyio.create_task_group() as compiling:
                         compiling.start_soon(lambda: sched.compile_cuda(SLOW_CUDA, arch="sm_90", flags=flags))
