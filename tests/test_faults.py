@@ -371,6 +371,11 @@ async def test_bad_results_are_clear_errors_and_never_break_the_pool():
         await close_and_check(sched)
 
 
+def tree_pids(path):
+    """The pids ``jobs.start_tree_then_hang`` wrote to ``path``, once the line is whole."""
+    text = path.read_text() if path.exists() else ""
+    return [int(pid) for pid in text.split()] if text.endswith("\n") else []
+
 
 @pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
 @pytest.mark.parametrize("how", ["timeout", "cancel_running=kill"])
@@ -385,11 +390,15 @@ async def test_a_killed_job_takes_the_processes_it_started_with_it(how, start_me
         with anyio.fail_after(60):
             if how == "timeout":
                 with pytest.raises(aiocompile.JobTimeout):
-                    await sched.run(jobs.start_tree_then_hang, str(pids_file), timeout=3)
+                    await sched.run(jobs.start_tree_then_hang, str(pids_file), timeout=1)
             else:
-                with anyio.move_on_after(3):
-                    await sched.run(jobs.start_tree_then_hang, str(pids_file))
-            tree = [int(pid) for pid in pids_file.read_text().split()]
+                async with anyio.create_task_group() as group:
+                    group.start_soon(lambda: sched.run(jobs.start_tree_then_hang, str(pids_file)))
+                    # Once the tree runs, its only caller goes.
+                    while len(tree_pids(pids_file)) < 2:
+                        await anyio.sleep(0.01)
+                    group.cancel_scope.cancel()
+            tree = tree_pids(pids_file)
             assert len(tree) == 2
             assert wait_until(lambda: not alive(tree), 10), f"outlived the job: {alive(tree)}"
             assert await sched.run(jobs.echo, "after") == "after"
