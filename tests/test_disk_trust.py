@@ -32,7 +32,8 @@ def compile_add(sched, **changes):
 
 
 def scheduler(directory, **config):
-    return aiocompile.Scheduler(config=aiocompile.SchedulerConfig(workers=1, cache_dir=str(directory), **config))
+    config = aiocompile.SchedulerConfig(workers=1, preload=(), cache_dir=str(directory), **config)
+    return aiocompile.Scheduler(config=config)
 
 
 def entry(directory, key):
