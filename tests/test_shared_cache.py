@@ -156,10 +156,9 @@ async def test_a_shared_hit_fills_the_disk_cache(server, tmp_path):
 
 
 @pytest.mark.parametrize("planted", ["unsigned", "signed with another key", "garbage"])
-async def test_with_a_cache_key_planted_entries_never_load(server, planted):
+async def test_with_a_cache_key_planted_entries_never_load(server, planted, scheduler):
     kernel = fresh_kernel()
-    async with aiocompile.Scheduler(workers=1) as plain:
-        genuine = await plain.compile_triton(**spec(kernel))
+    genuine = await scheduler.compile_triton(**spec(kernel))  # a scheduler without the shared cache
     # What an attacker with write access to the server puts there: a kernel of their own
     # making under this key (here the real bytes, which must not load all the same).
     data = genuine.to_bytes()
