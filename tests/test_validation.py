@@ -75,19 +75,30 @@ async def test_bad_input_raises_before_any_worker(what, kwargs, exc):
         await sched.aclose()
 
 
+@pytest.fixture(scope="module")
+def one_worker():
+    """A scheduler with one worker, for the tests of bad timeouts, one after the other (each
+    counts what its own calls did)."""
+    sched = aiocompile.Scheduler(config=NO_PRELOAD)
+    yield sched
+    sched.close(grace=0)
+
+
 @pytest.mark.parametrize(("timeout", "exc"), BAD_TIMEOUTS)
-async def test_a_bad_timeout_fails_its_own_call_and_nothing_else(timeout, exc):
-    async with aiocompile.Scheduler(workers=1) as sched:
-        assert await sched.run(abs, -1) == 1  # a worker is up and idle: the fastest path
-        with pytest.raises(exc, match="timeout"):
-            await sched.run(abs, -2, timeout=timeout)
-        with pytest.raises(exc, match="timeout"):
-            await sched.compile_many([{"kernel": add_kernel, "signature": ADD_SIGNATURE,
-                                       "constexprs": {"BLOCK": 64}, "target": "cuda:80", "timeout": timeout}])
-        # The scheduler, its pool and its supervisor are as they were.
-        assert await sched.run(abs, -3) == 3
-        stats = sched.statistics()
-        assert (stats.submitted, stats.failed, stats.worker_crashes) == (2, 0, 0)
+async def test_a_bad_timeout_fails_its_own_call_and_nothing_else(timeout, exc, one_worker):
+    sched = one_worker
+    before = sched.statistics()
+    assert await sched.run(abs, -1) == 1  # a worker is up and idle: the fastest path
+    with pytest.raises(exc, match="timeout"):
+        await sched.run(abs, -2, timeout=timeout)
+    with pytest.raises(exc, match="timeout"):
+        await sched.compile_many([{"kernel": add_kernel, "signature": ADD_SIGNATURE,
+                                   "constexprs": {"BLOCK": 64}, "target": "cuda:80", "timeout": timeout}])
+    # The scheduler, its pool and its supervisor are as they were.
+    assert await sched.run(abs, -3) == 3
+    stats = sched.statistics()
+    assert (stats.submitted - before.submitted, stats.failed - before.failed,
+            stats.worker_crashes - before.worker_crashes) == (2, 0, 0)
 
 
 async def test_looking_for_the_current_gpu_is_not_counted_as_a_request():
