@@ -7,6 +7,7 @@ skips without it.
 import json
 import logging
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -54,10 +55,37 @@ def warnings_about(caplog, text):
             and text in r.getMessage()]
 
 
-async def build(directory, **config):
+class Templates:
+    """Cache directories made once for the module and copied for each test that needs one:
+    the same files each time, without a compile (or a process) per test."""
+
+    def __init__(self, tmp_path_factory):
+        self._factory = tmp_path_factory
+        self._made = {}
+
+    async def copy(self, directory, name, make):
+        """Copy the template ``name`` into ``directory`` (made by ``await make(source)`` the
+        first time); returns what ``make`` returned."""
+        if name not in self._made:
+            source = self._factory.mktemp("template")
+            self._made[name] = (source, await make(source))
+        source, made = self._made[name]
+        shutil.copytree(source, directory, symlinks=True, dirs_exist_ok=True)
+        return made
+
+
+@pytest.fixture(scope="module")
+def templates(tmp_path_factory):
+    return Templates(tmp_path_factory)
+
+
+async def build(templates, directory, **config):
     """A directory with the add kernel compiled into it; returns the kernel."""
-    async with scheduler(directory, **config) as sched:
-        return await compile_add(sched)
+    async def make(source):
+        async with scheduler(source, **config) as sched:
+            return await compile_add(sched)
+
+    return await templates.copy(directory, f"built with {sorted(config.items())}", make)
 
 
 # -- what this process makes ------------------------------------------------------------------
@@ -113,16 +141,16 @@ async def refused(directory, caplog):
 
 
 @needs_root
-async def test_a_directory_owned_by_another_user_is_refused(tmp_path, caplog):
-    good = await build(tmp_path)
+async def test_a_directory_owned_by_another_user_is_refused(tmp_path, caplog, templates):
+    good = await build(templates, tmp_path)
     os.chown(tmp_path, OTHER_UID, -1)
     kernel, _ = await refused(tmp_path, caplog)
     assert kernel.binary == good.binary
 
 
 @pytest.mark.parametrize("directory_mode", [0o770, 0o707, 0o777])
-async def test_a_directory_writable_by_group_or_others_is_refused(tmp_path, caplog, directory_mode):
-    await build(tmp_path)
+async def test_a_directory_writable_by_group_or_others_is_refused(tmp_path, caplog, directory_mode, templates):
+    await build(templates, tmp_path)
     os.chmod(tmp_path, directory_mode)
     try:
         await refused(tmp_path, caplog)
@@ -130,8 +158,8 @@ async def test_a_directory_writable_by_group_or_others_is_refused(tmp_path, capl
         os.chmod(tmp_path, 0o700)
 
 
-async def test_a_subdirectory_writable_by_others_is_refused(tmp_path, caplog):
-    good = await build(tmp_path)
+async def test_a_subdirectory_writable_by_others_is_refused(tmp_path, caplog, templates):
+    good = await build(templates, tmp_path)
     os.chmod(entry(tmp_path, good.key).parent, 0o757)
     async with scheduler(tmp_path) as sched:
         with anyio.fail_after(60):
@@ -165,8 +193,8 @@ def make_untrusted(path, how, tmp_path):
 
 @pytest.mark.parametrize("how", ["writable by others", "writable by its group", "owned by another user",
                                  "a symbolic link", "a FIFO"])
-async def test_an_entry_not_trusted_is_compiled_instead(tmp_path, caplog, how):
-    good = await build(tmp_path)
+async def test_an_entry_not_trusted_is_compiled_instead(tmp_path, caplog, how, templates):
+    good = await build(templates, tmp_path)
     path = entry(tmp_path, good.key)
     make_untrusted(path, how, tmp_path)
     async with scheduler(tmp_path) as sched:
@@ -202,8 +230,8 @@ def planted(genuine_file):
 
 
 @pytest.mark.parametrize("signed", ["not signed", "signed with another key"])
-async def test_a_planted_kernel_with_a_valid_checksum_is_refused_with_a_key(tmp_path, caplog, signed):
-    good = await build(tmp_path, cache_key=KEY)
+async def test_a_planted_kernel_with_a_valid_checksum_is_refused_with_a_key(tmp_path, caplog, signed, templates):
+    good = await build(templates, tmp_path, cache_key=KEY)
     path = entry(tmp_path, good.key)
     data, binary = planted(path)
     path.write_bytes(data if signed == "not signed" else seal(data, b"a key of the planter's own", good.key))
@@ -223,10 +251,10 @@ async def test_a_planted_kernel_with_a_valid_checksum_is_refused_with_a_key(tmp_
         assert sched.statistics().disk_hits == 1
 
 
-async def test_without_a_key_the_owner_of_the_directory_is_all_the_trust(tmp_path):
+async def test_without_a_key_the_owner_of_the_directory_is_all_the_trust(tmp_path, templates):
     # What the key is for: a checksum vouches for nothing, so without a key a file that
     # this user (or root) put in the directory is loaded, whatever it holds.
-    good = await build(tmp_path)
+    good = await build(templates, tmp_path)
     path = entry(tmp_path, good.key)
     data, binary = planted(path)
     path.write_bytes(data)
@@ -254,8 +282,8 @@ async def test_with_a_key_entries_written_without_it_are_refused_and_left_in_pla
     assert entry(tmp_path, kernels[128].key).read_bytes() == kernels[128].to_bytes()
 
 
-async def test_signed_entries_still_load_without_a_key_in_a_trusted_directory(tmp_path):
-    good = await build(tmp_path, cache_key=KEY)
+async def test_signed_entries_still_load_without_a_key_in_a_trusted_directory(tmp_path, templates):
+    good = await build(templates, tmp_path, cache_key=KEY)
     async with scheduler(tmp_path) as sched:
         assert (await compile_add(sched)).binary == good.binary
         assert sched.statistics().disk_hits == 1
@@ -279,14 +307,19 @@ SIGNED_PROCESS = textwrap.dedent("""
 """)
 
 
-def signed_by_another_process(directory):
-    proc = subprocess.run([sys.executable, "-c", SIGNED_PROCESS, str(directory), str(ROOT / "tests")],
-                          capture_output=True, text=True, timeout=300,
-                          env=subprocess_env(AIOCOMPILE_CACHE_KEY=KEY.decode()))
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["compiled"] == 3
-    return result["keys"]
+async def signed_by_another_process(templates, directory):
+    """``directory`` with three kernels that another process compiled into it with the
+    key; returns their keys."""
+    async def make(source):
+        proc = await anyio.to_thread.run_sync(lambda: subprocess.run(
+            [sys.executable, "-c", SIGNED_PROCESS, str(source), str(ROOT / "tests")], capture_output=True, text=True,
+            timeout=300, env=subprocess_env(AIOCOMPILE_CACHE_KEY=KEY.decode())))
+        assert proc.returncode == 0, proc.stderr
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert result["compiled"] == 3
+        return result["keys"]
+
+    return await templates.copy(directory, "signed by another process", make)
 
 
 async def read_back(directory, keys):
@@ -296,8 +329,9 @@ async def read_back(directory, keys):
         return [k.key for k in kernels], sched.statistics()
 
 
-async def test_a_signed_entry_from_another_process_with_the_same_key_is_a_disk_hit(tmp_path):
-    keys = signed_by_another_process(tmp_path)  # AIOCOMPILE_CACHE_KEY, text; here the same key as bytes
+async def test_a_signed_entry_from_another_process_with_the_same_key_is_a_disk_hit(tmp_path, templates):
+    # There AIOCOMPILE_CACHE_KEY, as text; here the same key, as bytes.
+    keys = await signed_by_another_process(templates, tmp_path)
     for key in keys:
         unseal(entry(tmp_path, key).read_bytes(), KEY, key)
     read, stats = await read_back(tmp_path, keys)
@@ -306,9 +340,9 @@ async def test_a_signed_entry_from_another_process_with_the_same_key_is_a_disk_h
 
 
 @needs_root
-async def test_with_a_key_a_directory_owned_by_another_user_is_read_for_its_signed_entries(tmp_path):
+async def test_with_a_key_a_directory_owned_by_another_user_is_read_for_its_signed_entries(tmp_path, templates):
     directory = tmp_path / "shared"
-    keys = signed_by_another_process(directory)
+    keys = await signed_by_another_process(templates, directory)
     for path in [directory, *directory.rglob("*")]:
         os.chown(path, OTHER_UID, OTHER_UID)
     before = listing(directory)
