@@ -305,11 +305,19 @@ def test_two_processes_share_one_directory_at_once(tmp_path):
     assert (third["disk_hits"], third["compiled"]) == (3, 0)
 
 
+async def filled(templates, directory, *blocks):
+    """``directory`` as a scheduler leaves it once it has compiled the add kernel with each
+    of ``blocks`` there (a copy of the module's template); returns the kernels."""
+    async def make(source):
+        async with aiocompile.Scheduler(workers=1, cache_dir=source) as sched:
+            return [await compile_add(sched, constexprs={"BLOCK": block}) for block in blocks]
+
+    return await templates.copy(directory, f"the add kernel with BLOCK={blocks}", make)
+
+
 @pytest.mark.parametrize("damage", ["flip a byte", "truncate", "empty", "another key's file"])
-async def test_a_damaged_file_is_discarded_and_recompiled_never_loaded(tmp_path, damage):
-    async with aiocompile.Scheduler(workers=1, cache_dir=tmp_path) as sched:
-        good = await compile_add(sched)
-        other = await compile_add(sched, constexprs={"BLOCK": 512})
+async def test_a_damaged_file_is_discarded_and_recompiled_never_loaded(tmp_path, damage, templates):
+    good, other = await filled(templates, tmp_path, 128, 512)
     path = tmp_path / good.key[:2] / f"{good.key}.aiok"
     data = path.read_bytes()
     if damage == "flip a byte":
@@ -348,9 +356,8 @@ def warnings_about(caplog, text):
             and text in r.getMessage()]
 
 
-async def test_a_file_with_a_field_missing_from_its_header_is_compiled_not_waited_for(tmp_path, caplog):
-    async with aiocompile.Scheduler(workers=1, cache_dir=tmp_path) as sched:
-        good = await compile_add(sched)
+async def test_a_file_with_a_field_missing_from_its_header_is_compiled_not_waited_for(tmp_path, caplog, templates):
+    (good,) = await filled(templates, tmp_path, 128)
     path = tmp_path / good.key[:2] / f"{good.key}.aiok"
     path.write_bytes(without_header_field(path.read_bytes(), "triton_hash"))
     async with aiocompile.Scheduler(workers=1, cache_dir=tmp_path) as sched:
@@ -365,10 +372,9 @@ async def test_a_file_with_a_field_missing_from_its_header_is_compiled_not_waite
     assert aiocompile.TritonKernel.from_bytes(path.read_bytes()).triton_hash == good.triton_hash
 
 
-async def test_a_damaged_file_in_a_read_only_directory_is_compiled_and_left_alone(tmp_path, caplog):
+async def test_a_damaged_file_in_a_read_only_directory_is_compiled_and_left_alone(tmp_path, caplog, templates):
     caplog.set_level(logging.DEBUG, logger="aiocompile")
-    async with aiocompile.Scheduler(workers=1, cache_dir=tmp_path) as sched:
-        good = await compile_add(sched)
+    (good,) = await filled(templates, tmp_path, 128)
     path = tmp_path / good.key[:2] / f"{good.key}.aiok"
     damaged = path.read_bytes()
     damaged = damaged[:500] + bytes([damaged[500] ^ 0xFF]) + damaged[501:]
@@ -434,9 +440,8 @@ async def test_the_directory_is_bounded_least_recently_used_first(tmp_path):
     assert (stats.disk_hits, stats.disk_evictions) == (1, 2)
 
 
-async def test_a_thousand_concurrent_requests_read_the_disk_once(tmp_path):
-    async with aiocompile.Scheduler(workers=1, cache_dir=tmp_path) as sched:
-        await compile_add(sched, constexprs={"BLOCK": 64})
+async def test_a_thousand_concurrent_requests_read_the_disk_once(tmp_path, templates):
+    await filled(templates, tmp_path, 64)
     async with aiocompile.Scheduler(workers=1, cache_dir=tmp_path) as sched:
         results = [None] * 1000
 

@@ -7,7 +7,6 @@ skips without it.
 import json
 import logging
 import os
-import shutil
 import stat
 import subprocess
 import sys
@@ -53,30 +52,6 @@ def listing(directory):
 def warnings_about(caplog, text):
     return [r for r in caplog.records if r.name == "aiocompile" and r.levelno == logging.WARNING
             and text in r.getMessage()]
-
-
-class Templates:
-    """Cache directories made once for the module and copied for each test that needs one:
-    the same files each time, without a compile (or a process) per test."""
-
-    def __init__(self, tmp_path_factory):
-        self._factory = tmp_path_factory
-        self._made = {}
-
-    async def copy(self, directory, name, make):
-        """Copy the template ``name`` into ``directory`` (made by ``await make(source)`` the
-        first time); returns what ``make`` returned."""
-        if name not in self._made:
-            source = self._factory.mktemp("template")
-            self._made[name] = (source, await make(source))
-        source, made = self._made[name]
-        shutil.copytree(source, directory, symlinks=True, dirs_exist_ok=True)
-        return made
-
-
-@pytest.fixture(scope="module")
-def templates(tmp_path_factory):
-    return Templates(tmp_path_factory)
 
 
 async def build(templates, directory, **config):
