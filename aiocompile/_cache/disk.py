@@ -2,7 +2,7 @@
 
 Layout: ``<dir>/<key[:2]>/<key>.aiok``, one file per key, holding the result's own byte
 form (for Triton, ``TritonKernel.to_bytes()``: versioned and checksummed), sealed
-(``_sealed``) when a secret is set.
+(``sealed``) when a secret is set.
 
 - A file is written to a temporary name and renamed into place: a reader sees a whole
   file or none, and processes may write one key at once. Directories are 0700 and files

@@ -9,7 +9,7 @@ write to the server can plant kernels, and the scheduler says so once. An entry 
 
 The server being down, slow or flapping never fails a compile and never holds one up for
 long: every command has a short ``timeout`` (connecting too), redis-py's own retries are
-off, and a circuit breaker (``_breaker``) stops asking a server that failed several times
+off, and a circuit breaker (``breaker``) stops asking a server that failed several times
 in a row, for ``retry_after`` seconds at a time. What cannot be read is a miss; what
 cannot be written is left out. Each failure is counted (``statistics().shared_errors``)
 and each kind logged once at WARNING.
@@ -20,7 +20,7 @@ event loop (asyncio, uvloop, trio, several at once) and of none (Inductor's sync
 compiles). ``redis.asyncio`` ties its connections to one asyncio loop, and would serve
 neither trio nor the rest.
 
-The cost history of ``_costs`` is kept here too, so that a fresh build machine starts with
+The cost history of ``_core.costs`` is kept here too, so that a fresh build machine starts with
 the fleet's (``read_costs``, ``write_costs``): a hash ``aiocompile:costs`` of one JSON entry
 per compile key, bounded to the newest entries, living ``ttl`` seconds after its last
 write. It is read and written from the caller's thread, outside the request path, and
@@ -152,7 +152,7 @@ class SharedCache:
     # -- the cost history (the caller's thread) ---------------------------------------------
 
     def read_costs(self) -> dict[str, Any]:
-        """The fleet's cost history: each compile key's entry as stored (``_costs`` checks
+        """The fleet's cost history: each compile key's entry as stored (``_core.costs`` checks
         them); empty when there is none, the server fails, or the breaker is open."""
         if self._breaker.state == "open":
             return {}

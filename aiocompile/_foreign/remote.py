@@ -4,7 +4,7 @@ Workers find these functions by reference (module and name), so this module impo
 nothing heavy, neither Triton nor Dask.
 
 A job carries the submitting process's job environment (``TRITON_*`` and kin, see
-``_worker.job_env``) and import path. A stdlib pool's worker is this machine's, and takes
+``_pool.procs.job_env``) and import path. A stdlib pool's worker is this machine's, and takes
 both as they are (``run_in_foreign_worker``). A Dask worker may be another machine's, or
 this very process, and ``run_on_dask_worker`` takes them with three differences:
 

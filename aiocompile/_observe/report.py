@@ -1,7 +1,7 @@
 """Reading an event log back: a plain-text summary and a timeline of the workers.
 
 ``read_events(path)`` parses the JSON-lines file that ``event_log=`` appends to (see
-``_events``) back into the frozen values it was written from: a :class:`JobRecord` per
+``events``) back into the frozen values it was written from: a :class:`JobRecord` per
 request, a :class:`WorkerEvent` per attempt (``job_ended``) and per worker coming and
 going. ``summary_table(events)`` renders them as text; ``draw_timeline(events, png)``
 draws one lane per worker with a bar per attempt.

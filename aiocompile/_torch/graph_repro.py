@@ -1,7 +1,7 @@
 """Repro bundles for an Inductor error of ``torch.compile`` under ``aiocompile.torch.install()``.
 
 A kernel that does not compile in the pool gets its bundle where its error comes back
-(``_bundles.kernel_failure``). Inductor can also fail in this process, before any kernel
+(``bundles.kernel_failure``). Inductor can also fail in this process, before any kernel
 reaches the pool: a lowering it lacks, a C++ compiler that does not work, a kernel of
 another kind. Those errors pass through ``wrap_compiler_debug`` of
 ``torch._inductor.compile_fx``, the debug wrapper PyTorch puts around every graph Inductor

@@ -13,7 +13,7 @@ times it.)
 
 So the serving process makes it while the first package compiles
 (:data:`._ahead.VEC_ISA`), and a worker warmed for background compiles makes it in its
-warm-up (``_export.warm_up``): every package's compile needs it too. The check waits on
+warm-up (``export.warm_up``): every package's compile needs it too. The check waits on
 child processes, so it holds the interpreter lock for little of its time.
 """
 

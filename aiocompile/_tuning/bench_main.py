@@ -1,7 +1,7 @@
 """What runs inside a benchmark process: one device, one configuration at a time.
 
-The process is started by the parent (``_benchproc``) with its socket and the read end of
-an "alive" pipe; it dies with the parent (``_worker.die_with_parent``). It owns one device
+The process is started by the parent (``benchproc``) with its socket and the read end of
+an "alive" pipe; it dies with the parent (``_pool.procs.die_with_parent``). It owns one device
 (the parent narrows ``CUDA_VISIBLE_DEVICES`` to it), loads each binary the compile pool
 produced, and times it with a *timer*: an object made by the ``module:name`` the parent
 names, with
@@ -11,7 +11,7 @@ names, with
 - ``time(task, handle) -> (median, p20, p80)``: time one configuration, in milliseconds;
 - ``healthy() -> bool``: whether the device still works after a configuration failed.
 
-The real timer is ``_gpu_timer.TritonTimer``; tests name a stand-in. A ``CallTask`` is
+The real timer is ``gpu_timer.TritonTimer``; tests name a stand-in. A ``CallTask`` is
 timed by the function it names instead (it has the device to itself all the same).
 
 A configuration that raises is an error, answered, and the process goes on; one after

@@ -1,6 +1,6 @@
 """Benchmark processes, one per device, and the queue of configurations they time.
 
-Each device has a *slot*: at most one benchmark process (``_benchproc``) and a thread that
+Each device has a *slot*: at most one benchmark process (``benchproc``) and a thread that
 drives it. The thread takes the oldest configuration it may time (a configuration names
 the devices it may run on: one for ``autotune(device=i)``, every device of the same model
 otherwise), sends the tuning's tensors if the process does not have them yet, sends the

@@ -10,7 +10,7 @@ same GPU model (``aiocompile decisions export``/``import``, or ``aiocompile buil
 
 On disk a decision is a file of the disk cache's kind, in ``<cache_dir>/tuning/``, under
 the same rules: written atomically and privately, read only from a directory nobody else
-can write, sealed with ``cache_key`` when one is set (``_diskcache``, ``_sealed``). Its
+can write, sealed with ``cache_key`` when one is set (``_cache.disk``, ``_cache.sealed``). Its
 bytes carry their own checksum::
 
     MAGIC  b"AIOCOMPILE-DECISION\\n"
@@ -47,7 +47,7 @@ class Decision:
     device_name: str
     triton_version: str
     config: str
-    """The chosen configuration, as ``_plan.config_id`` writes it."""
+    """The chosen configuration, as ``plan.config_id`` writes it."""
     label: str
     """The chosen configuration, as a person reads it."""
     timings: tuple[tuple[str, float | None, str | None], ...] = ()
@@ -152,7 +152,7 @@ def tuning_directory(cache_dir: str | os.PathLike[str]) -> Path:
 
 def read_all(cache_dir: str | os.PathLike[str], secret: bytes | str | None = None) -> tuple[list[Decision], Any]:
     """Every decision kept in ``cache_dir`` that its trust rules let be read (see
-    ``_diskcache``), and the cache that read them."""
+    ``_cache.disk``), and the cache that read them."""
     from aiocompile._cache.disk import SUFFIX, DiskCache
 
     directory = tuning_directory(cache_dir)

@@ -66,7 +66,7 @@ class BenchTask:
     config_pre_hook: bytes | None = None
     screen: tuple[float, float] | None = None
     """A short timing, ``(warm-up ms, repetition ms)`` for ``triton.testing.do_bench``,
-    that only ranks configurations (see ``_rounds``); None: timed as the autotuner times."""
+    that only ranks configurations (see ``rounds``); None: timed as the autotuner times."""
 
 
 @dataclass(frozen=True)

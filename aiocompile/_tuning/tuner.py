@@ -6,14 +6,14 @@ One call goes through these steps:
 1. **Check** at once, in the caller: the kernel is an autotuned Triton kernel, the grid is
    one, and the device exists (``RuntimeError`` before anything compiles where there is no
    GPU to time on).
-2. **Plan** in a thread (``_plan``): Triton's own key, pruning and specialisations.
+2. **Plan** in a thread (``plan``): Triton's own key, pruning and specialisations.
 3. **Decide**, once per decision key however many callers ask at once: a decision in
    memory, or in ``cache_dir``, or a tuning. A tuning runs in a thread of its own, so that
    it is tied to no caller's event loop and a cancelled caller leaves it running for the
    others: every configuration is compiled through the scheduler (single flight, caches,
    records, crash and timeout handling, as for any compile) and timed in a benchmark
-   process (``_benchpool``), briefly as soon as it has compiled and then, if it is near
-   the fastest, as the autotuner times it (``_rounds``). A configuration that
+   process (``benchpool``), briefly as soon as it has compiled and then, if it is near
+   the fastest, as the autotuner times it (``rounds``). A configuration that
    failed anywhere counts as infinitely slow, with its reason; the fastest wins, as
    Triton's ``min`` over its timings picks it; if none is left, ``AutotuneError`` lists
    each configuration and why.

@@ -456,7 +456,7 @@ class TritonBackend:
             return request
 
     def _features(self, known: _Kernel, spec: TritonSpec) -> tuple[tuple[str, float], ...]:
-        """What predicts this compile's cost (see ``_costs``): the kernel's source size and
+        """What predicts this compile's cost (see ``_core.costs``): the kernel's source size and
         whether it calls ``dot``, the tile (the product of the BLOCK/TILE constexprs),
         ``num_warps`` and ``num_stages`` (Triton's defaults where not given)."""
         if known.shape is None:
