@@ -84,6 +84,31 @@ def test_unpicklable_job_is_refused_at_submit():
             assert pool.submit(main_function, 1).result(timeout=60) == 2
 
 
+def test_a_main_function_is_loaded_once_per_worker_and_sent_again_when_rebound():
+    namespace = {"__name__": "__main__", "calls": 0, "offset": 1}
+    exec(
+        "def count(x):\n"
+        "    global calls\n"
+        "    calls += 1\n"
+        "    return x + offset, calls\n",
+        namespace,
+    )
+    count = namespace["count"]
+    pytest.importorskip("cloudpickle")
+    with WorkerPool(1, preload=()) as pool:
+        # The worker keeps the function it loaded: its globals there live on between jobs.
+        answers = [pool.submit(count, 10).result(timeout=60) for _ in range(3)]
+        assert answers == [(11, 1), (11, 2), (11, 3)]
+        # A global the function refers to, bound to another object, sends it again.
+        namespace["offset"] = 100
+        assert pool.submit(count, 10).result(timeout=60) == (110, 1)
+        # So does a new definition under the same name (a notebook cell run again).
+        exec("def count(x):\n    return -x, None\n", namespace)
+        assert pool.submit(namespace["count"], 10).result(timeout=60) == (-10, None)
+        assert namespace["calls"] == 0  # the parent's globals are untouched
+        assert pool.counters.workers_started == 1
+
+
 def _function_from_main():
     namespace = {"__name__": "__main__"}
     exec("def plus_one(x):\n    return x + 1\n", namespace)

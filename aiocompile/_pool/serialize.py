@@ -4,14 +4,26 @@ Functions and classes are pickled by reference (module and name). Workers never 
 parent's main script, so a reference into ``__main__`` (a script or a notebook cell) cannot
 be resolved there: such objects are pickled by value with ``cloudpickle`` when it is
 installed, and otherwise refused here, at submit time, with an error that says what to do.
+
+A job whose function is itself defined in ``__main__`` (``run(f, x)`` from a script or a
+notebook) is the common case of those, and the same function is sent again and again. Its
+by-value pickle is made once and kept beside the function (weakly); a worker keeps the
+function it loaded from those bytes, under their digest. The kept pickle is made again when
+the function no longer matches it: another code object, defaults or closure cells, or a
+global it refers to bound to another object (a notebook cell that sets ``scale = 3``). A
+global object changed in place (an item added to a dict) after the first send is not seen:
+as in a worker that imported the script once.
 """
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import io
 import pickle
 import types
-from typing import Any
+import weakref
+from typing import Any, NamedTuple
 
 
 class _MainReference(Exception):
@@ -38,6 +50,13 @@ def dumps(obj: object) -> bytes:
     else:
         if b"__main__" not in fast:
             return fast
+    shipped = _with_main_function_kept(obj)
+    if shipped is not None:
+        return shipped
+    return _dumps_carefully(obj)
+
+
+def _dumps_carefully(obj: object) -> bytes:
     buffer = io.BytesIO()
     try:
         _StrictPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
@@ -60,3 +79,111 @@ def dumps(obj: object) -> bytes:
     except Exception as exc:
         raise TypeError(f"the job cannot be sent to a worker process: {exc}") from exc
     return data
+
+
+# --- a function from __main__, pickled by value once --------------------------------------
+
+_MISSING = object()
+
+
+class _Kept(NamedTuple):
+    """A __main__ function's by-value pickle, and what it was made from."""
+
+    code: types.CodeType
+    defaults: tuple[Any, ...] | None
+    kwdefaults: dict[str, Any] | None
+    cells: tuple[Any, ...]
+    globals: tuple[tuple[str, Any], ...]
+    digest: bytes
+    blob: bytes
+
+    def matches(self, fn: types.FunctionType) -> bool:
+        if fn.__code__ is not self.code or fn.__defaults__ is not self.defaults \
+                or fn.__kwdefaults__ is not self.kwdefaults \
+                or not all(now is then for now, then in zip(_cells(fn), self.cells, strict=True)):
+            return False
+        namespace = fn.__globals__
+        return all(namespace.get(name, _MISSING) is value for name, value in self.globals)
+
+
+class _ByDigest:
+    """Pickles as a call that finds the function in the worker's memory, or loads it."""
+
+    __slots__ = ("kept",)
+
+    def __init__(self, kept: _Kept) -> None:
+        self.kept = kept
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes, bytes]]:
+        return load_main_function, (self.kept.digest, self.kept.blob)
+
+
+_kept: weakref.WeakKeyDictionary[types.FunctionType, _Kept] = weakref.WeakKeyDictionary()
+
+
+def _with_main_function_kept(obj: object) -> bytes | None:
+    """``obj`` pickled with its __main__ function sent through the kept pickle, or None
+    where ``obj`` is not a job of that kind (or refers to __main__ elsewhere too)."""
+    if not (isinstance(obj, tuple) and len(obj) == 3):
+        return None
+    fn, args, kwargs = obj
+    if not (isinstance(fn, types.FunctionType) and fn.__module__ == "__main__"):
+        return None
+    try:
+        rest = pickle.dumps((args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        return None
+    if b"__main__" in rest:
+        return None
+    kept = _kept.get(fn)
+    if kept is None or not kept.matches(fn):
+        try:
+            import cloudpickle
+        except ImportError:
+            return None
+        code = fn.__code__
+        try:
+            blob = cloudpickle.dumps(fn, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:
+            return None
+        namespace = fn.__globals__
+        names = sorted(name for name in _global_names(code) if name in namespace)
+        kept = _Kept(code, fn.__defaults__, fn.__kwdefaults__, _cells(fn),
+                     tuple((name, namespace[name]) for name in names),
+                     hashlib.blake2b(blob, digest_size=16).digest(), blob)
+        _kept[fn] = kept
+    return pickle.dumps((_ByDigest(kept), args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _cells(fn: types.FunctionType) -> tuple[Any, ...]:
+    values = []
+    for cell in fn.__closure__ or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:  # a cell not yet filled
+            values.append(_MISSING)
+    return tuple(values)
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names
+
+
+# In a worker: the functions loaded from kept pickles, by digest, the newest last.
+_loaded: collections.OrderedDict[bytes, Any] = collections.OrderedDict()
+_LOADED_MAX = 256
+
+
+def load_main_function(digest: bytes, blob: bytes) -> Any:
+    """The function that ``blob`` holds: loaded once per worker, then found by digest."""
+    fn = _loaded.get(digest)
+    if fn is None:
+        fn = pickle.loads(blob)
+        _loaded[digest] = fn
+        if len(_loaded) > _LOADED_MAX:
+            _loaded.popitem(last=False)
+    return fn
