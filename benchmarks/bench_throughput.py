@@ -177,7 +177,9 @@ async def run_aiocompile(specs: list[dict], workers: int, target: str, cache_dir
             if options.get("pin"):
                 _pin(sched.worker_pids())
             os.environ["TRITON_CACHE_DIR"] = cache_dir  # each job carries the parent's TRITON_* environment
+            clock = time.time()
             wall, kernels = await _timed(ticker, lambda: sched.compile_many(specs))
+            clock += 0.05  # _timed's ticker start, before its clock
             assert len(kernels) == len(specs)
             records = [r for r in sched.records() if r.backend == "triton"]
             predicted = await _predictions(sched, specs, before)
@@ -190,7 +192,29 @@ async def run_aiocompile(specs: list[dict], workers: int, target: str, cache_dir
            "processes": len({r.worker_pid for r in records}), "costs_known": known, "per_kernel_s": per_kernel}
     if predicted is not None:
         row["predicted_s"] = {spec["label"]: p for spec, p in zip(specs, predicted)}
+    row["timeline"] = timeline(records, clock, wall, workers)
     return row
+
+
+def timeline(records: list[Any], clock: float, wall: float, workers: int) -> dict[str, float]:
+    """Where a batch's wall time went, from its records (times in seconds from the clock's
+    start): the first job's start, the last job's end in its worker, the last answer; the
+    parent's loading (sum and longest), the queue waits, how busy the workers were, and when
+    the job that ended last started and how long it ran."""
+    starts = [r.started_at - clock for r in records if r.started_at is not None]
+    ends = [r.started_at - clock + (r.run_time or 0.0) for r in records if r.started_at is not None]
+    loads = [r.load_time or 0.0 for r in records]
+    waits = sorted(r.queue_wait or 0.0 for r in records)
+    last = max((r for r in records if r.started_at is not None),
+               key=lambda r: r.started_at + (r.run_time or 0.0))
+    used = {r.worker_pid for r in records}
+    busy = sum(r.run_time or 0.0 for r in records)
+    return {"first_start_s": min(starts), "last_end_in_worker_s": max(ends),
+            "last_answer_s": max(r.finished_at for r in records) - clock, "wall_s": wall,
+            "load_sum_s": sum(loads), "load_max_s": max(loads), "queue_wait_p50_s": pick(waits, 0.5),
+            "queue_wait_max_s": waits[-1], "busy_share": busy / (workers * wall),
+            "workers_used": len(used), "last_job_start_s": last.started_at - clock,
+            "last_job_run_s": last.run_time or 0.0}
 
 
 async def run_serial(specs: list[dict], workers: int, target: str, cache_dir: str, ticker: Ticker) -> dict:
@@ -464,6 +488,14 @@ def measure(ways: list[str], workers: int, target: str, repeat: int, kernels: in
                 else ""
             print(f"round {round_ + 1} {way:24} {walls[way][-1]:7.2f} s  loop late max "
                   f"{max(ticker.lags) * 1000:8.1f} ms{note}", flush=True)
+            if "timeline" in row:
+                entry["timeline"] = line = row["timeline"]
+                print(f"    first start {line['first_start_s']:.3f} s, last end in a worker "
+                      f"{line['last_end_in_worker_s']:.3f} s, last answer {line['last_answer_s']:.3f} s; loading "
+                      f"{line['load_sum_s']:.3f} s (longest {line['load_max_s'] * 1000:.1f} ms); queue wait p50 "
+                      f"{line['queue_wait_p50_s']:.3f} s max {line['queue_wait_max_s']:.3f} s; workers busy "
+                      f"{line['busy_share']:.0%} ({line['workers_used']} used); the last to end started at "
+                      f"{line['last_job_start_s']:.3f} s and ran {line['last_job_run_s']:.3f} s", flush=True)
         if alone:
             # The longest compiles of this round, whichever pool ran them, each timed alone
             # now: the longest of them is this round's lower bound.

@@ -40,6 +40,10 @@ class _StrictPickler(pickle.Pickler):
 
 def dumps(obj: object) -> bytes:
     """Pickle ``obj`` for a worker. Raises ``TypeError`` if that cannot be done."""
+    if type(obj) is tuple and len(obj) == 3 and type(obj[0]) is types.FunctionType \
+            and obj[0].__module__ == "__main__":
+        shipped = _with_main_function_kept(obj)
+        return shipped if shipped is not None else _dumps_carefully(obj)
     # The C pickler alone first: the Python-level hook below costs a call per pickled
     # object, and most jobs refer to nothing in __main__. A reference to __main__ would
     # show in the bytes as its name; such bytes (or any failure) take the careful way.
@@ -50,9 +54,6 @@ def dumps(obj: object) -> bytes:
     else:
         if b"__main__" not in fast:
             return fast
-    shipped = _with_main_function_kept(obj)
-    if shipped is not None:
-        return shipped
     return _dumps_carefully(obj)
 
 
@@ -84,6 +85,8 @@ def _dumps_carefully(obj: object) -> bytes:
 # --- a function from __main__, pickled by value once --------------------------------------
 
 _MISSING = object()
+# Argument types that cannot refer to __main__: such arguments need no look.
+_PLAIN = frozenset({int, float, str, bytes, bool, type(None), complex})
 
 
 class _Kept(NamedTuple):
@@ -129,12 +132,13 @@ def _with_main_function_kept(obj: object) -> bytes | None:
     fn, args, kwargs = obj
     if not (isinstance(fn, types.FunctionType) and fn.__module__ == "__main__"):
         return None
-    try:
-        rest = pickle.dumps((args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:
-        return None
-    if b"__main__" in rest:
-        return None
+    if not (all(type(arg) in _PLAIN for arg in args) and all(type(arg) in _PLAIN for arg in kwargs.values())):
+        try:
+            rest = pickle.dumps((args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:
+            return None
+        if b"__main__" in rest:
+            return None
     kept = _kept.get(fn)
     if kept is None or not kept.matches(fn):
         try:
