@@ -67,7 +67,16 @@ def test_listing_passes_over_what_is_not_a_bundle(tmp_path):
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "bundle.json").write_text("{not json")
     (tmp_path / ".writing-x").mkdir()
+    # A manifest far too large to be one (sparse: it costs no disk) is not read, nor is
+    # one that is a FIFO (opening it to read would wait for a writer forever).
+    (tmp_path / "huge").mkdir()
+    with open(tmp_path / "huge" / "bundle.json", "wb") as f:
+        f.truncate(8 << 30)
+    (tmp_path / "fifo").mkdir()
+    os.mkfifo(tmp_path / "fifo" / "bundle.json")
+    started = time.monotonic()
     assert [b.path for b in list_bundles(str(tmp_path))] == [good]
+    assert time.monotonic() - started < 5
     assert list_bundles(str(tmp_path / "missing")) == []
 
 
@@ -114,6 +123,15 @@ def test_report_lists_bundles_newest_first(tmp_path):
     assert off.returncode == 2 and "switched off" in off.stderr
     neither = _report()
     assert neither.returncode == 2 and "EVENTS" in neither.stderr
+
+
+def test_report_shows_control_characters_in_a_bundle_as_escapes(tmp_path):
+    root = ReproRoot(str(tmp_path / "repro"))
+    write(root, "kernel\x1b[31m\nforged line")
+    proc = _report("--repro", root.path)
+    assert proc.returncode == 0, proc.stderr
+    assert "\x1b" not in proc.stdout and "\nforged line" not in proc.stdout
+    assert "kernel\\x1b[31m\\nforged line" in proc.stdout
 
 
 # -- Inductor kernels under install() ------------------------------------------------------------------

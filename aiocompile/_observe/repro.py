@@ -28,6 +28,7 @@ import os
 import platform
 import secrets
 import shutil
+import stat
 import sys
 import time
 from collections.abc import Iterable, Mapping
@@ -40,6 +41,9 @@ from aiocompile._cache.disk import make_private_dir, write_private
 __all__ = ["BundleInfo", "ReproRoot", "environment", "format_bundles", "list_bundles", "root_of", "versions"]
 
 MANIFEST = "bundle.json"
+# A manifest is a few KiB; a larger file (or one that is not a regular file: a FIFO would
+# block the reader) in a bundle's place is not one, and is passed over unread.
+_MANIFEST_MAX = 1 << 20
 
 # Environment variables worth knowing to reproduce a compile, by prefix; names that look
 # like secrets are left out whatever their prefix.
@@ -156,11 +160,7 @@ def list_bundles(root: str | os.PathLike[str]) -> list[BundleInfo]:
     for entry in entries:
         if entry.name.startswith(".") or not entry.is_dir(follow_symlinks=False):
             continue
-        try:
-            with open(os.path.join(entry.path, MANIFEST), encoding="utf-8") as f:
-                data = json.load(f)
-        except (OSError, ValueError):
-            continue
+        data = _read_manifest(os.path.join(entry.path, MANIFEST))
         if not isinstance(data, dict):
             continue
         created = data.get("created")
@@ -178,6 +178,30 @@ def list_bundles(root: str | os.PathLike[str]) -> list[BundleInfo]:
     return found
 
 
+def _read_manifest(path: str) -> Any:
+    """The manifest's JSON, or None where there is no readable, plausible one."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            info = os.fstat(f.fileno())
+            if not stat.S_ISREG(info.st_mode) or info.st_size > _MANIFEST_MAX:
+                return None
+            return json.loads(f.read(_MANIFEST_MAX + 1).decode("utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _shown(text: str) -> str:
+    """``text`` for a terminal: control characters (a newline, an escape sequence) written
+    as escapes, so that a bundle's name cannot forge lines or colours of the listing."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+
+
 def format_bundles(bundles: Iterable[BundleInfo], root: str) -> str:
     """A plain-text table of bundles, newest first, for ``aiocompile report --repro``."""
     rows = sorted(bundles, key=lambda bundle: bundle.created, reverse=True)
@@ -187,11 +211,12 @@ def format_bundles(bundles: Iterable[BundleInfo], root: str) -> str:
     for bundle in rows:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(bundle.created))
         stage = f" at {bundle.stage}" if bundle.stage else ""
-        lines.append(f"{when}  {bundle.kind}{stage}  {bundle.name}  ({_size(bundle.size)})")
+        stage = _shown(stage)
+        lines.append(f"{when}  {_shown(bundle.kind)}{stage}  {_shown(bundle.name)}  ({_size(bundle.size)})")
         if bundle.headline:
-            lines.append(f"    {bundle.headline[:200]}")
-        lines.append(f"    {bundle.path}")
-        lines.append(f"    python {os.path.join(bundle.path, 'repro.py')}")
+            lines.append(f"    {_shown(bundle.headline[:200])}")
+        lines.append(f"    {_shown(bundle.path)}")
+        lines.append(f"    python {_shown(os.path.join(bundle.path, 'repro.py'))}")
     return "\n".join(lines) + "\n"
 
 
