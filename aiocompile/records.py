@@ -357,7 +357,8 @@ class Statistics:
     read that failed is a miss, a write that failed leaves the kernel unshared."""
     shared_skipped: int = 0
     """Reads and writes not attempted: the server was left alone after failing, the entry
-    was larger than ``cache_url_entry_bytes``, or too many writes were queued."""
+    was larger than ``cache_url_entry_bytes``, or too many reads or writes were queued;
+    and reads answered a miss before the server answered them, when it was found failing."""
     shared_corrupt: int = 0
     """Entries of the shared cache that did not decode: never loaded, recompiled."""
     shared_refused: int = 0
