@@ -341,8 +341,8 @@ class Statistics:
     where the directory is writable."""
     disk_refused: int = 0
     """Files of the disk cache not trusted, never loaded, recompiled: owned by another
-    user, writable by group or others, not a regular file, or, with ``cache_key``, not
-    signed with it."""
+    user, writable by group or others, not a regular file, larger than
+    ``cache_dir_entry_bytes``, or, with ``cache_key``, not signed with it."""
     disk_errors: int = 0
     """Reads and writes of the disk cache that failed (permission, I/O, a full disk): a
     read that failed is a miss, a write that failed leaves the kernel out of the directory."""
