@@ -164,10 +164,14 @@ def make_untrusted(path, how, tmp_path):
     elif how == "a FIFO":
         path.unlink()
         os.mkfifo(path, 0o600)  # opened for reading, it would wait for a writer forever
+    elif how == "a directory":
+        path.unlink()
+        (path / "inside").mkdir(parents=True)  # not empty: a rename cannot replace it
+        (path / "inside" / "file").write_bytes(b"x")
 
 
 @pytest.mark.parametrize("how", ["writable by others", "writable by its group", "owned by another user",
-                                 "a symbolic link", "a FIFO"])
+                                 "a symbolic link", "a FIFO", "a directory"])
 async def test_an_entry_not_trusted_is_compiled_instead(tmp_path, caplog, how, templates):
     good = await build(templates, tmp_path)
     path = entry(tmp_path, good.key)
@@ -176,9 +180,10 @@ async def test_an_entry_not_trusted_is_compiled_instead(tmp_path, caplog, how, t
         with anyio.fail_after(60):
             kernel = await compile_add(sched)
             again = await compile_add(sched)
-        stats = sched.statistics()
+    stats = sched.statistics()  # after aclose(), which waited for the write
     assert kernel is again and kernel.binary == good.binary
     assert (stats.disk_refused, stats.disk_hits, stats.compiled, stats.disk_corrupt) == (1, 0, 1, 0)
+    assert (stats.disk_errors, stats.disk_writes) == (0, 1)
     assert len(warnings_about(caplog, "not trusted")) == 1
     # The directory is this process's: the compile put a file of its own in that place.
     assert stat.S_ISREG(os.lstat(path).st_mode) and mode(path) == 0o600 and os.lstat(path).st_uid == os.geteuid()

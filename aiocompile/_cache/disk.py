@@ -43,6 +43,7 @@ import concurrent.futures as cf
 import errno
 import logging
 import os
+import shutil
 import stat
 import threading
 import uuid
@@ -243,7 +244,10 @@ class DiskCache:
         # Opened without following a link, and without waiting for a writer should it be a
         # FIFO; then the very file opened is checked, not whatever the name points to later.
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        with open(fd, "rb") as f:
+        try:
+            # Checked before a file object is made of it: Python's refuses a directory
+            # with an error, and a directory in an entry's place is untrusted, not a
+            # failing disk.
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise _Untrusted("not-a-file", "not a regular file")
@@ -257,12 +261,15 @@ class DiskCache:
                 raise _too_large(st.st_size, limit)
             if self._secret is not None and not looks_sealed(os.pread(fd, len(MAGIC), 0)):
                 raise _Untrusted("unsigned", "not signed, and a cache key is set")
-            # One byte more than measured: an entry is written whole and renamed into
-            # place, so one that grows meanwhile is someone else's doing.
-            blob = f.read(st.st_size + 1)
+            with open(fd, "rb", closefd=False) as f:
+                # One byte more than measured: an entry is written whole and renamed into
+                # place, so one that grows meanwhile is someone else's doing.
+                blob = f.read(st.st_size + 1)
             if len(blob) > st.st_size:
                 raise _Untrusted("size", "it grew while it was read")
             return blob
+        finally:
+            os.close(fd)
 
     def _check_dir(self, directory: Path) -> None:
         # Once per directory: nobody but this user and root can change a directory that
@@ -305,7 +312,20 @@ class DiskCache:
                 return
             if not make_private_dir(path.parent) and self._secret is None:
                 self._check_dir(path.parent)  # no use writing a file nobody would read
-            write_private(path, data)
+            try:
+                write_private(path, data)
+            except IsADirectoryError as exc:
+                # A directory in the entry's place, which a rename cannot replace: it is
+                # nobody's entry (and was refused on reading), so it goes, as a file that
+                # does not decode would; then the write is tried again.
+                _log.debug("removing the directory %s in a cache entry's place", path)
+                try:
+                    shutil.rmtree(path)
+                except OSError:
+                    # Counted as the failed write it is: one subdirectory that cannot be
+                    # emptied says nothing of the cache directory's own permissions.
+                    raise exc from None
+                write_private(path, data)
         except Exception as exc:
             self._failed("write", path, exc)
             return
