@@ -363,7 +363,8 @@ class Statistics:
     """Entries of the shared cache that did not decode: never loaded, recompiled."""
     shared_refused: int = 0
     """Entries of the shared cache not trusted, never loaded, recompiled: with
-    ``cache_key``, not signed with it."""
+    ``cache_key``, not signed with it; or another type of value (a list, a hash) under an
+    entry's name."""
     shared_opened: int = 0
     """How many times the shared cache was found failing and left alone."""
     worker_crashes: int = 0

@@ -181,6 +181,25 @@ async def test_with_a_cache_key_planted_entries_never_load(server, planted, sche
     assert (reader.statistics().shared_hits, reader.statistics().compiled) == (1, 0)
 
 
+async def test_a_key_of_another_type_is_a_refused_entry_not_a_failing_server(server, scheduler):
+    """Something else keeps a list under a kernel's name: the server answered, so the
+    breaker hears of no failure; the entry is refused, compiled, and the compile's entry
+    takes its place."""
+    kernel = fresh_kernel()
+    key = (await scheduler.compile_triton(**spec(kernel))).key  # a scheduler without the shared cache
+    server.client().rpush(f"aiocompile:{key}", b"not", b"an", b"entry")
+    config = aiocompile.SchedulerConfig(workers=1, cache_url=server.url, cache_url_retry=600)
+    async with aiocompile.Scheduler(config=config) as sched:
+        with anyio.fail_after(60):
+            await sched.compile_triton(**spec(kernel))
+    stats = sched.statistics()  # after aclose(), which waited for the write
+    assert (stats.compiled, stats.shared_refused, stats.shared_errors, stats.shared_writes) == (1, 1, 0, 1)
+    assert stats.shared_state == "closed"
+    async with aiocompile.Scheduler(config=config) as reader:
+        await reader.compile_triton(**spec(kernel))
+    assert (reader.statistics().shared_hits, reader.statistics().compiled) == (1, 0)
+
+
 async def test_without_a_key_a_damaged_entry_is_compiled_again(server):
     kernel = fresh_kernel()
     async with aiocompile.Scheduler(workers=1, cache_url=server.url) as first:

@@ -265,6 +265,17 @@ class SharedCache:
                 return  # answered already: the breaker opened while it waited
         try:
             blob = self._fetch(read.key)
+        except self._response_error as exc:
+            if not str(exc).startswith("WRONGTYPE"):
+                self._answer(read, None, _Found.ERROR)
+                self._failed("read", exc)
+                return
+            # Something else keeps another type of value under the name: the server
+            # answered, and the entry is one not to use (the compile's write replaces it).
+            self._breaker.succeeded()
+            self._untrusted("type", read.key, "not a string value")
+            self._answer(read, None, _Found.REFUSED)
+            return
         except Exception as exc:  # noqa: BLE001 - whatever the client raised, it is a miss
             self._answer(read, None, _Found.ERROR)  # before the breaker may answer it as skipped
             self._failed("read", exc)
