@@ -341,8 +341,8 @@ class Statistics:
     where the directory is writable."""
     disk_refused: int = 0
     """Files of the disk cache not trusted, never loaded, recompiled: owned by another
-    user, writable by group or others, not a regular file, or, with ``cache_key``, not
-    signed with it."""
+    user, writable by group or others, not a regular file, larger than
+    ``cache_dir_entry_bytes``, or, with ``cache_key``, not signed with it."""
     disk_errors: int = 0
     """Reads and writes of the disk cache that failed (permission, I/O, a full disk): a
     read that failed is a miss, a write that failed leaves the kernel out of the directory."""
@@ -357,12 +357,14 @@ class Statistics:
     read that failed is a miss, a write that failed leaves the kernel unshared."""
     shared_skipped: int = 0
     """Reads and writes not attempted: the server was left alone after failing, the entry
-    was larger than ``cache_url_entry_bytes``, or too many writes were queued."""
+    was larger than ``cache_url_entry_bytes``, or too many reads or writes were queued;
+    and reads answered a miss before the server answered them, when it was found failing."""
     shared_corrupt: int = 0
     """Entries of the shared cache that did not decode: never loaded, recompiled."""
     shared_refused: int = 0
     """Entries of the shared cache not trusted, never loaded, recompiled: with
-    ``cache_key``, not signed with it."""
+    ``cache_key``, not signed with it; or another type of value (a list, a hash) under an
+    entry's name."""
     shared_opened: int = 0
     """How many times the shared cache was found failing and left alone."""
     worker_crashes: int = 0

@@ -19,7 +19,7 @@ from triton_kernels import ADD_SIGNATURE, add_kernel
 
 import aiocompile
 from aiocompile._cache.disk import untrusted
-from aiocompile._cache.sealed import payload, seal, unseal
+from aiocompile._cache.sealed import MAGIC, payload, seal, unseal
 
 KEY = b"the fleet's cache key"
 OTHER_UID = 65534  # nobody
@@ -164,10 +164,14 @@ def make_untrusted(path, how, tmp_path):
     elif how == "a FIFO":
         path.unlink()
         os.mkfifo(path, 0o600)  # opened for reading, it would wait for a writer forever
+    elif how == "a directory":
+        path.unlink()
+        (path / "inside").mkdir(parents=True)  # not empty: a rename cannot replace it
+        (path / "inside" / "file").write_bytes(b"x")
 
 
 @pytest.mark.parametrize("how", ["writable by others", "writable by its group", "owned by another user",
-                                 "a symbolic link", "a FIFO"])
+                                 "a symbolic link", "a FIFO", "a directory"])
 async def test_an_entry_not_trusted_is_compiled_instead(tmp_path, caplog, how, templates):
     good = await build(templates, tmp_path)
     path = entry(tmp_path, good.key)
@@ -176,9 +180,10 @@ async def test_an_entry_not_trusted_is_compiled_instead(tmp_path, caplog, how, t
         with anyio.fail_after(60):
             kernel = await compile_add(sched)
             again = await compile_add(sched)
-        stats = sched.statistics()
+    stats = sched.statistics()  # after aclose(), which waited for the write
     assert kernel is again and kernel.binary == good.binary
     assert (stats.disk_refused, stats.disk_hits, stats.compiled, stats.disk_corrupt) == (1, 0, 1, 0)
+    assert (stats.disk_errors, stats.disk_writes) == (0, 1)
     assert len(warnings_about(caplog, "not trusted")) == 1
     # The directory is this process's: the compile put a file of its own in that place.
     assert stat.S_ISREG(os.lstat(path).st_mode) and mode(path) == 0o600 and os.lstat(path).st_uid == os.geteuid()
@@ -222,6 +227,56 @@ async def test_a_planted_kernel_with_a_valid_checksum_is_refused_with_a_key(tmp_
     # The compile replaced it with a signed file of its own, which the next start reads.
     assert aiocompile.TritonKernel.from_bytes(unseal(path.read_bytes(), KEY, good.key)).binary == good.binary
     async with scheduler(tmp_path, cache_key=KEY) as sched:
+        assert (await compile_add(sched)).binary == good.binary
+        assert sched.statistics().disk_hits == 1
+
+
+@pytest.mark.parametrize("planted", ["with an envelope", "without one"])
+@pytest.mark.parametrize("access", ["signed-only", "read-write"])
+async def test_a_huge_planted_file_is_refused_unread_and_compiled_instead(tmp_path, caplog, planted, access,
+                                                                          templates):
+    """A 64 GiB file (sparse: it costs no disk) in a kernel's place, in a directory others
+    may write (read for its signed entries only) or in this user's own: read whole, it
+    would fail every request for that kernel with a MemoryError. It is not read at all."""
+    good = await build(templates, tmp_path, cache_key=KEY)
+    path = entry(tmp_path, good.key)
+    with open(path, "wb") as f:
+        # An envelope (version 1, a tag of the planter's making) before the data to verify.
+        f.write(MAGIC + b"\x01" + bytes(32) if planted == "with an envelope" else b"\x7fELF")
+        f.truncate(64 << 30)
+    if access == "signed-only":
+        os.chmod(tmp_path, 0o777)
+    try:
+        async with scheduler(tmp_path, cache_key=KEY) as sched:
+            with anyio.fail_after(60):
+                kernel = await compile_add(sched)
+                again = await compile_add(sched)
+            stats = sched.statistics()
+    finally:
+        os.chmod(tmp_path, 0o700)
+    assert kernel is again and kernel.binary == good.binary
+    assert (stats.disk_access, stats.disk_refused, stats.disk_errors) == (access, 1, 0)
+    assert (stats.disk_hits, stats.compiled, stats.failed) == (0, 1, 0)
+    assert len(warnings_about(caplog, "not trusted")) == 1
+    if access == "signed-only":
+        assert os.stat(path).st_size == 64 << 30  # not this process's directory: left alone
+    else:
+        # Replaced by the compile with a signed file of its own.
+        assert aiocompile.TritonKernel.from_bytes(unseal(path.read_bytes(), KEY, good.key)).binary == good.binary
+
+
+async def test_no_entry_larger_than_the_bound_is_read_or_written(tmp_path, templates):
+    good = await build(templates, tmp_path, cache_key=KEY)
+    size = entry(tmp_path, good.key).stat().st_size
+    async with scheduler(tmp_path, cache_key=KEY, cache_dir_entry_bytes=size // 2) as sched:
+        with anyio.fail_after(60):
+            kernel = await compile_add(sched)
+            other = await compile_add(sched, constexprs={"BLOCK": 512})
+        stats = sched.statistics()
+    assert kernel.binary == good.binary
+    assert (stats.disk_refused, stats.disk_hits, stats.compiled, stats.disk_writes) == (1, 0, 2, 0)
+    assert not entry(tmp_path, other.key).exists()
+    async with scheduler(tmp_path, cache_key=KEY, cache_dir_entry_bytes=size) as sched:
         assert (await compile_add(sched)).binary == good.binary
         assert sched.statistics().disk_hits == 1
 

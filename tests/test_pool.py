@@ -1,6 +1,7 @@
 """The worker pool: Executor contract, start methods, warm-up, output capture, faults."""
 
 import concurrent.futures as cf
+import contextlib
 import os
 import signal
 import subprocess
@@ -8,11 +9,13 @@ import sys
 import textwrap
 import threading
 import time
+import uuid
 from typing import Any
 
 import jobs
 import pytest
-from conftest import ROOT, alive, child_pids, subprocess_env
+from conftest import ROOT, alive, child_pids, subprocess_env, wait_until
+from native_sources import marked, needs_cpp, processes
 
 import aiocompile
 from aiocompile import WorkerCrashed, WorkerPool
@@ -264,6 +267,50 @@ def test_workers_exit_when_the_parent_is_killed(start_method):
     while time.monotonic() < deadline and alive(descendants):
         time.sleep(0.02)
     assert not alive(descendants), f"still running 2 s after the parent died: {alive(descendants)}"
+
+
+COMPILING_PARENT_DIES = textwrap.dedent('''
+    import asyncio, sys
+    sys.path.insert(0, sys.argv[1])
+    import aiocompile
+    from native_sources import SLOW_CPP, SLOW_CPP_FLAGS
+
+    async def main():
+        config = aiocompile.SchedulerConfig(workers=1, preload=(), start_method=sys.argv[2])
+        sched = aiocompile.Scheduler(config=config)
+        await sched.compile_cpp(SLOW_CPP, flags=(*SLOW_CPP_FLAGS, "-D" + sys.argv[3]))
+
+    asyncio.run(main())
+''')
+
+
+@needs_cpp
+@pytest.mark.parametrize("start_method", START_METHODS)
+def test_the_compilers_of_a_job_die_with_the_parent_under_every_start_method(start_method):
+    """A parent killed while its worker runs g++ (the driver, cc1plus, and as beside it
+    with -pipe): the worker and every compiler process go too, whoever started the worker."""
+    marker = f"AIOCOMPILE_ORPHAN_{uuid.uuid4().hex}"  # in the command lines of c++ and cc1plus
+    proc = subprocess.Popen([sys.executable, "-c", COMPILING_PARENT_DIES, str(ROOT / "tests"), start_method, marker],
+                            env=subprocess_env())
+    descendants: set[int] = set()
+    try:
+        def compiling() -> bool:
+            descendants.update(child_pids(proc.pid))
+            running = {name for pid, _, name, _ in processes() if pid in descendants}
+            return {"cc1plus", "as"} <= running
+
+        assert wait_until(compiling, 60), "the compile never ran cc1plus and as"
+    finally:
+        proc.kill()
+        proc.wait()
+    try:
+        assert wait_until(lambda: not alive(descendants), 5), \
+            [(pid, name) for pid, _, name, _ in processes() if pid in alive(descendants)]
+        assert marked(marker) == []
+    finally:
+        for pid in alive(descendants):  # a failure here must not leave cc1plus spinning
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 

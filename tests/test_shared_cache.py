@@ -14,6 +14,7 @@ import uuid
 import anyio
 import pytest
 from conftest import ROOT, subprocess_env, wait_until
+from native_sources import ADD, needs_cpp
 
 import aiocompile
 from aiocompile._cache.sealed import seal
@@ -180,6 +181,25 @@ async def test_with_a_cache_key_planted_entries_never_load(server, planted, sche
     assert (reader.statistics().shared_hits, reader.statistics().compiled) == (1, 0)
 
 
+async def test_a_key_of_another_type_is_a_refused_entry_not_a_failing_server(server, scheduler):
+    """Something else keeps a list under a kernel's name: the server answered, so the
+    breaker hears of no failure; the entry is refused, compiled, and the compile's entry
+    takes its place."""
+    kernel = fresh_kernel()
+    key = (await scheduler.compile_triton(**spec(kernel))).key  # a scheduler without the shared cache
+    server.client().rpush(f"aiocompile:{key}", b"not", b"an", b"entry")
+    config = aiocompile.SchedulerConfig(workers=1, cache_url=server.url, cache_url_retry=600)
+    async with aiocompile.Scheduler(config=config) as sched:
+        with anyio.fail_after(60):
+            await sched.compile_triton(**spec(kernel))
+    stats = sched.statistics()  # after aclose(), which waited for the write
+    assert (stats.compiled, stats.shared_refused, stats.shared_errors, stats.shared_writes) == (1, 1, 0, 1)
+    assert stats.shared_state == "closed"
+    async with aiocompile.Scheduler(config=config) as reader:
+        await reader.compile_triton(**spec(kernel))
+    assert (reader.statistics().shared_hits, reader.statistics().compiled) == (1, 0)
+
+
 async def test_without_a_key_a_damaged_entry_is_compiled_again(server):
     kernel = fresh_kernel()
     async with aiocompile.Scheduler(workers=1, cache_url=server.url) as first:
@@ -207,6 +227,90 @@ async def test_a_server_that_is_down_fails_no_compile_and_is_left_alone(server):
     assert stats.shared_state == "open" and stats.shared_opened == 1
     assert 3 <= stats.shared_errors <= 4 and stats.shared_skipped >= 8
     assert stats.shared_errors + stats.shared_skipped == 12  # six reads, six writes
+
+
+@needs_cpp
+async def test_a_server_that_never_answers_holds_no_request_back(server):
+    """A server that accepts connections and never answers (stopped): the first reads
+    wait out their timeout, the breaker opens, and at that moment every read still
+    waiting is answered a miss; a burst beyond what may wait is a miss at once. So 200
+    requests reach their compiles after about one timeout, not after 200 / 4 of them one
+    after another, and the server sees a connection per thread, not one per request."""
+    config = aiocompile.SchedulerConfig(workers=2, preload=(), cache_url=server.url, cache_url_timeout=0.25,
+                                        cache_url_retry=600)
+    tag = uuid.uuid4().hex
+    # 200 keys, each compiled in no time: the compiler stops at the first line.
+    sources = [f'extern "C" int request_{i}() {{ return undefined_{tag}; }}\n' for i in range(200)]
+    watcher = server.client()
+    sched = aiocompile.Scheduler(config=config)
+    try:
+        with anyio.fail_after(120):
+            await sched.compile_cpp(ADD)  # the workers and the compiler's identity, before the server stops
+            while sched.statistics().shared_writes == 0:  # and its write, not to be caught by the stop
+                await anyio.sleep(0.01)
+            base = sched.statistics()
+            received = watcher.info("stats")["total_connections_received"]
+            server.process.send_signal(signal.SIGSTOP)
+            try:
+                async def request(source):
+                    with pytest.raises(aiocompile.CompileError, match=f"undefined_{tag}"):
+                        await sched.compile_cpp(source)
+
+                async with anyio.create_task_group() as group:
+                    for source in sources:
+                        group.start_soon(request, source)
+            finally:
+                server.process.send_signal(signal.SIGCONT)
+        stats = sched.statistics()
+        records = [r for r in sched.records() if r.outcome == "error"]
+    finally:
+        await sched.aclose()
+    assert len(records) == 200 and all(r.started_at is not None for r in records)
+    # From a request's arrival until its job was queued: the read of the shared cache,
+    # cut short once the breaker opened (each of 4 threads would otherwise have waited
+    # out one timeout per read, 12 s for the last).
+    before_queued = max(r.started_at - r.queued_at - r.queue_wait for r in records)
+    assert before_queued < 10 * config.cache_url_timeout, before_queued
+    assert (stats.shared_state, stats.shared_opened) == ("open", 1)
+    assert (stats.shared_hits, stats.shared_misses) == (base.shared_hits, base.shared_misses)
+    # Each read counted once: failed (at most one per thread) or skipped, never both.
+    errors, skipped = stats.shared_errors - base.shared_errors, stats.shared_skipped - base.shared_skipped
+    assert 3 <= errors <= 4 and errors + skipped == 200
+    # A connection accepted after every earlier one (the listening queue is first come,
+    # first served): once it answers, the server has counted the scheduler's.
+    server.client().ping()
+    connections = watcher.info("stats")["total_connections_received"] - received - 1
+    assert connections <= 8, connections
+
+
+def test_reads_beyond_those_that_may_wait_are_misses_at_once(server):
+    """Against a stopped server, a burst of lookups: those beyond what may wait for the
+    cache's threads get no read at all (a miss, counted as skipped), the others are all
+    answered a miss when the breaker opens; closing answers whatever is left."""
+    from aiocompile._cache import shared
+
+    cache = SharedCache(server.url, ttl=None, max_entry=None, timeout=0.25, retry_after=600)
+    server.process.send_signal(signal.SIGSTOP)
+    try:
+        reads = [cache.lookup(f"key-{i}", bytes) for i in range(200)]
+        waiting = [read for read in reads if read is not None]
+        # Those the threads took at once no longer wait.
+        assert shared._MAX_QUEUED_READS <= len(waiting) <= shared._MAX_QUEUED_READS + shared._THREADS
+        assert cache.skipped == 200 - len(waiting)
+        assert [read.result(timeout=30) for read in waiting] == [None] * len(waiting)
+        assert cache.state == "open" and cache.errors + cache.skipped == 200
+        assert cache.lookup("one more", bytes) is None  # left alone: not even queued
+        cache.close(wait=False)
+    finally:
+        server.process.send_signal(signal.SIGCONT)
+    closed = SharedCache(server.url, ttl=None, max_entry=None, timeout=0.25, retry_after=600)
+    server.process.send_signal(signal.SIGSTOP)
+    try:
+        reads = [closed.lookup(f"key-{i}", bytes) for i in range(8)]
+        closed.close(wait=False)  # the queued reads are dropped, those in a thread abandoned
+        assert all(read is not None and read.done() and read.result() is None for read in reads)
+    finally:
+        server.process.send_signal(signal.SIGCONT)
 
 
 async def test_a_server_killed_and_restarted_mid_batch(server):
@@ -387,5 +491,10 @@ def test_the_breaker_moves_only_as_its_table_says():
     assert (breaker.state, breaker.opened) == ("open", 2)
     now[0] = 10.0
     assert breaker.allow()
+    breaker.dropped()  # the probe was not sent after all: the next call probes, at once
+    assert (breaker.state, breaker.opened) == ("open", 2)
+    assert breaker.allow() and breaker.state == "half-open"
     breaker.succeeded()
     assert breaker.state == "closed" and breaker.allow()
+    breaker.dropped()  # only a probe's counts
+    assert breaker.state == "closed"

@@ -209,6 +209,7 @@ BAD_SETTINGS = [
     ("cache_url", b"redis://:s3cret@cache", TypeError),
     ("cache_url_ttl", 0, ValueError), ("cache_url_ttl", "60", TypeError),
     ("cache_url_entry_bytes", 0, ValueError), ("cache_url_entry_bytes", 1.5, TypeError),
+    ("cache_dir_entry_bytes", 0, ValueError), ("cache_dir_entry_bytes", None, TypeError),
     ("cache_url_timeout", 0, ValueError), ("cache_url_timeout", 61, ValueError), ("cache_url_timeout", None, TypeError),
     ("cache_url_retry", INF, ValueError), ("cache_url_retry", True, TypeError),
     ("repro_dir", "", ValueError), ("repro_dir", 3, TypeError), ("repro_dir", False, TypeError),

@@ -22,6 +22,9 @@ from typing import Any, Mapping
 from aiocompile._base import checks
 
 _MAX_DEFAULT_WORKERS = 16
+# The default bound of one entry of a cache directory (``cache_dir_entry_bytes``), also
+# for the directories of autotuning decisions.
+CACHE_DIR_ENTRY_BYTES = 256 * 1024 * 1024
 TRITON_PRELOAD = "aiocompile.backends.triton._worker:prepare_process"
 
 
@@ -77,6 +80,10 @@ class SchedulerConfig:
     """A directory where compiled results are kept across processes and restarts."""
     cache_dir_bytes: int | None = 4 * 1024 * 1024 * 1024
     """Bound of ``cache_dir``; least recently used files go first."""
+    cache_dir_entry_bytes: int = CACHE_DIR_ENTRY_BYTES
+    """The largest entry kept in ``cache_dir`` (and no larger than ``cache_dir_bytes``): a
+    larger result is not written, and a larger file found there is not read (a miss,
+    counted in ``disk_refused``), so that a file planted there costs no memory."""
     cache_key: bytes | str | None = field(default=None, repr=False)
     """A secret (bytes, or text taken as UTF-8) that signs every entry written to
     ``cache_dir`` (HMAC-SHA256); with it, an entry not signed with it is never loaded, and
@@ -199,6 +206,7 @@ SETTINGS: dict[str, checks.Rule] = {
     "error_ttl": checks.Number(at_least=0, at_most=checks.MAX_SECONDS, unit="seconds"),
     "cache_dir": checks.FilePath(none="no disk cache"),
     "cache_dir_bytes": checks.Number(integer=True, above=0, unit="bytes", none="no bound"),
+    "cache_dir_entry_bytes": checks.Number(integer=True, above=0, unit="bytes"),
     "cache_key": checks.Secret(none="no signing"),
     "cache_url": checks.Url(("redis", "rediss", "unix"), none="no shared cache"),
     "cache_url_ttl": checks.Number(above=0, at_most=checks.MAX_SECONDS * 100, unit="seconds",
@@ -234,6 +242,7 @@ ENVIRONMENT = (
     ("AIOCOMPILE_IDLE_TIMEOUT", "idle_timeout"),
     ("AIOCOMPILE_CACHE_DIR", "cache_dir"),
     ("AIOCOMPILE_CACHE_DIR_BYTES", "cache_dir_bytes"),
+    ("AIOCOMPILE_CACHE_DIR_ENTRY_BYTES", "cache_dir_entry_bytes"),
     ("AIOCOMPILE_CACHE_KEY", "cache_key"),  # stripped: a secret read from a file often ends in a newline
     ("AIOCOMPILE_CACHE_URL", "cache_url"),
     ("AIOCOMPILE_CACHE_URL_TTL", "cache_url_ttl"),

@@ -15,11 +15,14 @@ state                   a call                   the machine moves on when
                                                  a call asks: it is the probe,
                                                  -> ``half-open``
 ``half-open``           is refused, but the      the probe succeeds -> ``closed``;
-                        probe's                  it fails -> ``open``
+                        probe's                  it fails -> ``open``; it was not
+                                                 sent after all -> ``open``, and the
+                                                 next call is the probe
 ======================  =======================  ==================================
 
-Every call that ``allow()`` lets through must be followed by ``succeeded()`` or
-``failed()``; everything else asks the machine rather than keeping flags of its own.
+Every call that ``allow()`` lets through must be followed by ``succeeded()``,
+``failed()`` or, when it was not sent after all, ``dropped()``; everything else asks the
+machine rather than keeping flags of its own.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ _TRANSITIONS = {
     (OPEN, "cooled_down"): HALF_OPEN,
     (HALF_OPEN, "succeeded"): CLOSED,
     (HALF_OPEN, "failed"): OPEN,
+    (HALF_OPEN, "dropped"): OPEN,
 }
 
 
@@ -58,7 +62,11 @@ class Breaker:
         if following is None:
             return
         self.state = following
-        if following == OPEN:
+        if event == "dropped":
+            # Nothing was learnt about the service: not another opening, and no cooldown
+            # before the next probe.
+            self._retry_at = self._clock()
+        elif following == OPEN:
             self.opened += 1
             self._retry_at = self._clock() + self.cooldown
         elif following == CLOSED:
@@ -76,6 +84,12 @@ class Breaker:
         with self._lock:
             self._in_a_row = 0
             self._move("succeeded")
+
+    def dropped(self) -> None:
+        """A call that ``allow()`` let through was not sent after all. Only the probe's
+        matters: without it, the breaker would wait for an outcome forever."""
+        with self._lock:
+            self._move("dropped")
 
     def failed(self) -> None:
         with self._lock:

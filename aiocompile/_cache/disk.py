@@ -15,6 +15,11 @@ form (for Triton, ``TritonKernel.to_bytes()``: versioned and checksummed), seale
 - Trust: a file read here becomes code that runs on the GPU. So the directory and each
   file (regular, no link) must be this user's or root's and writable by no one else; or,
   with a secret (``cache_key``), a file loads only if its seal verifies.
+- Size: an entry is read whole (its seal covers all of it, and what is decoded must be
+  what was verified), so no file larger than the largest entry kept here
+  (``largest_entry``) is read, and no larger result written: whoever can write the
+  directory could otherwise make every read of a key allocate as much as they like. With
+  a secret, a file without an envelope is refused after its first bytes.
 
 What the cache may do with its directory (``access``), decided when it opens:
 
@@ -38,13 +43,15 @@ import concurrent.futures as cf
 import errno
 import logging
 import os
+import shutil
 import stat
 import threading
 import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-from aiocompile._cache.sealed import BadSeal, NotSealed, Undecodable, open_entry, wrap
+from aiocompile._base.config import CACHE_DIR_ENTRY_BYTES
+from aiocompile._cache.sealed import MAGIC, BadSeal, NotSealed, Undecodable, looks_sealed, open_entry, wrap
 
 SUFFIX = ".aiok"
 READ_WRITE, READ_ONLY, SIGNED_ONLY, REFUSED = "read-write", "read-only", "signed-only", "refused"
@@ -60,6 +67,10 @@ class _Untrusted(Exception):
     def __init__(self, kind: str, reason: str) -> None:
         super().__init__(reason)
         self.kind = kind
+
+
+def _too_large(size: int, limit: int) -> _Untrusted:
+    return _Untrusted("size", f"{size} bytes, larger than the largest entry kept here ({limit} bytes)")
 
 
 def untrusted(st: os.stat_result) -> _Untrusted | None:
@@ -116,9 +127,12 @@ class DiskCache:
         directory: str | os.PathLike[str],
         max_bytes: int | None = None,
         secret: bytes | str | None = None,
+        max_entry: int = CACHE_DIR_ENTRY_BYTES,
     ) -> None:
         self.directory = Path(directory)
         self.max_bytes = max_bytes
+        self.largest_entry = max_entry if max_bytes is None else min(max_entry, max_bytes)
+        """No file larger than this is read, and no larger result written."""
         self._secret = secret.encode() if isinstance(secret, str) else secret
         self._lock = threading.Lock()
         self._executor = cf.ThreadPoolExecutor(2, thread_name_prefix="aiocompile-disk")
@@ -230,7 +244,10 @@ class DiskCache:
         # Opened without following a link, and without waiting for a writer should it be a
         # FIFO; then the very file opened is checked, not whatever the name points to later.
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        with open(fd, "rb") as f:
+        try:
+            # Checked before a file object is made of it: Python's refuses a directory
+            # with an error, and a directory in an entry's place is untrusted, not a
+            # failing disk.
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise _Untrusted("not-a-file", "not a regular file")
@@ -239,7 +256,20 @@ class DiskCache:
                 distrust = untrusted(st)
                 if distrust is not None:
                     raise distrust
-            return f.read()
+            limit = self.largest_entry
+            if st.st_size > limit:
+                raise _too_large(st.st_size, limit)
+            if self._secret is not None and not looks_sealed(os.pread(fd, len(MAGIC), 0)):
+                raise _Untrusted("unsigned", "not signed, and a cache key is set")
+            with open(fd, "rb", closefd=False) as f:
+                # One byte more than measured: an entry is written whole and renamed into
+                # place, so one that grows meanwhile is someone else's doing.
+                blob = f.read(st.st_size + 1)
+            if len(blob) > st.st_size:
+                raise _Untrusted("size", "it grew while it was read")
+            return blob
+        finally:
+            os.close(fd)
 
     def _check_dir(self, directory: Path) -> None:
         # Once per directory: nobody but this user and root can change a directory that
@@ -274,9 +304,28 @@ class DiskCache:
         path = self.path(key)
         try:
             data = wrap(encode(), self._secret, key)
+            if len(data) > self.largest_entry:
+                # It would never be read back (see ``_read``).
+                self._warn_once("too-large", "results larger than %s bytes are not kept in the cache directory %s "
+                                "(cache_dir_entry_bytes; the first: %s, %s bytes)", self.largest_entry,
+                                self.directory, path.name, len(data))
+                return
             if not make_private_dir(path.parent) and self._secret is None:
                 self._check_dir(path.parent)  # no use writing a file nobody would read
-            write_private(path, data)
+            try:
+                write_private(path, data)
+            except IsADirectoryError as exc:
+                # A directory in the entry's place, which a rename cannot replace: it is
+                # nobody's entry (and was refused on reading), so it goes, as a file that
+                # does not decode would; then the write is tried again.
+                _log.debug("removing the directory %s in a cache entry's place", path)
+                try:
+                    shutil.rmtree(path)
+                except OSError:
+                    # Counted as the failed write it is: one subdirectory that cannot be
+                    # emptied says nothing of the cache directory's own permissions.
+                    raise exc from None
+                write_private(path, data)
         except Exception as exc:
             self._failed("write", path, exc)
             return

@@ -98,6 +98,12 @@ def unseal(blob: bytes, secret: bytes, name: str) -> bytes:
     return data
 
 
+def looks_sealed(head: bytes) -> bool:
+    """Whether an entry starting with ``head`` (its first ``len(MAGIC)`` bytes, or all of
+    it if shorter) carries an envelope: one that does not is refused without reading on."""
+    return head.startswith(MAGIC)
+
+
 def payload(blob: bytes) -> bytes:
     """What a blob holds, unverified: the data of a sealed entry, or the blob itself when
     it has no envelope. For a reader without the secret, who trusts the tier otherwise."""

@@ -14,6 +14,13 @@ in a row, for ``retry_after`` seconds at a time. What cannot be read is a miss; 
 cannot be written is left out. Each failure is counted (``statistics().shared_errors``)
 and each kind logged once at WARNING.
 
+A read waits for one of the cache's threads, and a server that accepts connections but
+never answers holds each thread for a whole ``timeout``. So a read never waits behind
+many: at most ``_MAX_QUEUED_READS`` wait (more are misses at once), and the moment the
+breaker opens every read still waiting, or still in a thread, is answered a miss (the
+thread's late answer is dropped). Reads are counted once each: a hit, a miss, an error, a
+damaged or refused entry, or skipped (never asked, or answered before the server did).
+
 All of it runs in the cache's own threads with the synchronous client, never on an event
 loop: the request path continues from whichever thread finishes a step, for callers of any
 event loop (asyncio, uvloop, trio, several at once) and of none (Inductor's synchronous
@@ -31,6 +38,7 @@ and one left alone by the breaker is not asked.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import enum
 import json
 import logging
 import threading
@@ -45,6 +53,33 @@ COSTS = PREFIX + "costs"
 _log = logging.getLogger("aiocompile")
 # Writes queued beyond this many are dropped: a slow server must not make memory grow.
 _MAX_QUEUED_WRITES = 64
+# Reads waiting for a thread beyond this many are misses at once: behind a server that
+# answers each read just within its timeout, the last would otherwise wait
+# (queued / threads) timeouts before its compile could even be queued.
+_MAX_QUEUED_READS = 64
+_THREADS = 4
+
+
+class _Found(enum.Enum):
+    """What a read of an entry came to: the counter it adds to."""
+
+    HIT = "hits"
+    MISS = "misses"
+    ERROR = "errors"
+    CORRUPT = "corrupt"
+    REFUSED = "refused"
+
+
+class _Read:
+    """One lookup, from ``lookup()`` until it is answered: by the thread that reads it, or
+    at once by the breaker opening (whichever comes first; the other does nothing)."""
+
+    __slots__ = ("key", "decode", "future")
+
+    def __init__(self, key: str, decode: Callable[[bytes], Any]) -> None:
+        self.key = key
+        self.decode = decode
+        self.future: cf.Future[tuple[Any, float] | None] = cf.Future()
 
 
 def redact(url: str) -> str:
@@ -87,10 +122,13 @@ class SharedCache:
         self._max_entry = max_entry
         self._secret = secret.encode() if isinstance(secret, str) else secret
         self._breaker = Breaker(failures=3, cooldown=retry_after)
-        self._executor = cf.ThreadPoolExecutor(4, thread_name_prefix="aiocompile-shared")
+        self._executor = cf.ThreadPoolExecutor(_THREADS, thread_name_prefix="aiocompile-shared")
         self._lock = threading.Lock()
         self._getex = self._ttl is not None
         self._queued_writes = 0
+        self._queued_reads = 0
+        self._unanswered: set[_Read] = set()
+        """Reads not answered yet, waiting for a thread or in one (under ``_lock``)."""
         self._warned: set[str] = set()
         self.hits = 0
         self.misses = 0
@@ -114,8 +152,10 @@ class SharedCache:
         return self._breaker.opened
 
     def close(self, wait: bool = True) -> None:
-        """Finish (``wait``) or drop the writes still queued, then let the connections go."""
+        """Finish (``wait``) or drop the writes still queued, then let the connections go.
+        Reads not answered by then (dropped, or still in a thread) are misses."""
         self._executor.shutdown(wait=wait, cancel_futures=not wait)
+        self._cut()
         try:
             self._client.close()
         except Exception:  # noqa: BLE001 - closing what may already be broken
@@ -124,16 +164,29 @@ class SharedCache:
     # -- called on the request path (any thread) -----------------------------------------
 
     def lookup(self, key: str, decode: Callable[[bytes], Any]) -> cf.Future[Any] | None:
-        """A future of ``load(key, decode)`` in the cache's threads; None, at once, when the
-        breaker is open (counted in ``skipped``): compile without waiting."""
-        if not self._breaker.allow():
-            with self._lock:
+        """A future of the result stored for ``key`` and the seconds decoding it took, or
+        of None for a miss, read in the cache's threads; the future never fails. None, at
+        once, when the breaker is open or too many reads wait (counted in ``skipped``):
+        compile without waiting."""
+        read = _Read(key, decode)
+        with self._lock:
+            # The queue first: a probe that ``allow()`` lets through must be sent.
+            if self._queued_reads >= _MAX_QUEUED_READS or not self._breaker.allow():
                 self.skipped += 1
-            return None
+                return None
+            # Under the lock with ``allow()``: a breaker opening after it finds this read
+            # among the unanswered, and answers it.
+            self._queued_reads += 1
+            self._unanswered.add(read)
         try:
-            return self._executor.submit(self._load, key, decode)
-        except RuntimeError:  # closed
+            self._executor.submit(self._read, read)
+        except RuntimeError:  # closed: no thread will read it
+            with self._lock:
+                self._queued_reads -= 1
+                self._unanswered.discard(read)
+            self._breaker.dropped()
             return None
+        return read.future
 
     def store(self, key: str, encode: Callable[[], bytes]) -> None:
         """Queue writing ``encode()`` for ``key``. Never raises, never waits: the result
@@ -205,47 +258,88 @@ class SharedCache:
 
     # -- in the cache's threads ------------------------------------------------------------------
 
-    def _load(self, key: str, decode: Callable[[bytes], Any]) -> tuple[Any, float] | None:
-        """The result stored for ``key`` and the seconds decoding it took, or None for a
-        miss: nothing stored, the server failing, or an entry that is not trusted or does
-        not decode. Never raises."""
-        name = PREFIX + key
+    def _read(self, read: _Read) -> None:
+        with self._lock:
+            self._queued_reads -= 1
+            if read not in self._unanswered:
+                return  # answered already: the breaker opened while it waited
         try:
-            if self._getex:
-                try:
-                    blob = self._client.getex(name, ex=self._ttl)  # read, and live on
-                except self._response_error as exc:
-                    if "unknown command" not in str(exc).lower():
-                        raise
-                    self._getex = False  # a server older than Redis 6.2
-                    blob = self._client.get(name)
-            else:
-                blob = self._client.get(name)
+            blob = self._fetch(read.key)
+        except self._response_error as exc:
+            if not str(exc).startswith("WRONGTYPE"):
+                self._answer(read, None, _Found.ERROR)
+                self._failed("read", exc)
+                return
+            # Something else keeps another type of value under the name: the server
+            # answered, and the entry is one not to use (the compile's write replaces it).
+            self._breaker.succeeded()
+            self._untrusted("type", read.key, "not a string value")
+            self._answer(read, None, _Found.REFUSED)
+            return
         except Exception as exc:  # noqa: BLE001 - whatever the client raised, it is a miss
+            self._answer(read, None, _Found.ERROR)  # before the breaker may answer it as skipped
             self._failed("read", exc)
-            return None
+            return
         self._breaker.succeeded()
         if blob is None:
-            with self._lock:
-                self.misses += 1
-            return None
+            self._answer(read, None, _Found.MISS)
+            return
+        with self._lock:
+            if read not in self._unanswered:
+                return  # answered meanwhile: no use decoding it
+        found, outcome = self._open(read.key, blob if isinstance(blob, bytes) else str(blob).encode(), read.decode)
+        self._answer(read, found, outcome)
+
+    def _fetch(self, key: str) -> Any:
+        """The bytes stored for ``key`` (None: nothing); raises what the client raised."""
+        name = PREFIX + key
+        if self._getex:
+            try:
+                return self._client.getex(name, ex=self._ttl)  # read, and live on
+            except self._response_error as exc:
+                if "unknown command" not in str(exc).lower():
+                    raise
+                self._getex = False  # a server older than Redis 6.2
+        return self._client.get(name)
+
+    def _open(self, key: str, blob: bytes, decode: Callable[[bytes], Any]) -> tuple[tuple[Any, float] | None, _Found]:
+        """The result in an entry and the seconds decoding it took, or None when it is not
+        trusted or does not decode; never raises."""
         try:
-            found = open_entry(blob if isinstance(blob, bytes) else str(blob).encode(), self._secret, key, decode)
+            return open_entry(blob, self._secret, key, decode), _Found.HIT
         except NotSealed:
             self._untrusted("unsigned", key, "not signed, and a cache key is set")
-            return None
+            return None, _Found.REFUSED
         except BadSeal as exc:
             if self._secret is None:
                 self._damaged(key, exc)
-            else:
-                self._untrusted("signature", key, str(exc))
-            return None
+                return None, _Found.CORRUPT
+            self._untrusted("signature", key, str(exc))
+            return None, _Found.REFUSED
         except Undecodable as exc:
             self._damaged(key, exc.__cause__ or exc)
-            return None
+            return None, _Found.CORRUPT
+
+    def _answer(self, read: _Read, found: tuple[Any, float] | None, outcome: _Found) -> None:
+        """Answer ``read`` and count it, unless the breaker answered it first."""
         with self._lock:
-            self.hits += 1
-        return found
+            if read not in self._unanswered:
+                return
+            self._unanswered.discard(read)
+            setattr(self, outcome.value, getattr(self, outcome.value) + 1)
+        # Outside the lock: the waiting request goes on from here (its done-callbacks).
+        read.future.set_result(found)
+
+    def _cut(self) -> None:
+        """The breaker is open (or the cache closed): every read not answered yet is a
+        miss, now, rather than after its own timeout (the threads' late answers are
+        dropped)."""
+        with self._lock:
+            reads = list(self._unanswered)
+            self._unanswered.clear()
+            self.skipped += len(reads)
+        for read in reads:
+            read.future.set_result(None)
 
     def _store(self, key: str, encode: Callable[[], bytes]) -> None:
         try:
@@ -261,6 +355,8 @@ class SharedCache:
             try:
                 self._client.set(PREFIX + key, data, ex=self._ttl)
             except Exception as exc:  # noqa: BLE001 - a copy that cannot be kept is counted, no more
+                with self._lock:
+                    self.errors += 1
                 self._failed("write", exc)
                 return
             self._breaker.succeeded()
@@ -275,9 +371,11 @@ class SharedCache:
     # -- what went wrong --------------------------------------------------------------------------
 
     def _failed(self, operation: str, exc: BaseException) -> None:
+        """A call failed (counted by the caller): tell the breaker, and cut the reads if it
+        opened."""
         self._breaker.failed()
-        with self._lock:
-            self.errors += 1
+        if self._breaker.state == "open":
+            self._cut()
         _log.debug("shared cache %s at %s failed: %s", operation, self.url, exc, exc_info=exc)
         self._warn_once(f"{operation}:{type(exc).__name__}",
                         "cannot %s the shared cache %s (%s: %s); kernels are compiled, or not shared, instead%s",
@@ -285,15 +383,11 @@ class SharedCache:
                         "" if self._breaker.state == "closed" else "; it is left alone for a while")
 
     def _damaged(self, key: str, exc: BaseException) -> None:
-        with self._lock:
-            self.corrupt += 1
         _log.debug("shared cache entry %s does not decode: %s", key, exc)
         self._warn_once("corrupt", "entries of the shared cache %s do not decode (the first: %s: %s: %s); their "
                         "kernels are compiled instead", self.url, key, type(exc).__name__, exc)
 
     def _untrusted(self, kind: str, key: str, reason: str) -> None:
-        with self._lock:
-            self.refused += 1
         _log.debug("shared cache entry %s is not trusted: %s", key, reason)
         self._warn_once(f"refused:{kind}", "entries of the shared cache %s are not trusted and not loaded (the first: "
                         "%s, %s); their kernels are compiled instead", self.url, key, reason)

@@ -70,7 +70,7 @@ class Engine:
             )
         self._cache = KernelCache(config.cache_entries, config.cache_bytes, config.error_ttl)
         self._disk = None if config.cache_dir is None else DiskCache(
-            config.cache_dir, config.cache_dir_bytes, config.cache_key)
+            config.cache_dir, config.cache_dir_bytes, config.cache_key, config.cache_dir_entry_bytes)
         self._shared = None if config.cache_url is None else SharedCache(
             config.cache_url, ttl=config.cache_url_ttl, max_entry=config.cache_url_entry_bytes,
             timeout=config.cache_url_timeout, retry_after=config.cache_url_retry, secret=config.cache_key)

@@ -6,8 +6,9 @@ with its parent, where its output goes, and what environment a job carries.
   stays in it, so that killing the group kills all of it (``kill_group``), and what a dead
   worker left running is killed before its job runs again (``kill_leftovers``).
 - **Dying with the parent.** The parent holds the only write end of a worker's "alive"
-  pipe; when it dies, the kernel signals the worker (``die_with_parent``), with no thread
-  and no interpreter lock needed, so it works while the worker is deep in a compiler.
+  pipe; when it dies, the kernel signals the worker's whole group (``die_with_parent``),
+  with no thread and no interpreter lock needed, so it works while the worker is deep in
+  a compiler, and the compiler goes too.
 - **Output.** A worker's fds 1 and 2 go to a capture file the parent also holds
   (``redirect_output``), so what LLVM or ptxas print is caught too.
 - **The job's environment.** Some variables belong to a job rather than to the worker
@@ -140,15 +141,25 @@ def kill_leftovers(pid: int) -> None:
 
 
 def die_with_parent(alive_fd: int) -> None:
-    """Arrange for the kernel to end this process when the parent dies.
+    """Arrange for the kernel to end this process, and the compilers it runs, when the
+    parent dies.
 
     The parent holds the only write end of the ``alive`` pipe. When it dies, the pipe's
     last writer closes and, with O_ASYNC set, the kernel sends SIGIO, whose default action
     ends the process. This needs no thread and no GIL, so it works while the worker is
     deep inside a compiler call that holds the GIL, or hangs there.
+
+    The signal goes to this process's whole group where it leads one (``lead_own_group``):
+    a compiler driver and the compilers it runs (cc1plus, as; cicc, ptxas) are in it and
+    end with it. Nobody else would kill them: a worker of the fork server has its group
+    killed by the server, but a direct child of the parent (spawn, fork) has no one left.
+    Never to a group it does not lead: that one is its parent's, with the parent's own
+    neighbours in it.
     """
     signal.signal(signal.SIGIO, signal.SIG_DFL)
-    fcntl.fcntl(alive_fd, fcntl.F_SETOWN, os.getpid())
+    # A negative owner is a process group (fcntl(2), F_SETOWN).
+    owner = -os.getpid() if os.getpgrp() == os.getpid() else os.getpid()
+    fcntl.fcntl(alive_fd, fcntl.F_SETOWN, owner)
     flags = fcntl.fcntl(alive_fd, fcntl.F_GETFL)
     fcntl.fcntl(alive_fd, fcntl.F_SETFL, flags | os.O_ASYNC | os.O_NONBLOCK)
     # The parent may have died before O_ASYNC was set; then no signal will come.

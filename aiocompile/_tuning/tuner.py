@@ -149,7 +149,8 @@ class Tuner:
         if config.cache_dir is not None:
             from aiocompile._cache.disk import DiskCache
 
-            disk = DiskCache(os.path.join(config.cache_dir, SUBDIRECTORY), None, config.cache_key)
+            disk = DiskCache(os.path.join(config.cache_dir, SUBDIRECTORY), None, config.cache_key,
+                             config.cache_dir_entry_bytes)
         self.decisions = Decisions(disk)
         self._closed = False
 
