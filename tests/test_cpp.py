@@ -168,6 +168,15 @@ async def test_a_missing_compiler_is_a_clear_error_before_any_worker(tmp_path, m
         await sched.aclose()
 
 
+async def test_a_program_that_is_no_compiler_is_a_clear_error_before_any_worker(native):
+    # /bin/true answers --version as GNU software does, and prints nothing for -dumpmachine.
+    submitted = native.statistics().submitted
+    with pytest.raises(aiocompile.CompilerNotFound, match="/bin/true is not a usable compiler: "
+                                                          "'/bin/true -dumpmachine' printed nothing"):
+        await native.compile_cpp(ADD, compiler="/bin/true")
+    assert native.statistics().submitted == submitted
+
+
 @pytest.mark.parametrize(("arguments", "error", "words"), [
     ({"source": b"int x;"}, TypeError, "source must be source text"),
     ({"flags": "-O2"}, TypeError, "flags must be a tuple of compiler flags"),

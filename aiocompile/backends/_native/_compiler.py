@@ -194,7 +194,11 @@ def _ask(path: str, real: str) -> Compiler:
     machine = ""
     if family in ("gcc", "clang"):
         # The version text does not say which machine a cross compiler builds for.
-        machine = _run([path, "-dumpmachine"]).splitlines()[-1].strip()
+        lines = _run([path, "-dumpmachine"]).splitlines()
+        if not lines or not lines[-1].strip():
+            raise CompilerNotFound(f"{path} is not a usable compiler: '{path} -dumpmachine' printed nothing, where "
+                                   "a GCC or Clang driver prints the machine it builds for")
+        machine = lines[-1].strip()
         identity += f"\nmachine: {machine}"
     found = re.search(_VERSION_PATTERNS.get(family, r"(\d+\.\d+(?:\.\d+)?)"), text)
     return Compiler(path=path, family=family, version=found.group(1) if found else "", identity=identity,
