@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from aiocompile.errors import CompileError
 
-__all__ = ["Ran", "failure", "run", "scratch"]
+__all__ = ["Ran", "failure", "output", "run", "scratch"]
 
 # What a CompileError's message shows of the diagnostics; ``output`` keeps more.
 _MESSAGE_LINES = 60
@@ -116,17 +116,12 @@ def run(argv: Sequence[str], cwd: str) -> Ran:
     return Ran(tuple(argv), proc.returncode, proc.stdout.decode("utf-8", errors="replace"), seconds)
 
 
-def failure(ran: Ran, *, name: str, key: str | None, target: str | None) -> CompileError:
+def failure(ran: Ran, *, name: str, key: str | None, target: str | None, how: str | None = None) -> CompileError:
     """The ``CompileError`` for a compiler command that failed: its diagnostics (the first
-    lines in the message, more in ``output``) and its command line."""
+    lines in the message, more in ``output``) and its command line. ``how`` says what went
+    wrong where its exit status does not (it exited 0 without writing its output)."""
     tool = os.path.basename(ran.argv[0])
-    if ran.returncode < 0:
-        try:
-            how = f"was killed by {signal.Signals(-ran.returncode).name}"
-        except ValueError:
-            how = f"was killed by signal {-ran.returncode}"
-    else:
-        how = f"exited with status {ran.returncode}"
+    how = how or _ending(ran.returncode)
     diagnostics = ran.output.strip()
     lines = diagnostics.splitlines()
     shown = "\n".join(line if len(line) <= 1000 else line[:1000] + " ..." for line in lines[:_MESSAGE_LINES])
@@ -137,6 +132,27 @@ def failure(ran: Ran, *, name: str, key: str | None, target: str | None) -> Comp
                         command=ran.command)
 
 
-def read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
+def _ending(returncode: int) -> str:
+    if returncode >= 0:
+        return f"exited with status {returncode}"
+    try:
+        return f"was killed by {signal.Signals(-returncode).name}"
+    except ValueError:
+        return f"was killed by signal {-returncode}"
+
+
+def output(ran: Ran, path: str, *, name: str, key: str | None, target: str | None) -> bytes:
+    """What a compiler command that succeeded wrote at ``path``. One that exited 0 and
+    wrote nothing there (it was asked for its ``--help``, or flags sent its output
+    elsewhere: ``-Wl,-o,other``) did not compile: a ``CompileError`` with what it printed,
+    rather than an error about a file in a scratch directory the caller never saw."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        pass
+    wanted = os.path.basename(path)
+    printed = "" if ran.output.strip() else ", and printed nothing"
+    raise failure(ran, name=name, key=key, target=target,
+                  how=f"exited with status {ran.returncode} without writing {wanted}{printed} (do the flags ask for "
+                      "something else, or send the output elsewhere?)")
