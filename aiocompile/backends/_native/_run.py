@@ -1,5 +1,6 @@
 """Running a compiler program inside a worker: a scratch directory, the command, what it
-printed, how long it took, and its failure as a ``CompileError``.
+printed, how long it took, and its failure as a ``CompileError``; and the dependency pass
+a key may need (``dependencies``).
 
 The compiler runs as a child of the worker, in the worker's process group (see
 ``aiocompile._pool.child.lead_own_group``): when the job is killed (its timeout, or
@@ -10,7 +11,8 @@ Each compile runs in a directory of its own, ``<tmp>/aiocompile-native-<uid>/<pi
 (0700), with the source under a fixed name (``source.cpp``), so that its command line and
 its diagnostics read the same every time (``source.cpp:3:5: error: ...``). The compiler's
 own temporary files go there too (``TMPDIR``). A killed worker cannot clean up after
-itself, so each compile first removes what workers that no longer run left behind.
+itself, so each compile first removes what workers that no longer run left behind, and
+so does a scheduler once its workers have exited (``sweep``).
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from aiocompile.backends._native._headers import make_dependencies
 from aiocompile.errors import CompileError
 
-__all__ = ["Ran", "failure", "output", "run", "scratch"]
+__all__ = ["DependencyPass", "Ran", "dependencies", "failure", "output", "run", "scratch", "sweep"]
 
 # What a CompileError's message shows of the diagnostics; ``output`` keeps more.
 _MESSAGE_LINES = 60
@@ -75,6 +78,14 @@ def _sweep(root: str) -> None:
         pid = entry.split("-", 1)[0]
         if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
             shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+
+
+def sweep() -> None:
+    """Remove what workers that no longer run left behind: a scheduler sweeps once its
+    workers have exited, so that the directory of one killed for a timeout goes too."""
+    root = _scratch_root()
+    if root is not None:
+        _sweep(root)
 
 
 @contextlib.contextmanager
@@ -156,3 +167,40 @@ def output(ran: Ran, path: str, *, name: str, key: str | None, target: str | Non
     raise failure(ran, name=name, key=key, target=target,
                   how=f"exited with status {ran.returncode} without writing {wanted}{printed} (do the flags ask for "
                       "something else, or send the output elsewhere?)")
+
+
+@dataclass(frozen=True)
+class DependencyPass:
+    """The compiler asked which headers a source reads (``-MM``), for its key."""
+
+    argv: tuple[str, ...]
+    """The compiler and the options that decide what it includes, as the compile has them."""
+    source: str
+    suffix: str
+    """The source file's suffix, which tells the compiler its language: ``.cpp``, ``.cu``."""
+
+
+def dependencies(asked: DependencyPass) -> list[str] | None:
+    """The headers the compiler says ``asked.source`` reads (``-MM``: not the system's);
+    None where it could not say (a source that does not preprocess: its compile will say
+    why). Run in a worker, like a compile, for the same reasons: the pass preprocesses the
+    caller's source, which may take as long as it likes (an include of a FIFO blocks), so it
+    runs under the request's timeout, is killed with its worker when the caller goes, and
+    dies with the parent."""
+    with scratch() as work:
+        path = os.path.join(work, f"source{asked.suffix}")
+        with open(path, "w", encoding="utf-8", errors="surrogateescape") as f:
+            f.write(asked.source)
+        deps = os.path.join(work, "source.d")
+        try:
+            ran = run((*asked.argv, "-MM", "-MF", deps, path), work)
+        except OSError:  # the compiler went since it was asked what it is: the compile will say so
+            return None
+        if ran.returncode != 0:
+            return None
+        try:
+            with open(deps, encoding="utf-8", errors="surrogateescape") as f:
+                named = make_dependencies(f.read())
+        except OSError:
+            return None
+    return [p for p in named if os.path.normpath(p) != os.path.normpath(path)]

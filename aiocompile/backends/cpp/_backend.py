@@ -22,10 +22,10 @@ from typing import Any
 
 from aiocompile._base import checks
 from aiocompile.backends import Request, source_features
-from aiocompile.backends._native import _compiler
-from aiocompile.backends._native._backend import NativeBackend, key_of, keyed_headers, record_details
+from aiocompile.backends._native import _compiler, _run
+from aiocompile.backends._native._backend import NativeBackend, Plan, key_of, record_details
 from aiocompile.backends._native._compiler import Compiler
-from aiocompile.backends._native._headers import absolute_paths
+from aiocompile.backends._native._headers import Scan, SearchPath, absolute_paths
 from aiocompile.backends.cpp import _worker as _cpp_worker
 from aiocompile.backends.cpp._library import NativeLibrary
 
@@ -87,7 +87,7 @@ class CppBackend(NativeBackend):
             name=checks.NATIVE_NAME.check("name", name),
         )
 
-    def build(self, checked: _Checked) -> Request:
+    def plan(self, checked: _Checked) -> Plan:
         compiler = _compiler.identify(_compiler.find("cpp", checked.compiler))
         cwd = os.getcwd()
         include_dirs = tuple(os.path.normpath(os.path.join(cwd, d)) for d in checked.include_dirs)
@@ -98,22 +98,25 @@ class CppBackend(NativeBackend):
             libraries.append(argument)
             if is_file:
                 library_files.append([argument, self.headers.digest(argument)])
-        search_argv = (compiler.path, *(f"-I{d}" for d in include_dirs), *flags)
-        scan = keyed_headers(self.headers, search_argv, checked.source, ".cpp")
+        search_argv = (*(f"-I{d}" for d in include_dirs), *flags)
         source_digest = hashlib.sha256(checked.source.encode("utf-8", errors="surrogatepass")).hexdigest()
-        key = key_of({
-            "kind": "cpp", "format": _FORMAT, "source": source_digest, "flags": flags, "include_dirs": include_dirs,
-            "libraries": libraries, "library_files": library_files, "headers": scan.headers,
-            "compiler": [compiler.path, compiler.realpath, compiler.identity],
-        })
-        argv = (compiler.path, "-shared", "-fPIC", "-pipe", *(f"-I{d}" for d in include_dirs), *flags,
-                "-o", _cpp_worker.OUTPUT, _cpp_worker.SOURCE, *libraries, "-MMD", "-MF", _cpp_worker.DEPENDENCIES)
-        spec = CppSpec(
-            name=checked.name or f"cpp-{source_digest[:12]}", key=key, target=compiler.machine or "host",
-            source=checked.source, argv=argv, compiler=compiler, flags=flags, include_dirs=include_dirs,
-            libraries=tuple(libraries),
-        )
-        return request(spec)
+        name = checked.name or f"cpp-{source_digest[:12]}"
+
+        def finish(scan: Scan) -> Request:
+            key = key_of({
+                "kind": "cpp", "format": _FORMAT, "source": source_digest, "flags": flags,
+                "include_dirs": include_dirs, "libraries": libraries, "library_files": library_files,
+                "headers": scan.headers, "compiler": [compiler.path, compiler.realpath, compiler.identity],
+            })
+            argv = (compiler.path, "-shared", "-fPIC", "-pipe", *search_argv, "-o", _cpp_worker.OUTPUT,
+                    _cpp_worker.SOURCE, *libraries, "-MMD", "-MF", _cpp_worker.DEPENDENCIES)
+            return request(CppSpec(
+                name=name, key=key, target=compiler.machine or "host", source=checked.source, argv=argv,
+                compiler=compiler, flags=flags, include_dirs=include_dirs, libraries=tuple(libraries),
+            ))
+
+        return Plan(name=name, search=SearchPath.from_argv(search_argv), finish=finish,
+                    dependency_pass=_run.DependencyPass((compiler.path, *search_argv), checked.source, ".cpp"))
 
 
 def request(spec: CppSpec) -> Request:

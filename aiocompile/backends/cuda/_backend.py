@@ -32,10 +32,10 @@ from typing import Any
 
 from aiocompile._base import checks
 from aiocompile.backends import Request, source_features
-from aiocompile.backends._native import _compiler
-from aiocompile.backends._native._backend import NativeBackend, key_of, keyed_headers, record_details
+from aiocompile.backends._native import _compiler, _run
+from aiocompile.backends._native._backend import NativeBackend, Plan, key_of, record_details
 from aiocompile.backends._native._compiler import Compiler
-from aiocompile.backends._native._headers import absolute_paths
+from aiocompile.backends._native._headers import Scan, SearchPath, absolute_paths
 from aiocompile.backends.cuda import _worker as _cuda_worker
 from aiocompile.backends.cuda._binary import CudaBinary
 
@@ -153,7 +153,7 @@ class CudaBackend(NativeBackend):
         found = _KERNEL_NAME.search(spec.get("source") or "") if isinstance(spec.get("source"), str) else None
         return str(spec.get("name") or (found.group(1) if found else self.kind))
 
-    def build(self, checked: _Checked) -> Request:
+    def plan(self, checked: _Checked) -> Plan:
         compiler = _compiler.identify(_compiler.find(checked.vendor, checked.compiler))
         cwd = os.getcwd()
         include_dirs = tuple(os.path.normpath(os.path.join(cwd, d)) for d in checked.include_dirs)
@@ -168,23 +168,26 @@ class CudaBackend(NativeBackend):
                 host = _compiler.identify(found)
                 base = (*base, "-ccbin", host.path)
         source_file = "source.cu" if checked.vendor == "cuda" else "source.hip"
-        scan = keyed_headers(self.headers, base, checked.source, os.path.splitext(source_file)[1])
         source_digest = hashlib.sha256(checked.source.encode("utf-8", errors="surrogatepass")).hexdigest()
-        key = key_of({
-            "kind": "cuda", "format": _FORMAT, "vendor": checked.vendor, "source": source_digest,
-            "archs": sorted(checked.archs), "output": checked.output, "flags": flags, "include_dirs": include_dirs,
-            "headers": scan.headers, "compiler": [compiler.path, compiler.realpath, compiler.identity],
-            "host": None if host is None else [host.path, host.realpath, host.identity],
-        })
         found_name = _KERNEL_NAME.search(checked.source)
         name = checked.name or (found_name.group(1) if found_name else f"cuda-{source_digest[:12]}")
-        spec = CudaSpec(
-            name=name, key=key, target=f"{checked.vendor}:{'+'.join(checked.archs)}", vendor=checked.vendor,
-            archs=checked.archs, output=checked.output, source=checked.source, source_file=source_file,
-            invocations=_invocations(base, checked.vendor, checked.archs, checked.output, source_file),
-            compiler=compiler,
-        )
-        return request(spec)
+
+        def finish(scan: Scan) -> Request:
+            key = key_of({
+                "kind": "cuda", "format": _FORMAT, "vendor": checked.vendor, "source": source_digest,
+                "archs": sorted(checked.archs), "output": checked.output, "flags": flags, "include_dirs": include_dirs,
+                "headers": scan.headers, "compiler": [compiler.path, compiler.realpath, compiler.identity],
+                "host": None if host is None else [host.path, host.realpath, host.identity],
+            })
+            return request(CudaSpec(
+                name=name, key=key, target=f"{checked.vendor}:{'+'.join(checked.archs)}", vendor=checked.vendor,
+                archs=checked.archs, output=checked.output, source=checked.source, source_file=source_file,
+                invocations=_invocations(base, checked.vendor, checked.archs, checked.output, source_file),
+                compiler=compiler,
+            ))
+
+        return Plan(name=name, search=SearchPath.from_argv(base[1:]), finish=finish,
+                    dependency_pass=_run.DependencyPass(base, checked.source, os.path.splitext(source_file)[1]))
 
 
 def request(spec: CudaSpec) -> Request:
