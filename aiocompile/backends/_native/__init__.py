@@ -5,6 +5,8 @@
   its identity and version, asked once per process, off the event loop;
 - ``_headers``: the headers a source reads from its include directories, whose contents
   go into its key, and paths in flags made absolute;
+- ``_inputs``: the other files a command line reads (response files, expanded; linker
+  scripts, objects, libraries found by ``-l``), whose contents go into its key;
 - ``_run``: running the compiler in a worker (a scratch directory, its output, its time)
   and its failure as a ``CompileError`` with the diagnostics and the command line; the
   dependency pass (``-MM``) a key may need, run in a worker too;

@@ -16,14 +16,18 @@ for nothing makes a key change for nothing, never the other way round. An
 per file and stat (inode, size, modification and change times), so a request seen before
 costs a ``stat`` per header.
 
+The directories of ``CPATH`` are searched after the ``-I`` ones, those of
+``C_INCLUDE_PATH``, ``CPLUS_INCLUDE_PATH`` and ``OBJC_INCLUDE_PATH`` after the
+``-isystem`` ones, as GCC and Clang search them.
+
 What a scan cannot follow is an include computed by the preprocessor (``#include
 HEADER_MACRO``; ``Scan.complete`` is False). Then the compiler's own dependency output
 (``-MM``) is asked, in a worker (``_run.dependencies``), and every header it names is
 keyed too.
 
 Files are opened without blocking and read only when they are regular files: a FIFO or a
-device where a header (or a library) is expected is not read, rather than holding the
-thread that keys every request.
+device where a header (or a library, a response file) is expected is not read, rather
+than holding the thread that keys every request.
 """
 
 from __future__ import annotations
@@ -50,6 +54,10 @@ _PATH_OPTIONS = {
 }
 # Those of them that may be glued to their path ("-Iinclude").
 _JOINABLE = ("-idirafter", "-isystem", "-iquote", "-I", "-L")
+# The order in which the directories of the angle-bracket search are searched: options,
+# and the environment variables that add to them.
+_RANK = {"-I": 0, "--include-path": 0, "CPATH": 1, "-isystem": 2, "--system-include": 2, "C_INCLUDE_PATH": 3,
+         "CPLUS_INCLUDE_PATH": 3, "OBJC_INCLUDE_PATH": 3, "-idirafter": 4}
 
 _DIRECTIVE = re.compile(r"^[ \t]*#[ \t]*(include_next|include|import)\b[ \t]*(.*)$", re.M)
 _NAME = re.compile(r'"([^"\n]+)"|<([^>\n]+)>')
@@ -103,15 +111,18 @@ class SearchPath:
     forced: tuple[str, ...] = ()
 
     @classmethod
-    def from_argv(cls, argv: Sequence[str]) -> SearchPath:
+    def from_argv(cls, argv: Sequence[str], environment: Iterable[tuple[str, str | None]] = ()) -> SearchPath:
+        """The search of a command line (less its compiler), with the include path
+        variables of ``environment`` (``_compiler.environment``)."""
         found: dict[str, list[str]] = {"quote": [], "angle": [], "forced": [], "other": []}
         for _, option, path in _split(argv):
             found[_PATH_OPTIONS[option]].append(path)
-        # GCC searches -I before -isystem before -idirafter, whatever their order on the
-        # line; within each, in command-line order.
-        rank = {"-I": 0, "--include-path": 0, "-isystem": 1, "--system-include": 1, "-idirafter": 2}
-        angle = [(rank[option], n, path) for n, (_, option, path) in enumerate(_split(argv))
-                 if option in rank]
+        # GCC searches -I, then CPATH, then -isystem, then C_INCLUDE_PATH and its kin,
+        # then -idirafter, whatever their order on the line; within each, in order.
+        angle = [(_RANK[option], n, path) for n, (_, option, path) in enumerate(_split(argv)) if option in _RANK]
+        for name, value in environment:
+            if value and name in _RANK:
+                angle += [(_RANK[name], n, path) for n, path in enumerate(value.split(os.pathsep)) if path]
         return cls(tuple(found["quote"]), tuple(path for _, _, path in sorted(angle)), tuple(found["forced"]))
 
     @property

@@ -29,10 +29,14 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from aiocompile.backends._native._compiler import DROPPED
 from aiocompile.backends._native._headers import make_dependencies
 from aiocompile.errors import CompileError
 
 __all__ = ["DependencyPass", "Ran", "dependencies", "failure", "output", "run", "scratch", "sweep"]
+
+Environment = tuple[tuple[str, str | None], ...]
+"""``(name, value)`` pairs a compiler runs with; None: unset (see ``_compiler.environment``)."""
 
 # What a CompileError's message shows of the diagnostics; ``output`` keeps more.
 _MESSAGE_LINES = 60
@@ -115,14 +119,28 @@ class Ran:
         return shlex.join(self.argv)
 
 
-def run(argv: Sequence[str], cwd: str) -> Ran:
-    """Run a compiler command in ``cwd`` and wait for it."""
+def compiler_env(cwd: str, environment: Environment) -> dict[str, str]:
+    """The environment a compiler runs with in ``cwd``: this process's, with
+    ``environment`` applied and what must not pass on dropped."""
+    env = dict(os.environ)
+    for name in DROPPED:
+        env.pop(name, None)
+    for name, value in environment:
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
     # C locale: plain quotes and English words in diagnostics, whatever the worker's
     # locale, so that they read (and match) the same everywhere.
-    env = {**os.environ, "TMPDIR": cwd, "LC_ALL": "C"}
+    env.update(TMPDIR=cwd, LC_ALL="C")
+    return env
+
+
+def run(argv: Sequence[str], cwd: str, environment: Environment = ()) -> Ran:
+    """Run a compiler command in ``cwd`` and wait for it."""
     started = time.perf_counter()
-    proc = subprocess.run(list(argv), cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT)
+    proc = subprocess.run(list(argv), cwd=cwd, env=compiler_env(cwd, environment), stdin=subprocess.DEVNULL,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     seconds = time.perf_counter() - started
     return Ran(tuple(argv), proc.returncode, proc.stdout.decode("utf-8", errors="replace"), seconds)
 
@@ -178,6 +196,7 @@ class DependencyPass:
     source: str
     suffix: str
     """The source file's suffix, which tells the compiler its language: ``.cpp``, ``.cu``."""
+    environment: Environment
 
 
 def dependencies(asked: DependencyPass) -> list[str] | None:
@@ -193,7 +212,7 @@ def dependencies(asked: DependencyPass) -> list[str] | None:
             f.write(asked.source)
         deps = os.path.join(work, "source.d")
         try:
-            ran = run((*asked.argv, "-MM", "-MF", deps, path), work)
+            ran = run((*asked.argv, "-MM", "-MF", deps, path), work, asked.environment)
         except OSError:  # the compiler went since it was asked what it is: the compile will say so
             return None
         if ran.returncode != 0:

@@ -51,7 +51,7 @@ def compile_gpu_code(spec: Any) -> dict[str, Any]:
         with open(os.path.join(work, spec.source_file), "w", encoding="utf-8", errors="surrogatepass") as f:
             f.write(spec.source)
         for invocation in spec.invocations:
-            ran = _run.run(invocation.argv, work)
+            ran = _run.run(invocation.argv, work, spec.environment)
             if ran.returncode != 0:
                 raise _run.failure(ran, name=spec.name, key=spec.key, target=spec.target)
             images[invocation.label] = _run.output(ran, os.path.join(work, invocation.output), name=spec.name,
