@@ -99,7 +99,8 @@ def command() -> list[str]:
     from aiocompile.backends.cpp import CppBackend
 
     backend = CppBackend()
-    return list(backend.build(backend.check(source=unit(0), flags=FLAGS)).args[0].argv)
+    plan = backend.plan(backend.check(source=unit(0), flags=FLAGS))
+    return list(plan.finish(backend.headers.scan(plan.dependency_pass.source, plan.search)).args[0].argv)
 
 
 def serial(argv: list[str], sources: list[str]) -> tuple[list[bytes], dict[str, float]]:

@@ -168,6 +168,28 @@ async def test_a_missing_compiler_is_a_clear_error_before_any_worker(tmp_path, m
         await sched.aclose()
 
 
+async def test_a_program_that_is_no_compiler_is_a_clear_error_before_any_worker(native):
+    # /bin/true answers --version as GNU software does, and prints nothing for -dumpmachine.
+    submitted = native.statistics().submitted
+    with pytest.raises(aiocompile.CompilerNotFound, match="/bin/true is not a usable compiler: "
+                                                          "'/bin/true -dumpmachine' printed nothing"):
+        await native.compile_cpp(ADD, compiler="/bin/true")
+    assert native.statistics().submitted == submitted
+
+
+@pytest.mark.parametrize("flags", [("--help",), ("-Wl,-o,elsewhere",)], ids=["--help", "-Wl,-o"])
+async def test_a_compiler_that_exits_0_without_the_library_is_a_compile_error(native, flags):
+    with anyio.fail_after(60):
+        with pytest.raises(aiocompile.CompileError) as info:
+            await native.compile_cpp(ADD, flags=flags, name="nothing")
+    error = info.value
+    assert type(error) is aiocompile.CompileError and error.kernel_name == "nothing"
+    assert "exited with status 0 without writing libsource.so" in error.message
+    assert error.command.endswith("-MMD -MF source.d") and "aiocompile-native" not in error.message
+    if flags == ("--help",):
+        assert "Usage:" in error.message and "Usage:" in error.output  # what it printed instead
+
+
 @pytest.mark.parametrize(("arguments", "error", "words"), [
     ({"source": b"int x;"}, TypeError, "source must be source text"),
     ({"flags": "-O2"}, TypeError, "flags must be a tuple of compiler flags"),

@@ -155,6 +155,16 @@ async def test_a_compile_error_carries_nvccs_diagnostics_and_the_command_line():
         await sched.aclose()
 
 
+async def test_nvcc_exiting_0_without_the_binary_is_a_compile_error(native):
+    with anyio.fail_after(60):
+        with pytest.raises(aiocompile.CompileError) as info:
+            await native.compile_cuda(VECTOR_ADD, arch="sm_90", flags=("--help",))
+    error = info.value
+    assert type(error) is aiocompile.CompileError and error.kernel_name == "vector_add"
+    assert "nvcc exited with status 0 without writing sm_90.cubin" in error.message
+    assert "--help" in error.output  # nvcc's help, which it printed instead
+
+
 async def test_a_missing_compiler_is_a_clear_error_before_any_worker(tmp_path):
     sched = aiocompile.Scheduler(config=NATIVE)
     try:

@@ -72,7 +72,7 @@ async def compile_batch(
         # thread per kind, in order), so that the compiles can start longest first: a batch
         # ends when its last compile does, and a long one started last runs alone at the end.
         unstarted = anyio.CancelScope()  # nothing has started yet for a failure to cancel
-        for index, prepared in enumerate(await _prepare(engine, kinds, spec_list)):
+        for index, prepared in enumerate(await _prepare(engine, kinds, spec_list, timeouts)):
             if isinstance(prepared, Exception):
                 failed(index, prepared, unstarted)
             else:
@@ -106,12 +106,14 @@ async def compile_batch(
     return results
 
 
-async def _prepare(engine: Engine, kinds: list[str], specs: list[dict[str, Any]]) -> list[Request | Exception]:
+async def _prepare(engine: Engine, kinds: list[str], specs: list[dict[str, Any]],
+                   timeouts: list[float | None]) -> list[Request | Exception]:
     """Each spec's request (or its exception), in order: one batch per kind."""
     prepared: list[Request | Exception] = [TypeError("not prepared")] * len(specs)
     for kind in dict.fromkeys(kinds):
         indices = [index for index, k in enumerate(kinds) if k == kind]
-        batch = await engine.backend(kind).prepare_specs(engine, [specs[i] for i in indices])
+        batch = await engine.backend(kind).prepare_specs(engine, [specs[i] for i in indices],
+                                                         [timeouts[i] for i in indices])
         for index, request in zip(indices, batch):
             prepared[index] = request
     return prepared

@@ -134,6 +134,8 @@ class Engine:
         if tuner is not None and self._pid == os.getpid():
             tuner.close()  # before the pool: a tuning waiting on compiles then ends with them
         self._pool.shutdown(wait=True, cancel_futures=True, grace=grace)
+        if self._pid == os.getpid():
+            self.cpp.sweep()  # the scratch directories of workers killed mid-compile
         if self._disk is not None:
             self._disk.close(wait=True)  # results compiled before the close reach the disk
         if self._pid == os.getpid():
@@ -178,13 +180,20 @@ class Engine:
 
     # -- what backends may ask while they prepare a request (BackendContext) ----------------------
 
-    async def run_in_worker(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` in a worker, for a backend itself: the pool's crash handling, but no
-        record and no count in the caller's statistics."""
+    async def run_in_worker(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
+                            name: str | None = None) -> Any:
+        """``fn(*args)`` in a worker, for a backend itself: the pool's crash handling and
+        timeout (None: the configured one), but no record and no count in the caller's
+        statistics. The job is the caller's alone, so a cancelled await kills it (or drops
+        it from the queue) whatever ``cancel_running`` says."""
         self.check_open()
-        name = getattr(fn, "__qualname__", None) or type(fn).__name__
-        job = self._pool.submit_job(fn, args, name=name)
-        return await bridge.wait(job.future)
+        name = name or getattr(fn, "__qualname__", None) or type(fn).__name__
+        job = self._pool.submit_job(fn, args, name=name, timeout=self.config.timeout if timeout is None else timeout)
+        try:
+            return await bridge.wait(job.future)
+        finally:
+            if not job.future.done():
+                self._pool.kill(job)
 
     async def to_thread(self, fn: Callable[[], Any]) -> Any:
         return await threads.KEYS.run(fn)

@@ -249,8 +249,9 @@ class Scheduler:
         waits for dies with its compiler.
         """
         checks.CALL_TIMEOUT.check("timeout", timeout)
-        request = await self._engine.cpp.prepare(self._engine, source=source, flags=flags, include_dirs=include_dirs,
-                                                 libraries=libraries, compiler=compiler, name=name)
+        request = await self._engine.cpp.prepare(self._engine, timeout=timeout, source=source, flags=flags,
+                                                 include_dirs=include_dirs, libraries=libraries, compiler=compiler,
+                                                 name=name)
         result: NativeLibrary = await self._engine.execute(request, timeout)
         return result
 
@@ -279,8 +280,9 @@ class Scheduler:
         timeouts, crashes, caching and cancellation are ``compile_cpp``'s.
         """
         checks.CALL_TIMEOUT.check("timeout", timeout)
-        request = await self._engine.cuda.prepare(self._engine, source=source, arch=arch, output=output,
-                                                  flags=flags, include_dirs=include_dirs, compiler=compiler, name=name)
+        request = await self._engine.cuda.prepare(self._engine, timeout=timeout, source=source, arch=arch,
+                                                  output=output, flags=flags, include_dirs=include_dirs,
+                                                  compiler=compiler, name=name)
         result: CudaBinary = await self._engine.execute(request, timeout)
         return result
 

@@ -9,7 +9,7 @@ sees requests, so it never branches on the language; adding a compiler is one ne
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Callable, NamedTuple, Protocol
 
 
@@ -55,17 +55,21 @@ class SpecBackend(Protocol):
         """A name for the spec in progress lines, where it has no ``"label"``."""
         ...
 
-    async def prepare_specs(self, ctx: BackendContext, specs: list[dict[str, Any]]) -> list[Request | Exception]:
-        """A request for each spec (or the exception its checks raised), in order."""
+    async def prepare_specs(self, ctx: BackendContext, specs: list[dict[str, Any]],
+                            timeouts: Sequence[float | None] | None = None) -> list[Request | Exception]:
+        """A request for each spec (or the exception its checks raised), in order;
+        ``timeouts`` are the specs' own, for the work a key may need in a worker."""
         ...
 
 
 class BackendContext(Protocol):
     """What a backend may ask of the scheduler while it prepares a request."""
 
-    async def run_in_worker(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def run_in_worker(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
+                            name: str | None = None) -> Any:
         """``fn(*args)`` in a worker process, for the backend itself (not counted as a
-        request)."""
+        request): ``JobTimeout`` past ``timeout`` (None: the scheduler's default); killed
+        when the await is cancelled, as nobody else waits for it."""
         ...
 
     async def to_thread(self, fn: Callable[[], Any]) -> Any: ...

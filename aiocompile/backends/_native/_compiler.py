@@ -12,7 +12,9 @@ ROCm        ``hipcc`` in ``$ROCM_PATH/bin``, ``$HIP_PATH/bin``, on ``PATH``, in
 ==========  ==========================================================================
 
 Where none is, ``CompilerNotFound`` says where it looked. These environment variables are
-read here and nowhere else.
+read here and nowhere else, as are those that change what a compiler reads or writes
+(``ENVIRONMENT``: ``CPATH`` and its kin, ``LIBRARY_PATH``, ``NVCC_APPEND_FLAGS``...), which
+go into every key and travel with every compile (see ``environment``).
 
 Its identity (what ``--version`` prints, and for GCC and Clang the machine they build for)
 goes into every key: another compiler, or another version of the same, builds another
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 
 from aiocompile.errors import CompilerNotFound
 
-__all__ = ["Compiler", "find", "host_compiler", "identify"]
+__all__ = ["ENVIRONMENT", "Compiler", "environment", "find", "host_compiler", "identify"]
 
 # What each kind of compile looks for when no compiler is given: names on PATH, and the
 # environment variables (then fixed directories) whose bin/ may hold it.
@@ -44,6 +46,43 @@ _SEARCH: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
     "hip": (("hipcc",), ("ROCM_PATH", "HIP_PATH"), ("/opt/rocm",)),
 }
 _WHAT = {"cpp": "C++ compiler", "cuda": "CUDA compiler", "hip": "ROCm (HIP) compiler"}
+
+ENVIRONMENT = (
+    # GCC and Clang: where headers, libraries and the compiler's own programs are looked
+    # for, what goes into the binary (a date, a run path), Clang's rewriting of its options.
+    "CPATH", "C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH", "OBJC_INCLUDE_PATH", "LIBRARY_PATH", "COMPILER_PATH",
+    "GCC_EXEC_PREFIX", "GCC_COMPARE_DEBUG", "SOURCE_DATE_EPOCH", "LD_RUN_PATH", "CCC_OVERRIDE_OPTIONS",
+    # nvcc: flags it adds to every command line, and the host compiler.
+    "NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS", "NVCC_CCBIN",
+    # hipcc: the platform, where its clang and device libraries are, flags it adds.
+    "HIP_PLATFORM", "HIP_COMPILER", "HIP_RUNTIME", "HIP_CLANG_PATH", "HIP_PATH", "ROCM_PATH", "HIP_DEVICE_LIB_PATH",
+    "DEVICE_LIB_PATH", "HIPCC_COMPILE_FLAGS_APPEND", "HIPCC_LINK_FLAGS_APPEND",
+)
+"""The environment variables that change what a compiler run reads or builds. Their values
+(or their absence) go into the key, and every compile, and every dependency pass, runs with
+exactly these values, whatever the worker's own environment: a variable set or changed
+after the workers started reaches the compile as it reached the key."""
+
+_PATH_LISTS = frozenset({"CPATH", "C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH", "OBJC_INCLUDE_PATH", "LIBRARY_PATH",
+                         "COMPILER_PATH"})
+
+DROPPED = ("DEPENDENCIES_OUTPUT", "SUNPRO_DEPENDENCIES")
+"""Variables that make GCC write a dependency file of its own beside the compile: never
+passed on (the compile writes its own, in its scratch directory)."""
+
+
+def environment(cwd: str, environ: Mapping[str, str] = os.environ) -> tuple[tuple[str, str | None], ...]:
+    """``(name, value)`` for each of ``ENVIRONMENT``, None where unset. A relative
+    directory in a path list (an empty entry of ``CPATH`` means the current directory) is
+    made absolute against ``cwd``, the caller's current directory, as relative paths in
+    flags are: the compile runs in a scratch directory, where it would mean another one."""
+    found: list[tuple[str, str | None]] = []
+    for name in ENVIRONMENT:
+        value = environ.get(name)
+        if value is not None and name in _PATH_LISTS:
+            value = os.pathsep.join(os.path.normpath(os.path.join(cwd, entry)) for entry in value.split(os.pathsep))
+        found.append((name, value))
+    return tuple(found)
 
 
 @dataclass(frozen=True)
@@ -194,7 +233,11 @@ def _ask(path: str, real: str) -> Compiler:
     machine = ""
     if family in ("gcc", "clang"):
         # The version text does not say which machine a cross compiler builds for.
-        machine = _run([path, "-dumpmachine"]).splitlines()[-1].strip()
+        lines = _run([path, "-dumpmachine"]).splitlines()
+        if not lines or not lines[-1].strip():
+            raise CompilerNotFound(f"{path} is not a usable compiler: '{path} -dumpmachine' printed nothing, where "
+                                   "a GCC or Clang driver prints the machine it builds for")
+        machine = lines[-1].strip()
         identity += f"\nmachine: {machine}"
     found = re.search(_VERSION_PATTERNS.get(family, r"(\d+\.\d+(?:\.\d+)?)"), text)
     return Compiler(path=path, family=family, version=found.group(1) if found else "", identity=identity,

@@ -16,9 +16,18 @@ for nothing makes a key change for nothing, never the other way round. An
 per file and stat (inode, size, modification and change times), so a request seen before
 costs a ``stat`` per header.
 
+The directories of ``CPATH`` are searched after the ``-I`` ones, those of
+``C_INCLUDE_PATH``, ``CPLUS_INCLUDE_PATH`` and ``OBJC_INCLUDE_PATH`` after the
+``-isystem`` ones, as GCC and Clang search them.
+
 What a scan cannot follow is an include computed by the preprocessor (``#include
-HEADER_MACRO``). Then the compiler's own dependency output (``-MM``) is asked, in the
-calling thread, and every header it names is keyed too (``Scan.complete`` is False).
+HEADER_MACRO``; ``Scan.complete`` is False). Then the compiler's own dependency output
+(``-MM``) is asked, in a worker (``_run.dependencies``), and every header it names is
+keyed too.
+
+Files are opened without blocking and read only when they are regular files: a FIFO or a
+device where a header (or a library, a response file) is expected is not read, rather
+than holding the thread that keys every request.
 """
 
 from __future__ import annotations
@@ -26,13 +35,12 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import subprocess
-import tempfile
+import stat
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-__all__ = ["HeaderIndex", "Scan", "SearchPath", "absolute_paths", "compiler_dependencies", "make_dependencies"]
+__all__ = ["HeaderIndex", "Scan", "SearchPath", "absolute_paths", "digest_regular", "make_dependencies", "read_regular"]
 
 # Options that take a path, and what the path is for: "quote"/"angle" directories of the
 # include search, a "forced" include, or another path ("other": made absolute only).
@@ -46,6 +54,10 @@ _PATH_OPTIONS = {
 }
 # Those of them that may be glued to their path ("-Iinclude").
 _JOINABLE = ("-idirafter", "-isystem", "-iquote", "-I", "-L")
+# The order in which the directories of the angle-bracket search are searched: options,
+# and the environment variables that add to them.
+_RANK = {"-I": 0, "--include-path": 0, "CPATH": 1, "-isystem": 2, "--system-include": 2, "C_INCLUDE_PATH": 3,
+         "CPLUS_INCLUDE_PATH": 3, "OBJC_INCLUDE_PATH": 3, "-idirafter": 4}
 
 _DIRECTIVE = re.compile(r"^[ \t]*#[ \t]*(include_next|include|import)\b[ \t]*(.*)$", re.M)
 _NAME = re.compile(r'"([^"\n]+)"|<([^>\n]+)>')
@@ -99,15 +111,18 @@ class SearchPath:
     forced: tuple[str, ...] = ()
 
     @classmethod
-    def from_argv(cls, argv: Sequence[str]) -> SearchPath:
+    def from_argv(cls, argv: Sequence[str], environment: Iterable[tuple[str, str | None]] = ()) -> SearchPath:
+        """The search of a command line (less its compiler), with the include path
+        variables of ``environment`` (``_compiler.environment``)."""
         found: dict[str, list[str]] = {"quote": [], "angle": [], "forced": [], "other": []}
         for _, option, path in _split(argv):
             found[_PATH_OPTIONS[option]].append(path)
-        # GCC searches -I before -isystem before -idirafter, whatever their order on the
-        # line; within each, in command-line order.
-        rank = {"-I": 0, "--include-path": 0, "-isystem": 1, "--system-include": 1, "-idirafter": 2}
-        angle = [(rank[option], n, path) for n, (_, option, path) in enumerate(_split(argv))
-                 if option in rank]
+        # GCC searches -I, then CPATH, then -isystem, then C_INCLUDE_PATH and its kin,
+        # then -idirafter, whatever their order on the line; within each, in order.
+        angle = [(_RANK[option], n, path) for n, (_, option, path) in enumerate(_split(argv)) if option in _RANK]
+        for name, value in environment:
+            if value and name in _RANK:
+                angle += [(_RANK[name], n, path) for n, path in enumerate(value.split(os.pathsep)) if path]
         return cls(tuple(found["quote"]), tuple(path for _, _, path in sorted(angle)), tuple(found["forced"]))
 
     @property
@@ -154,32 +169,41 @@ class HeaderIndex:
         self._files: dict[tuple[object, ...], _File] = {}
 
     def file(self, path: str) -> _File | None:
-        """The header at ``path`` (None if it cannot be read)."""
+        """The header at ``path`` (None if it is not a regular file that can be read)."""
+        return self._known(path, parse=True)
+
+    def digest(self, path: str) -> str | None:
+        """SHA-256 of the file at ``path`` (None if it is not a regular file that can be
+        read); its include lines are not looked for (a library, a linker script)."""
+        found = self._known(path, parse=False)
+        return None if found is None else found.digest
+
+    def _known(self, path: str, parse: bool) -> _File | None:
         try:
             st = os.stat(path)
         except OSError:
             return None
-        stamp = (path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        stamp = (path, parse, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         with self._lock:
             known = self._files.get(stamp)
         if known is not None:
             return known
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except OSError:
-            return None
-        includes, computed = _parse(data.decode("latin-1"))
-        found = _File(hashlib.sha256(data).hexdigest(), includes, computed)
+        if parse:
+            data = read_regular(path)
+            if data is None:
+                return None
+            includes, computed = _parse(data.decode("latin-1"))
+            found = _File(hashlib.sha256(data).hexdigest(), includes, computed)
+        else:
+            digest = digest_regular(path)
+            if digest is None:
+                return None
+            found = _File(digest, (), False)
         with self._lock:
             if len(self._files) > 100_000:  # stale stats of edited files pile up in a long-lived process
                 self._files.clear()
             self._files[stamp] = found
         return found
-
-    def digest(self, path: str) -> str | None:
-        found = self.file(path)
-        return None if found is None else found.digest
 
     def scan(self, source: str, search: SearchPath, extra: Iterable[str] = ()) -> Scan:
         """The headers ``source`` reads from ``search``'s directories, and ``extra`` files
@@ -220,6 +244,51 @@ class HeaderIndex:
         return matches
 
 
+def read_regular(path: str) -> bytes | None:
+    """The contents of ``path`` if it is a regular file that can be read, else None. Opened
+    without blocking, so that a FIFO there does not wait for a writer."""
+    pieces = _pieces(path)
+    try:
+        return None if pieces is None else b"".join(pieces)
+    except OSError:
+        return None
+
+
+def digest_regular(path: str) -> str | None:
+    """SHA-256 of ``path`` as ``read_regular`` reads it, read in pieces (an archive or a
+    library may be large)."""
+    pieces = _pieces(path)
+    if pieces is None:
+        return None
+    digest = hashlib.sha256()
+    try:
+        for piece in pieces:
+            digest.update(piece)
+    except OSError:
+        return None
+    return digest.hexdigest()
+
+
+def _pieces(path: str) -> Iterator[bytes] | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+    except OSError:
+        regular = False
+    if not regular:
+        os.close(fd)
+        return None
+    return _read_all(fd)
+
+
+def _read_all(fd: int) -> Iterator[bytes]:
+    with os.fdopen(fd, "rb") as f:
+        yield from iter(lambda: f.read(1 << 20), b"")
+
+
 def make_dependencies(text: str) -> list[str]:
     """The prerequisites of the first rule of a make-style dependency file (``-MD``,
     ``-MM``), unescaped."""
@@ -228,23 +297,3 @@ def make_dependencies(text: str) -> list[str]:
     _, _, prerequisites = first.partition(": ")
     words = re.findall(r"(?:\\.|[^\s\\])+", prerequisites)
     return [re.sub(r"\\(.)", r"\1", word).replace("$$", "$") for word in words]
-
-
-def compiler_dependencies(argv: Sequence[str], source: str, suffix: str) -> list[str] | None:
-    """The headers the compiler says ``source`` reads (``-MM``: not the system's), with
-    the options in ``argv`` (the compiler first); None where it could not say (a source
-    that does not preprocess: the compile will say why)."""
-    with tempfile.TemporaryDirectory(prefix="aiocompile-deps-") as scratch:
-        path = os.path.join(scratch, f"source{suffix}")
-        with open(path, "w", encoding="utf-8", errors="surrogateescape") as f:
-            f.write(source)
-        deps = os.path.join(scratch, "source.d")
-        try:
-            proc = subprocess.run([*argv, "-MM", "-MF", deps, path], cwd=scratch, stdin=subprocess.DEVNULL,
-                                  capture_output=True, timeout=300, env={**os.environ, "TMPDIR": scratch})
-            if proc.returncode != 0:
-                return None
-            with open(deps, encoding="utf-8", errors="surrogateescape") as f:
-                return [p for p in make_dependencies(f.read()) if os.path.normpath(p) != os.path.normpath(path)]
-        except (OSError, subprocess.SubprocessError):
-            return None

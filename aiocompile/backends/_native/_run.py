@@ -1,5 +1,6 @@
 """Running a compiler program inside a worker: a scratch directory, the command, what it
-printed, how long it took, and its failure as a ``CompileError``.
+printed, how long it took, and its failure as a ``CompileError``; and the dependency pass
+a key may need (``dependencies``).
 
 The compiler runs as a child of the worker, in the worker's process group (see
 ``aiocompile._pool.child.lead_own_group``): when the job is killed (its timeout, or
@@ -10,7 +11,8 @@ Each compile runs in a directory of its own, ``<tmp>/aiocompile-native-<uid>/<pi
 (0700), with the source under a fixed name (``source.cpp``), so that its command line and
 its diagnostics read the same every time (``source.cpp:3:5: error: ...``). The compiler's
 own temporary files go there too (``TMPDIR``). A killed worker cannot clean up after
-itself, so each compile first removes what workers that no longer run left behind.
+itself, so each compile first removes what workers that no longer run left behind, and
+so does a scheduler once its workers have exited (``sweep``).
 """
 
 from __future__ import annotations
@@ -27,9 +29,14 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from aiocompile.backends._native._compiler import DROPPED
+from aiocompile.backends._native._headers import make_dependencies
 from aiocompile.errors import CompileError
 
-__all__ = ["Ran", "failure", "run", "scratch"]
+__all__ = ["DependencyPass", "Ran", "dependencies", "failure", "output", "run", "scratch", "sweep"]
+
+Environment = tuple[tuple[str, str | None], ...]
+"""``(name, value)`` pairs a compiler runs with; None: unset (see ``_compiler.environment``)."""
 
 # What a CompileError's message shows of the diagnostics; ``output`` keeps more.
 _MESSAGE_LINES = 60
@@ -77,6 +84,14 @@ def _sweep(root: str) -> None:
             shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
 
 
+def sweep() -> None:
+    """Remove what workers that no longer run left behind: a scheduler sweeps once its
+    workers have exited, so that the directory of one killed for a timeout goes too."""
+    root = _scratch_root()
+    if root is not None:
+        _sweep(root)
+
+
 @contextlib.contextmanager
 def scratch() -> Iterator[str]:
     """A private directory for one compile, removed afterwards."""
@@ -104,29 +119,38 @@ class Ran:
         return shlex.join(self.argv)
 
 
-def run(argv: Sequence[str], cwd: str) -> Ran:
-    """Run a compiler command in ``cwd`` and wait for it."""
+def compiler_env(cwd: str, environment: Environment) -> dict[str, str]:
+    """The environment a compiler runs with in ``cwd``: this process's, with
+    ``environment`` applied and what must not pass on dropped."""
+    env = dict(os.environ)
+    for name in DROPPED:
+        env.pop(name, None)
+    for name, value in environment:
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
     # C locale: plain quotes and English words in diagnostics, whatever the worker's
     # locale, so that they read (and match) the same everywhere.
-    env = {**os.environ, "TMPDIR": cwd, "LC_ALL": "C"}
+    env.update(TMPDIR=cwd, LC_ALL="C")
+    return env
+
+
+def run(argv: Sequence[str], cwd: str, environment: Environment = ()) -> Ran:
+    """Run a compiler command in ``cwd`` and wait for it."""
     started = time.perf_counter()
-    proc = subprocess.run(list(argv), cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT)
+    proc = subprocess.run(list(argv), cwd=cwd, env=compiler_env(cwd, environment), stdin=subprocess.DEVNULL,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     seconds = time.perf_counter() - started
     return Ran(tuple(argv), proc.returncode, proc.stdout.decode("utf-8", errors="replace"), seconds)
 
 
-def failure(ran: Ran, *, name: str, key: str | None, target: str | None) -> CompileError:
+def failure(ran: Ran, *, name: str, key: str | None, target: str | None, how: str | None = None) -> CompileError:
     """The ``CompileError`` for a compiler command that failed: its diagnostics (the first
-    lines in the message, more in ``output``) and its command line."""
+    lines in the message, more in ``output``) and its command line. ``how`` says what went
+    wrong where its exit status does not (it exited 0 without writing its output)."""
     tool = os.path.basename(ran.argv[0])
-    if ran.returncode < 0:
-        try:
-            how = f"was killed by {signal.Signals(-ran.returncode).name}"
-        except ValueError:
-            how = f"was killed by signal {-ran.returncode}"
-    else:
-        how = f"exited with status {ran.returncode}"
+    how = how or _ending(ran.returncode)
     diagnostics = ran.output.strip()
     lines = diagnostics.splitlines()
     shown = "\n".join(line if len(line) <= 1000 else line[:1000] + " ..." for line in lines[:_MESSAGE_LINES])
@@ -137,6 +161,65 @@ def failure(ran: Ran, *, name: str, key: str | None, target: str | None) -> Comp
                         command=ran.command)
 
 
-def read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
+def _ending(returncode: int) -> str:
+    if returncode >= 0:
+        return f"exited with status {returncode}"
+    try:
+        return f"was killed by {signal.Signals(-returncode).name}"
+    except ValueError:
+        return f"was killed by signal {-returncode}"
+
+
+def output(ran: Ran, path: str, *, name: str, key: str | None, target: str | None) -> bytes:
+    """What a compiler command that succeeded wrote at ``path``. One that exited 0 and
+    wrote nothing there (it was asked for its ``--help``, or flags sent its output
+    elsewhere: ``-Wl,-o,other``) did not compile: a ``CompileError`` with what it printed,
+    rather than an error about a file in a scratch directory the caller never saw."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        pass
+    wanted = os.path.basename(path)
+    printed = "" if ran.output.strip() else ", and printed nothing"
+    raise failure(ran, name=name, key=key, target=target,
+                  how=f"exited with status {ran.returncode} without writing {wanted}{printed} (do the flags ask for "
+                      "something else, or send the output elsewhere?)")
+
+
+@dataclass(frozen=True)
+class DependencyPass:
+    """The compiler asked which headers a source reads (``-MM``), for its key."""
+
+    argv: tuple[str, ...]
+    """The compiler and the options that decide what it includes, as the compile has them."""
+    source: str
+    suffix: str
+    """The source file's suffix, which tells the compiler its language: ``.cpp``, ``.cu``."""
+    environment: Environment
+
+
+def dependencies(asked: DependencyPass) -> list[str] | None:
+    """The headers the compiler says ``asked.source`` reads (``-MM``: not the system's);
+    None where it could not say (a source that does not preprocess: its compile will say
+    why). Run in a worker, like a compile, for the same reasons: the pass preprocesses the
+    caller's source, which may take as long as it likes (an include of a FIFO blocks), so it
+    runs under the request's timeout, is killed with its worker when the caller goes, and
+    dies with the parent."""
+    with scratch() as work:
+        path = os.path.join(work, f"source{asked.suffix}")
+        with open(path, "w", encoding="utf-8", errors="surrogateescape") as f:
+            f.write(asked.source)
+        deps = os.path.join(work, "source.d")
+        try:
+            ran = run((*asked.argv, "-MM", "-MF", deps, path), work, asked.environment)
+        except OSError:  # the compiler went since it was asked what it is: the compile will say so
+            return None
+        if ran.returncode != 0:
+            return None
+        try:
+            with open(deps, encoding="utf-8", errors="surrogateescape") as f:
+                named = make_dependencies(f.read())
+        except OSError:
+            return None
+    return [p for p in named if os.path.normpath(p) != os.path.normpath(path)]

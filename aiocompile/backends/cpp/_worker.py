@@ -18,10 +18,10 @@ def compile_library(spec: Any) -> dict[str, Any]:
     with _run.scratch() as work:
         with open(os.path.join(work, SOURCE), "w", encoding="utf-8", errors="surrogatepass") as f:
             f.write(spec.source)
-        ran = _run.run(spec.argv, work)
+        ran = _run.run(spec.argv, work, spec.environment)
         if ran.returncode != 0:
             raise _run.failure(ran, name=spec.name, key=spec.key, target=spec.target)
-        binary = _run.read(os.path.join(work, OUTPUT))
+        binary = _run.output(ran, os.path.join(work, OUTPUT), name=spec.name, key=spec.key, target=spec.target)
         try:
             with open(os.path.join(work, DEPENDENCIES), encoding="utf-8", errors="surrogateescape") as f:
                 dependencies = [p for p in make_dependencies(f.read()) if p != SOURCE]

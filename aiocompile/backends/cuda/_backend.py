@@ -17,8 +17,11 @@ architectures (``gfx942``) hipcc runs instead, and ``cubin``, ``fatbin`` and ``h
 all mean a code object (a bundle of one per architecture).
 
 The key covers the source, the architectures, the output, the flags, the include
-directories and the headers read from them, the compiler (path, identity, version) and,
-for nvcc, the host compiler.
+directories and the headers read from them, the contents of the other files the flags
+name, the compiler's environment variables (``CPATH``, ``NVCC_APPEND_FLAGS``... see
+``_native._compiler.ENVIRONMENT``), the compiler (path, identity, version) and, for nvcc,
+the host compiler. nvcc's ``--options-file``, and a response file passed on to its host
+compiler or linker, cannot be keyed and are refused (``ValueError``).
 """
 
 from __future__ import annotations
@@ -26,23 +29,30 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from aiocompile._base import checks
 from aiocompile.backends import Request, source_features
-from aiocompile.backends._native import _compiler
-from aiocompile.backends._native._backend import NativeBackend, key_of, keyed_headers, record_details
+from aiocompile.backends._native import _compiler, _run
+from aiocompile.backends._native._backend import NativeBackend, Plan, key_of, record_details
 from aiocompile.backends._native._compiler import Compiler
-from aiocompile.backends._native._headers import absolute_paths
+from aiocompile.backends._native._headers import Scan, SearchPath, absolute_paths
+from aiocompile.backends._native._inputs import named_files, refuse_unkeyable
 from aiocompile.backends.cuda import _worker as _cuda_worker
 from aiocompile.backends.cuda._binary import CudaBinary
 
 __all__ = ["CudaBackend", "CudaSpec", "Invocation"]
 
-_FORMAT = 1
-"""Part of every key: raised when the command lines built here change."""
+_FORMAT = 2
+"""Part of every key: raised when the command lines built here change (2: the compiler's
+environment carried)."""
+
+# What nvcc and hipcc add to every command line from the environment: searched for
+# include directories and files as the flags are.
+_ADDED_FLAGS = {"cuda": ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS"), "hip": ("HIPCC_COMPILE_FLAGS_APPEND",)}
 
 _KERNEL_NAME = re.compile(r"__global__\s+(?:void\s+)?(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(")
 
@@ -72,6 +82,8 @@ class CudaSpec:
     source_file: str
     invocations: tuple[Invocation, ...]
     compiler: Compiler
+    environment: _run.Environment = ()
+    """The compiler's environment variables as keyed (see ``_native._compiler.environment``)."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +96,13 @@ class _Checked:
     compiler: str | None
     name: str | None
     vendor: str
+
+
+def _words(name: str, value: str | None) -> list[str]:
+    try:
+        return shlex.split(value or "")
+    except ValueError as exc:
+        raise ValueError(f"the environment variable {name} cannot be split into flags ({exc}): {value!r}") from None
 
 
 def _gencode(arch: str) -> str:
@@ -141,9 +160,10 @@ class CudaBackend(NativeBackend):
         elif output == "cubin" and any(a.startswith("compute_") for a in archs):
             raise ValueError("a cubin is machine code for one GPU: give sm_XX architectures (a compute_XX one is "
                              "PTX: output='ptx', or 'fatbin' to carry it)")
+        flags = checks.NATIVE_FLAGS.check("flags", flags)
+        refuse_unkeyable(flags)
         return _Checked(
-            source=source, archs=archs, output=output, vendor=vendor,
-            flags=checks.NATIVE_FLAGS.check("flags", flags),
+            source=source, archs=archs, output=output, vendor=vendor, flags=flags,
             include_dirs=checks.INCLUDE_DIRS.check("include_dirs", include_dirs),
             compiler=checks.COMPILER.check("compiler", compiler),
             name=checks.NATIVE_NAME.check("name", name),
@@ -153,9 +173,10 @@ class CudaBackend(NativeBackend):
         found = _KERNEL_NAME.search(spec.get("source") or "") if isinstance(spec.get("source"), str) else None
         return str(spec.get("name") or (found.group(1) if found else self.kind))
 
-    def build(self, checked: _Checked) -> Request:
+    def plan(self, checked: _Checked) -> Plan:
         compiler = _compiler.identify(_compiler.find(checked.vendor, checked.compiler))
         cwd = os.getcwd()
+        environment = _compiler.environment(cwd)
         include_dirs = tuple(os.path.normpath(os.path.join(cwd, d)) for d in checked.include_dirs)
         flags = absolute_paths(checked.flags, cwd)
         base = (compiler.path, *(f"-I{d}" for d in include_dirs), *flags)
@@ -167,24 +188,32 @@ class CudaBackend(NativeBackend):
             if found is not None:
                 host = _compiler.identify(found)
                 base = (*base, "-ccbin", host.path)
+        values = dict(environment)
+        added = [word for name in _ADDED_FLAGS.get(checked.vendor, ()) for word in _words(name, values[name])]
+        inputs = named_files((*flags, *added), cwd, self.headers, driver=False, library_path=values["LIBRARY_PATH"])
         source_file = "source.cu" if checked.vendor == "cuda" else "source.hip"
-        scan = keyed_headers(self.headers, base, checked.source, os.path.splitext(source_file)[1])
         source_digest = hashlib.sha256(checked.source.encode("utf-8", errors="surrogatepass")).hexdigest()
-        key = key_of({
-            "kind": "cuda", "format": _FORMAT, "vendor": checked.vendor, "source": source_digest,
-            "archs": sorted(checked.archs), "output": checked.output, "flags": flags, "include_dirs": include_dirs,
-            "headers": scan.headers, "compiler": [compiler.path, compiler.realpath, compiler.identity],
-            "host": None if host is None else [host.path, host.realpath, host.identity],
-        })
         found_name = _KERNEL_NAME.search(checked.source)
         name = checked.name or (found_name.group(1) if found_name else f"cuda-{source_digest[:12]}")
-        spec = CudaSpec(
-            name=name, key=key, target=f"{checked.vendor}:{'+'.join(checked.archs)}", vendor=checked.vendor,
-            archs=checked.archs, output=checked.output, source=checked.source, source_file=source_file,
-            invocations=_invocations(base, checked.vendor, checked.archs, checked.output, source_file),
-            compiler=compiler,
-        )
-        return request(spec)
+
+        def finish(scan: Scan) -> Request:
+            key = key_of({
+                "kind": "cuda", "format": _FORMAT, "vendor": checked.vendor, "source": source_digest,
+                "archs": sorted(checked.archs), "output": checked.output, "flags": flags, "include_dirs": include_dirs,
+                "files": inputs.files, "environment": environment, "headers": scan.headers,
+                "compiler": [compiler.path, compiler.realpath, compiler.identity],
+                "host": None if host is None else [host.path, host.realpath, host.identity],
+            })
+            return request(CudaSpec(
+                name=name, key=key, target=f"{checked.vendor}:{'+'.join(checked.archs)}", vendor=checked.vendor,
+                archs=checked.archs, output=checked.output, source=checked.source, source_file=source_file,
+                invocations=_invocations(base, checked.vendor, checked.archs, checked.output, source_file),
+                compiler=compiler, environment=environment,
+            ))
+
+        return Plan(name=name, search=SearchPath.from_argv((*base[1:], *added), environment), finish=finish,
+                    dependency_pass=_run.DependencyPass(base, checked.source, os.path.splitext(source_file)[1],
+                                                        environment))
 
 
 def request(spec: CudaSpec) -> Request:

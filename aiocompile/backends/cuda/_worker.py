@@ -51,10 +51,11 @@ def compile_gpu_code(spec: Any) -> dict[str, Any]:
         with open(os.path.join(work, spec.source_file), "w", encoding="utf-8", errors="surrogatepass") as f:
             f.write(spec.source)
         for invocation in spec.invocations:
-            ran = _run.run(invocation.argv, work)
+            ran = _run.run(invocation.argv, work, spec.environment)
             if ran.returncode != 0:
                 raise _run.failure(ran, name=spec.name, key=spec.key, target=spec.target)
-            images[invocation.label] = _run.read(os.path.join(work, invocation.output))
+            images[invocation.label] = _run.output(ran, os.path.join(work, invocation.output), name=spec.name,
+                                                   key=spec.key, target=spec.target)
             phases = read_phase_times(os.path.join(work, invocation.times)) if invocation.times else []
             for phase, duration in phases or [(os.path.basename(invocation.argv[0]), ran.seconds)]:
                 stages[phase] = stages.get(phase, 0.0) + duration

@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -358,9 +358,11 @@ class TritonBackend:
         kernel = spec["kernel"]
         return str(getattr(kernel, "__name__", None) or getattr(kernel, "name", "?"))
 
-    async def prepare_specs(self, ctx: BackendContext, specs: list[dict[str, Any]]) -> list[Request | Exception]:
+    async def prepare_specs(self, ctx: BackendContext, specs: list[dict[str, Any]],
+                            timeouts: Sequence[float | None] | None = None) -> list[Request | Exception]:
         """``prepare_many`` for ``compile_many``'s specs: ``compile_triton``'s keyword
-        arguments, the kernel under ``"kernel"``; what is not an argument is an option."""
+        arguments, the kernel under ``"kernel"``; what is not an argument is an option.
+        (A Triton key needs no worker, so ``timeouts`` have nothing to bound here.)"""
         items = [{"kernel": spec.pop("kernel"), "signature": spec.pop("signature"),
                   "constexprs": spec.pop("constexprs", None), "target": spec.pop("target", None),
                   "attrs": spec.pop("attrs", None), "options": spec} for spec in specs]
