@@ -321,8 +321,7 @@ class ForeignPool:
         except SchedulerClosed as exc:
             job.fail(exc)
             return
-        if not job.future.running():
-            job.future.set_running_or_notify_cancel()
+        job.mark_running()  # a re-run's is RUNNING already; cancelling is under the lock we hold
         job.attempts += 1
         sent = self._sent[job.id] = Sent(job, future, generation)
         if self._slots:
