@@ -201,12 +201,16 @@ class Engine:
     async def warm(self, target: Any, benchmark: bool) -> None:
         """``Scheduler.warm``: its docstring says what it does."""
         self.check_open()
-        if benchmark:
-            await self.tuner().warm()
-        parsed = parse_target(target) or parse_target("cuda:90")
-        assert parsed is not None
         from aiocompile.backends.triton import _kernel as triton_kernel
         from aiocompile.backends.triton import _worker as triton_worker
+        from aiocompile.backends.triton._targets import check_target
+
+        # None is the current GPU, as for a compile (a worker asks the driver); a target
+        # Triton does not know is refused before any worker starts for it.
+        parsed = parse_target(target) or await self.triton.current_target(self)
+        await threads.KEYS.run(lambda: check_target(parsed))
+        if benchmark:
+            await self.tuner().warm()
 
         keys = threads.KEYS.submit(lambda: self.triton.warm_keys(parsed))
         loading = threads.LOADS.submit(lambda: triton_kernel.prime_loading(parsed.backend))
