@@ -69,6 +69,8 @@ async def test_a_crashing_job_fails_alone_and_innocents_succeed(fault, args, exi
         assert isinstance(poison, aiocompile.WorkerCrashed), poison
         assert poison.exitcode == exitcode and poison.attempts == 2
         assert poison.kernel_name == fault.__qualname__
+        # A run()'s job is a function's, named as such; the count in words.
+        assert str(poison).startswith(f"function {fault.__qualname__!r}: killed its worker 2 times, last with ")
         innocents = results[:3] + results[4:]
         assert all(isinstance(k, aiocompile.TritonKernel) for k in innocents), innocents
         stats = sched.statistics()
@@ -134,6 +136,7 @@ async def test_what_a_dying_worker_printed_comes_with_the_error():
         assert "ptxas fatal: out of registers (pretend)" in info.value.output
         assert "native write before death" in info.value.output
         assert info.value.attempts == 1
+        assert str(info.value) == "function 'print_then_exit': killed its worker with exit code 3"
     finally:
         await close_and_check(sched)
 

@@ -150,7 +150,8 @@ class Job:
         self.crashes += 1
         if self.crashes >= self.max_crashes:
             self.fail(WorkerCrashed(
-                f"killed its worker {self.crashes} time(s), last with {signal_name(exitcode)}",
+                f"killed its worker with {signal_name(exitcode)}" if self.crashes == 1 else
+                f"killed its worker {times(self.crashes)}, last with {signal_name(exitcode)}",
                 exitcode=exitcode, attempts=self.attempts, kernel_name=self.name, key=self.key, output=tail))
             return False
         counters.retries += 1
@@ -230,6 +231,10 @@ def death_statuses(stop: Stop | None, machinery_failed: bool) -> tuple[str, str]
     if stop is not None:
         return "killed", "cancelled" if stop is Stop.CANCELLED else "closed"
     return "crashed", "lost" if machinery_failed else "crashed"
+
+
+def times(count: int) -> str:
+    return "once" if count == 1 else f"{count} times"
 
 
 def signal_name(code: int | None) -> str:
