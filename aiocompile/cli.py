@@ -22,8 +22,12 @@ import asyncio
 import importlib
 import importlib.util
 import json
+import logging
+import os
+import re
 import sys
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -32,6 +36,7 @@ from aiocompile._base.config import SETTINGS, SchedulerConfig
 from aiocompile._base.target import parse_target
 from aiocompile._cache.disk import DiskCache, make_private_dir, write_private
 from aiocompile._core.scheduler import Scheduler
+from aiocompile.backends.triton._targets import check_target
 from aiocompile.errors import CompileError
 
 
@@ -50,7 +55,18 @@ def _load_kernel_set(spec: str) -> list[dict[str, Any]]:
     if not isinstance(kernels, Sequence) or not all(isinstance(k, Mapping) and _kind(k) is not None for k in kernels):
         _usage_error(f"{spec} must define KERNELS, a list of dicts each with a 'kernel' (Triton), or with a 'kind' "
                      "('cpp' or 'cuda') and a 'source'")
+    for index, entry in enumerate(kernels):
+        missing = [name for name in _NEEDS[_kind(entry) or ""] if name not in entry]
+        if missing:
+            name = entry.get("label") or entry.get("name") or getattr(entry.get("kernel"), "__name__", None)
+            which = f"KERNELS[{index}]" + (f" ({name})" if name else "")
+            _usage_error(f"{spec}: {which} has no {' and no '.join(map(repr, missing))}")
     return [dict(k) for k in kernels]
+
+
+# What an entry of each kind must hold besides its kernel or source (as compile_many's
+# specs of that kind must).
+_NEEDS = {"triton": ("signature",), "cpp": (), "cuda": (), "": ()}
 
 
 def _kind(entry: Mapping[str, Any]) -> str | None:
@@ -132,6 +148,10 @@ def _import_path(path: Path) -> Any:
     return module
 
 
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
 def _target_dir(target: str) -> str:
     return target.replace(":", "-")
 
@@ -147,9 +167,12 @@ async def _build(args: argparse.Namespace) -> int:
         for part in text.split(","):
             if part.strip():
                 try:
-                    targets.append(str(parse_target(part)))
+                    target = parse_target(part)
+                    assert target is not None
+                    check_target(target)  # one Triton does not know is refused before any worker starts
                 except ValueError as exc:
                     _usage_error(str(exc))
+                targets.append(str(target))
     targets = list(dict.fromkeys(targets))
     per_target = [k for k in kernels if _kind(k) == "triton" or (_kind(k) == "cuda" and "arch" not in k)]
     if per_target and not targets:
@@ -161,10 +184,10 @@ async def _build(args: argparse.Namespace) -> int:
     executor = _dask_executor(args.dask) if args.dask else None
     specs = _expand(kernels, targets)
 
-    for_what = f"{len(targets)} target(s) ({', '.join(targets)})" if targets else "this machine"
-    running = (f"on the Dask cluster at {args.dask} ({executor.capacity()} worker threads)" if executor is not None
-               else f"with {config.workers} workers")
-    print(f"aiocompile: building {len(kernels)} kernels for {for_what} {running}", file=sys.stderr)
+    for_what = f"{_count(len(targets), 'target')} ({', '.join(targets)})" if targets else "this machine"
+    running = (f"on the Dask cluster at {args.dask} ({_count(executor.capacity(), 'worker thread')})"
+               if executor is not None else f"with {_count(config.workers, 'worker')}")
+    print(f"aiocompile: building {_count(len(kernels), 'kernel')} for {for_what} {running}", file=sys.stderr)
     started = time.perf_counter()
     async with Scheduler(config=config, cache_dir=out, event_log=args.events, executor=executor) as sched:
         access = sched.statistics().disk_access
@@ -173,8 +196,11 @@ async def _build(args: argparse.Namespace) -> int:
             # that ships nothing.
             _usage_error(f"cannot build into {out}: the directory is {access} for this user (see the warning above)")
         show_progress = not args.no_progress and sys.stderr.isatty()
-        results = await sched.compile_many([spec for _, spec in specs], progress=show_progress,
-                                           return_exceptions=True)
+        try:
+            results = await sched.compile_many([spec for _, spec in specs], progress=show_progress,
+                                               return_exceptions=True)
+        except (TypeError, ValueError) as exc:  # a spec refused as a whole, before any compile
+            _usage_error(f"{args.kernels}: {exc}")
         wall = time.perf_counter() - started
         stats = sched.statistics()
         from_cache = {r.key for r in sched.records() if r.outcome in ("disk_hit", "cache_hit", "shared_hit")}
@@ -228,10 +254,14 @@ async def _build(args: argparse.Namespace) -> int:
     if args.decisions:
         imported = _import_decisions(out, args.decisions, config.cache_key)
         print(f"{imported} tuning decision(s) imported into {out}", file=sys.stderr)
-    _print_summary(rows, failures, wall, stats, running, out)
-    if args.events:
-        print(f"events appended to {args.events} (aiocompile report {args.events})")
-    return 1 if failures else 0
+    status = 1 if failures else 0
+    try:
+        _print_summary(rows, failures, wall, stats, running, out)
+        if args.events:
+            print(f"events appended to {args.events} (aiocompile report {args.events})")
+    except BrokenPipeError:
+        _stdout_gone()  # read as far as the reader wanted (`| head`): the build is what it was
+    return status
 
 
 def _setting(name: str) -> Any:
@@ -383,13 +413,7 @@ def _print_summary(rows: list[Any], failures: list[Any], wall: float, stats: Any
         print(f"{label:<{width}}  {target:<{where}} {kernel.compile_time * 1000:7.0f}ms {_fmt_size(size):>10} "
               f"{meta.get('num_warps', ''):>5} {meta.get('num_stages', ''):>6} {meta.get('shared', ''):>7}{note}")
     for label, target, exc in failures:
-        first_line = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-        if isinstance(exc, CompileError) and exc.command:
-            # A compiler's last line is its command (or a count of errors): show its first diagnostic.
-            lines = [line for line in exc.message.splitlines()[1:] if "error" in line.lower()]
-            first_line = lines[0].strip() if lines else first_line
-        kind = type(exc).__name__ if not isinstance(exc, CompileError) else "CompileError"
-        print(f"{label:<{width}}  {target:<{where}} FAILED   {kind}: {first_line}")
+        print(f"{label:<{width}}  {target:<{where}} FAILED   {type(exc).__name__}: {_diagnostic(exc)}")
     compiled = [kernel for _, _, kernel, cached in rows if not cached]
     total = sum(kernel.compile_time for kernel in compiled)
     cached_note = f" ({len(rows) - len(compiled)} of them from the cache)" if len(compiled) < len(rows) else ""
@@ -400,6 +424,90 @@ def _print_summary(rows: list[Any], failures: list[Any], wall: float, stats: Any
           f"worker run time p50 {r.p50 * 1000:.0f} ms, p95 {r.p95 * 1000:.0f} ms, max {r.max * 1000:.0f} ms; "
           f"workers started {stats.workers_started}, crashes {stats.worker_crashes}")
     print(f"cache directory (Scheduler(cache_dir=...)), manifest.json and binaries/ in {out}")
+
+
+def _stdout_gone() -> None:
+    # Python flushes stdout once more at exit, which would raise again: point it at
+    # /dev/null.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
+
+
+class _Console(logging.Handler):
+    """What the command prints on stderr besides its own lines: the library's warnings (a
+    cache directory refused, a shared cache not signed), each failed request's whole
+    message, and Python warnings such as Triton's, each once, as one line (Triton's
+    ``TRITON_DEFAULT_FP_FUSION`` notice would otherwise come with its source line, across
+    the progress bar). Worker events are left out: the table at the end sums them up.
+    Lines go above a progress bar being drawn. The command is the application, so it,
+    and not the library, decides that these are printed."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.setFormatter(logging.Formatter("aiocompile: %(message)s"))
+        self._logger = logging.getLogger("aiocompile")
+        self._showwarning = warnings.showwarning
+
+    def __enter__(self) -> _Console:
+        self._logger.addHandler(self)
+        warnings.showwarning = self._warning
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        warnings.showwarning = self._showwarning
+        self._logger.removeHandler(self)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return getattr(record, "event", "request") == "request"
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.say(self.format(record))
+        except Exception:  # noqa: BLE001 - logging's own way with a handler that fails
+            self.handleError(record)
+
+    def _warning(self, message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                 file: Any = None, line: str | None = None) -> None:
+        path = Path(filename)
+        # The package that warned (triton), where it is an installed one; else its file.
+        where = path.parts[path.parts.index("site-packages") + 1] if "site-packages" in path.parts else path.stem
+        self.say(f"aiocompile: {category.__name__} from {where.removesuffix('.py')}: {message}")
+
+    @staticmethod
+    def say(line: str) -> None:
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            print(line, file=sys.stderr, flush=True)
+        else:
+            tqdm.write(line, file=sys.stderr)
+
+
+def _diagnostic(exc: BaseException) -> str:
+    """The line of a failure's message that says what went wrong, for its row."""
+    text = str(getattr(exc, "message", None) or exc).strip()
+    if not text:
+        return type(exc).__name__
+    lines = [" ".join(line.split()) for line in text.splitlines() if line.strip()]
+    # A tool's own verdict first ("ptxas fatal : Value 'sm_99a' is not defined ..."): the
+    # lines around it name the exception that carried it and the command that ran.
+    fatal = [line for line in lines if re.search(r"\bfatal\b", line, re.IGNORECASE)]
+    if fatal:
+        return fatal[0]
+    if isinstance(exc, CompileError) and exc.command:
+        # A compiler's last line is its command (or a count of errors): its first error.
+        errors = [line for line in lines[1:] if "error" in line.lower()]
+        if errors:
+            return errors[0]
+    # Triton's message is the error, then what caused it ("caused by ..."), then what was
+    # being handled when it happened ("while handling ...", the least telling): the last
+    # line of the error and its causes.
+    parts = [part for part in text.split("\n\n") if not part.startswith("while handling")] or [text]
+    kept = [" ".join(line.split()) for line in parts[-1].splitlines() if line.strip()]
+    return kept[-1] if kept else lines[-1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -445,13 +553,22 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--timeline", metavar="PNG", default=None,
                         help="also draw the workers over time into this PNG (needs matplotlib)")
     args = parser.parse_args(argv)
-    if args.command == "build":
-        return asyncio.run(_build(args))
-    if args.command == "report":
-        return _report(args)
-    if args.command == "decisions":
-        return _decisions(args)
-    return 2  # pragma: no cover - argparse requires a command
+    with _Console() as console:
+        try:
+            if args.command == "build":
+                return asyncio.run(_build(args))
+            if args.command == "report":
+                return _report(args)
+            if args.command == "decisions":
+                return _decisions(args)
+            return 2  # pragma: no cover - argparse requires a command
+        except BrokenPipeError:
+            # The reader of stdout stopped early (`| head`): what it left unread was not wanted.
+            _stdout_gone()
+            return 0
+        except KeyboardInterrupt:
+            console.say("aiocompile: interrupted")
+            return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -162,6 +162,18 @@ def test_a_log_without_attempts_has_no_timeline(tmp_path, capsys):
     assert not (tmp_path / "out.png").exists()
 
 
+def test_a_reader_that_stops_reading_early_costs_no_traceback(tmp_path):
+    path = tmp_path / "events.jsonl"
+    write_events(path, a_few_events())
+    # As `aiocompile report events.jsonl | head -1`, with the reader gone before the first write.
+    for command in (("report", str(path)), ("decisions", "list", str(tmp_path))):
+        proc = subprocess.Popen([sys.executable, "-m", "aiocompile", *command], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=subprocess_env(), cwd=ROOT)
+        proc.stdout.close()
+        stderr = proc.stderr.read()
+        assert (proc.wait(timeout=120), stderr) == (0, ""), command
+
+
 def test_build_writes_its_event_log(tmp_path):
     kernel_set = tmp_path / "tiny_set.py"
     kernel_set.write_text(
