@@ -1,6 +1,8 @@
 """The `aiocompile build` command, run as a user runs it."""
 
+import importlib.metadata
 import json
+import logging
 import os
 import re
 import stat
@@ -243,6 +245,40 @@ TWO_KERNELS = (
     "    {{'label': 'add_128', 'kernel': add_kernel, 'signature': ADD_SIGNATURE, 'constexprs': {{'BLOCK': 128}}}},\n"
     "]\n"
 )
+
+
+def test_a_directory_built_by_another_triton_is_said_once_in_the_build_the_log_and_the_report(tmp_path, caplog):
+    here = importlib.metadata.version("triton")
+    out = tmp_path / "kernels"
+    out.mkdir(mode=0o700)
+    # As `aiocompile build` left it under the Triton installed before this one.
+    (out / "manifest.json").write_text(json.dumps({"kernels": [
+        {"label": "add_64", "kind": "triton", "target": "cuda:80", "triton": "3.8.0"},
+        {"label": "add_cpp", "kind": "cpp", "target": "x86_64-linux-gnu"}]}))
+    said = (f"the cache directory {out} was built by Triton 3.8.0 (its manifest.json says so), and this is Triton "
+            f"{here}: a Triton kernel's key holds its Triton version, so none of its Triton kernels is found")
+    kernel_set = tmp_path / "two_kernels.py"
+    kernel_set.write_text(TWO_KERNELS.format(tests=str(ROOT / "tests")))
+    events = tmp_path / "events.jsonl"
+    proc = _aiocompile("build", str(kernel_set), "-t", "cuda:80", "--out", str(out), "--no-progress", "-j", "1",
+                       "--events", str(events))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count(f"aiocompile: {said}") == 1 and proc.stderr.count("was built by") == 1
+    report = _aiocompile("report", str(events))
+    assert report.stdout.count(f"warnings:\n  {said}") == 1, report.stdout
+    # The build wrote this Triton's manifest: nothing left to say.
+    caplog.set_level(logging.WARNING, logger="aiocompile")
+    aiocompile.Scheduler(workers=1, cache_dir=out).close()
+    assert not [r for r in caplog.records if "was built by" in r.getMessage()]
+    # Another Triton's, and a server that opens the directory: once, in its log.
+    manifest = json.loads((out / "manifest.json").read_text())
+    for entry in manifest["kernels"]:
+        entry["triton"] = "3.8.0"
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    aiocompile.Scheduler(workers=1, cache_dir=out).close()
+    warned = [r for r in caplog.records if "was built by" in r.getMessage()]
+    assert [(r.levelno, r.getMessage().split(": a Triton")[0]) for r in warned] == \
+        [(logging.WARNING, said.split(": a Triton")[0])]
 
 
 def test_a_build_with_a_key_writes_signed_files_private_to_its_user(tmp_path):

@@ -30,6 +30,7 @@ from aiocompile._base.config import SchedulerConfig
 from aiocompile._base.target import parse_target
 from aiocompile._cache.disk import DiskCache
 from aiocompile._cache.memory import KernelCache
+from aiocompile._cache.provenance import other_triton
 from aiocompile._cache.shared import SharedCache
 from aiocompile._core.costs import CostHistory
 from aiocompile._core.requests import Admitted, Requests
@@ -76,6 +77,10 @@ class Engine:
             timeout=config.cache_url_timeout, retry_after=config.cache_url_retry, secret=config.cache_key)
         self._metrics = Metrics()
         self._events = EventHub(event_log=config.event_log if config.metrics else None, on_event=on_event)
+        if self._disk is not None and self._disk.trusted:
+            built_elsewhere = other_triton(self._disk.directory)
+            if built_elsewhere is not None:
+                self._events.warn(built_elsewhere)
         if config.metrics:
             self._pool.on_event = self._events.emit
             self._pool.job_events_wanted = self._events.job_events_wanted
