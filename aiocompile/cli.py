@@ -22,12 +22,9 @@ import asyncio
 import importlib
 import importlib.util
 import json
-import logging
-import os
-import re
 import sys
 import time
-import warnings
+import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -36,8 +33,8 @@ from aiocompile._base.config import SETTINGS, SchedulerConfig
 from aiocompile._base.target import parse_target
 from aiocompile._cache.disk import DiskCache, make_private_dir, write_private
 from aiocompile._core.scheduler import Scheduler
+from aiocompile._observe import console
 from aiocompile.backends.triton._targets import check_target
-from aiocompile.errors import CompileError
 
 
 def _load_kernel_set(spec: str) -> list[dict[str, Any]]:
@@ -45,23 +42,48 @@ def _load_kernel_set(spec: str) -> list[dict[str, Any]]:
     if path.suffix == ".py" or path.is_file():
         if not path.is_file():
             _usage_error(f"no such file: {spec}")
-        module = _import_path(path.resolve())
+        try:
+            module = _import_path(path.resolve())
+        except Exception as exc:  # noqa: BLE001 - whatever the file raised: the kernel set cannot be loaded
+            _usage_error(f"cannot load {spec}: {_raised(exc)}")
     else:
         try:
             module = importlib.import_module(spec)
         except ImportError as exc:
             _usage_error(f"cannot import {spec!r}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - as for a file
+            _usage_error(f"cannot load {spec}: {_raised(exc)}")
     kernels = getattr(module, "KERNELS", None)
     if not isinstance(kernels, Sequence) or not all(isinstance(k, Mapping) and _kind(k) is not None for k in kernels):
         _usage_error(f"{spec} must define KERNELS, a list of dicts each with a 'kernel' (Triton), or with a 'kind' "
                      "('cpp' or 'cuda') and a 'source'")
     for index, entry in enumerate(kernels):
         missing = [name for name in _NEEDS[_kind(entry) or ""] if name not in entry]
+        name = entry.get("label") or entry.get("name") or getattr(entry.get("kernel"), "__name__", None)
+        which = f"KERNELS[{index}]" + (f" ({name})" if name else "")
         if missing:
-            name = entry.get("label") or entry.get("name") or getattr(entry.get("kernel"), "__name__", None)
-            which = f"KERNELS[{index}]" + (f" ({name})" if name else "")
             _usage_error(f"{spec}: {which} has no {' and no '.join(map(repr, missing))}")
+        label = entry.get("label")
+        if label is not None and (not isinstance(label, str) or label in ("", ".", "..") or "/" in label
+                                  or "\\" in label or "\0" in label):
+            # A label names the entry's binary file in the output directory, and no other.
+            _usage_error(f"{spec}: {which} has the label {label!r}: a label names a file, so it is a non-empty "
+                         "string without '/'")
     return [dict(k) for k in kernels]
+
+
+def _raised(exc: BaseException) -> str:
+    """What an exception says and, from its traceback, where it was raised."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" ({frames[-1].filename}, line {frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+def _config_from_env() -> SchedulerConfig:
+    try:
+        return SchedulerConfig.from_env()
+    except (TypeError, ValueError) as exc:  # an AIOCOMPILE_* variable that says nothing it takes
+        _usage_error(str(exc))
 
 
 # What an entry of each kind must hold besides its kernel or source (as compile_many's
@@ -179,7 +201,7 @@ async def _build(args: argparse.Namespace) -> int:
         _usage_error("--target is needed: some kernels are built for each target (Triton kernels, and CUDA sources "
                      "without an 'arch')")
     out = Path(args.out)
-    config = SchedulerConfig.from_env().with_changes(workers=args.workers, timeout=args.timeout,
+    config = _config_from_env().with_changes(workers=args.workers, timeout=args.timeout,
                                                      start_method=args.start_method, cache_url=args.cache_url)
     executor = _dask_executor(args.dask) if args.dask else None
     specs = _expand(kernels, targets)
@@ -189,7 +211,11 @@ async def _build(args: argparse.Namespace) -> int:
                if executor is not None else f"with {_count(config.workers, 'worker')}")
     print(f"aiocompile: building {_count(len(kernels), 'kernel')} for {for_what} {running}", file=sys.stderr)
     started = time.perf_counter()
-    async with Scheduler(config=config, cache_dir=out, event_log=args.events, executor=executor) as sched:
+    try:
+        scheduler = Scheduler(config=config, cache_dir=out, event_log=args.events, executor=executor)
+    except OSError as exc:  # the event log's file, the one thing it opens at once
+        _usage_error(f"cannot write the event log {args.events}: {exc.strerror or exc}")
+    async with scheduler as sched:
         access = sched.statistics().disk_access
         if access != "read-write":
             # Kernels compiled into a directory that keeps none of them would be a build
@@ -260,7 +286,7 @@ async def _build(args: argparse.Namespace) -> int:
         if args.events:
             print(f"events appended to {args.events} (aiocompile report {args.events})")
     except BrokenPipeError:
-        _stdout_gone()  # read as far as the reader wanted (`| head`): the build is what it was
+        console.stdout_gone()  # read as far as the reader wanted (`| head`): the build is what it was
     return status
 
 
@@ -299,10 +325,7 @@ def _report_bundles(root: str) -> None:
     from aiocompile._observe.repro import format_bundles, list_bundles
 
     if not root:
-        try:
-            root = SchedulerConfig.from_env().repro_dir or ""
-        except ValueError as exc:
-            _usage_error(str(exc))
+        root = _config_from_env().repro_dir or ""
         if not root:
             _usage_error("repro bundles are switched off (AIOCOMPILE_REPRO_DIR=off); name a directory")
     if Path(root).exists() and not Path(root).is_dir():
@@ -329,6 +352,8 @@ def _report_events(args: argparse.Namespace) -> None:
             draw_timeline(events, args.timeline)
         except (ImportError, ValueError) as exc:
             _usage_error(str(exc))
+        except OSError as exc:
+            _usage_error(f"cannot write the timeline {args.timeline}: {exc.strerror or exc}")
         print(f"\ntimeline written to {args.timeline}")
     if args.repro is not None:
         print()
@@ -363,7 +388,7 @@ def _import_decisions(directory: Path, files: Sequence[str], secret: Any) -> int
 def _decisions(args: argparse.Namespace) -> int:
     from aiocompile._tuning.decisions import export_text, read_all
 
-    secret = SchedulerConfig.from_env().cache_key
+    secret = _config_from_env().cache_key
     directory = Path(args.directory)
     if args.action == "import":
         count = _import_decisions(directory, args.files, secret)
@@ -413,7 +438,7 @@ def _print_summary(rows: list[Any], failures: list[Any], wall: float, stats: Any
         print(f"{label:<{width}}  {target:<{where}} {kernel.compile_time * 1000:7.0f}ms {_fmt_size(size):>10} "
               f"{meta.get('num_warps', ''):>5} {meta.get('num_stages', ''):>6} {meta.get('shared', ''):>7}{note}")
     for label, target, exc in failures:
-        print(f"{label:<{width}}  {target:<{where}} FAILED   {type(exc).__name__}: {_diagnostic(exc)}")
+        print(f"{label:<{width}}  {target:<{where}} FAILED   {type(exc).__name__}: {console.failure_line(exc)}")
     compiled = [kernel for _, _, kernel, cached in rows if not cached]
     total = sum(kernel.compile_time for kernel in compiled)
     cached_note = f" ({len(rows) - len(compiled)} of them from the cache)" if len(compiled) < len(rows) else ""
@@ -424,90 +449,6 @@ def _print_summary(rows: list[Any], failures: list[Any], wall: float, stats: Any
           f"worker run time p50 {r.p50 * 1000:.0f} ms, p95 {r.p95 * 1000:.0f} ms, max {r.max * 1000:.0f} ms; "
           f"workers started {stats.workers_started}, crashes {stats.worker_crashes}")
     print(f"cache directory (Scheduler(cache_dir=...)), manifest.json and binaries/ in {out}")
-
-
-def _stdout_gone() -> None:
-    # Python flushes stdout once more at exit, which would raise again: point it at
-    # /dev/null.
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, sys.stdout.fileno())
-    finally:
-        os.close(devnull)
-
-
-class _Console(logging.Handler):
-    """What the command prints on stderr besides its own lines: the library's warnings (a
-    cache directory refused, a shared cache not signed), each failed request's whole
-    message, and Python warnings such as Triton's, each once, as one line (Triton's
-    ``TRITON_DEFAULT_FP_FUSION`` notice would otherwise come with its source line, across
-    the progress bar). Worker events are left out: the table at the end sums them up.
-    Lines go above a progress bar being drawn. The command is the application, so it,
-    and not the library, decides that these are printed."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.setFormatter(logging.Formatter("aiocompile: %(message)s"))
-        self._logger = logging.getLogger("aiocompile")
-        self._showwarning = warnings.showwarning
-
-    def __enter__(self) -> _Console:
-        self._logger.addHandler(self)
-        warnings.showwarning = self._warning
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        warnings.showwarning = self._showwarning
-        self._logger.removeHandler(self)
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return getattr(record, "event", "request") == "request"
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            self.say(self.format(record))
-        except Exception:  # noqa: BLE001 - logging's own way with a handler that fails
-            self.handleError(record)
-
-    def _warning(self, message: Warning | str, category: type[Warning], filename: str, lineno: int,
-                 file: Any = None, line: str | None = None) -> None:
-        path = Path(filename)
-        # The package that warned (triton), where it is an installed one; else its file.
-        where = path.parts[path.parts.index("site-packages") + 1] if "site-packages" in path.parts else path.stem
-        self.say(f"aiocompile: {category.__name__} from {where.removesuffix('.py')}: {message}")
-
-    @staticmethod
-    def say(line: str) -> None:
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            print(line, file=sys.stderr, flush=True)
-        else:
-            tqdm.write(line, file=sys.stderr)
-
-
-def _diagnostic(exc: BaseException) -> str:
-    """The line of a failure's message that says what went wrong, for its row."""
-    text = str(getattr(exc, "message", None) or exc).strip()
-    if not text:
-        return type(exc).__name__
-    lines = [" ".join(line.split()) for line in text.splitlines() if line.strip()]
-    # A tool's own verdict first ("ptxas fatal : Value 'sm_99a' is not defined ..."): the
-    # lines around it name the exception that carried it and the command that ran.
-    fatal = [line for line in lines if re.search(r"\bfatal\b", line, re.IGNORECASE)]
-    if fatal:
-        return fatal[0]
-    if isinstance(exc, CompileError) and exc.command:
-        # A compiler's last line is its command (or a count of errors): its first error.
-        errors = [line for line in lines[1:] if "error" in line.lower()]
-        if errors:
-            return errors[0]
-    # Triton's message is the error, then what caused it ("caused by ..."), then what was
-    # being handled when it happened ("while handling ...", the least telling): the last
-    # line of the error and its causes.
-    parts = [part for part in text.split("\n\n") if not part.startswith("while handling")] or [text]
-    kept = [" ".join(line.split()) for line in parts[-1].splitlines() if line.strip()]
-    return kept[-1] if kept else lines[-1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -553,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--timeline", metavar="PNG", default=None,
                         help="also draw the workers over time into this PNG (needs matplotlib)")
     args = parser.parse_args(argv)
-    with _Console() as console:
+    with console.Console() as printer:
         try:
             if args.command == "build":
                 return asyncio.run(_build(args))
@@ -564,10 +505,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2  # pragma: no cover - argparse requires a command
         except BrokenPipeError:
             # The reader of stdout stopped early (`| head`): what it left unread was not wanted.
-            _stdout_gone()
+            console.stdout_gone()
             return 0
         except KeyboardInterrupt:
-            console.say("aiocompile: interrupted")
+            printer.say("aiocompile: interrupted")
             return 130
 
 

@@ -136,6 +136,34 @@ def test_a_kernel_set_entry_without_what_it_needs_is_a_message_not_a_traceback(t
     assert proc.stderr == f"aiocompile: {kernel_set}: KERNELS[0] (add_64) has no 'signature'\n"
 
 
+def test_what_the_command_cannot_use_is_a_line_and_status_2_not_a_traceback(tmp_path):
+    broken = tmp_path / "broken_set.py"
+    broken.write_text("import os\n\nraise RuntimeError('no such model')\n")
+    escaping = tmp_path / "escaping_set.py"
+    escaping.write_text(f"import sys\nsys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+                        "from triton_kernels import ADD_SIGNATURE, add_kernel\n"
+                        "KERNELS = [{'label': '../../escaped', 'kernel': add_kernel, 'signature': ADD_SIGNATURE,\n"
+                        "            'constexprs': {'BLOCK': 64}}]\n")
+    out = tmp_path / "out"
+    cases = [
+        (("build", str(broken), "-t", "cuda:80"), {},
+         f"aiocompile: cannot load {broken}: RuntimeError: no such model ({broken}, line 3)\n"),
+        (("build", str(escaping), "-t", "cuda:80"), {},
+         f"aiocompile: {escaping}: KERNELS[0] (../../escaped) has the label '../../escaped': a label names a file, "
+         "so it is a non-empty string without '/'\n"),
+        (("build", "examples/kernels.py", "-t", "cuda:80"), {"AIOCOMPILE_WORKERS": "many"},
+         "aiocompile: AIOCOMPILE_WORKERS must be an integer >= 1, got 'many'\n"),
+        (("build", "examples/kernels.py", "-t", "cuda:80", "--events", str(broken / "events.jsonl")), {},
+         f"aiocompile: cannot write the event log {broken / 'events.jsonl'}: "),
+    ]
+    for args, env, said in cases:
+        proc = _aiocompile(*args, "--out", str(out), "--no-progress", **env)
+        assert (proc.returncode, proc.stdout) == (2, ""), proc.stderr
+        assert proc.stderr.splitlines(keepends=True)[-1].startswith(said), proc.stderr
+        assert "Traceback" not in proc.stderr
+    assert not list(tmp_path.rglob("*.cubin")), "nothing was built, nowhere"
+
+
 PTXAS_STAND_IN = """#!/bin/sh
 # ptxas for the tests: kills the worker that runs it for a kernel named crashy, hangs for
 # one named sleepy, and is the real one otherwise (and when asked its version or help).
