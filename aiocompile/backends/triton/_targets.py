@@ -76,7 +76,7 @@ def _target_backends() -> frozenset[str] | None:
     try:
         from triton.backends import backends
         from triton.backends.compiler import GPUTarget
-    except ImportError:
+    except Exception:  # noqa: BLE001 - Triton, or this part of it, cannot be had: nothing can be told
         return None
     names: set[str] = set()
     for found in backends.values():
@@ -99,7 +99,7 @@ def _cuda_architectures() -> tuple[str, ...] | None:
     try:
         from triton import knobs
         from triton.backends.nvidia import compiler as nvidia
-    except ImportError:
+    except Exception:  # noqa: BLE001 - Triton, or this part of it, cannot be had: nothing can be told
         return None
     chooser = getattr(nvidia, "get_ptxas", None)
     tools = [knobs.nvidia.ptxas] + ([knobs.nvidia.ptxas_blackwell] if hasattr(knobs.nvidia, "ptxas_blackwell") else [])
@@ -125,7 +125,7 @@ def _ptxas_architectures(path: str) -> frozenset[int]:
 def _hip_architectures() -> tuple[str, ...] | None:
     try:
         from triton._C.libtriton import amd
-    except ImportError:
+    except Exception:  # noqa: BLE001 - Triton, or this part of it, cannot be had: nothing can be told
         return None
     triple = getattr(amd, "get_target_triple", None)
     if triple is None:
