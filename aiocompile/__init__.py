@@ -19,9 +19,14 @@ first used: worker processes import parts of this package, and must not pay for 
 """
 
 import importlib as _importlib
+import logging as _logging
 import typing as _typing
 
 from aiocompile._base.version import VERSION as __version__  # noqa: F401 - the package's version
+
+# Printing is the application's choice: without a handler of ours, logging's last resort
+# would print every warning (a compile error the caller caught, a retried crash) on stderr.
+_logging.getLogger("aiocompile").addHandler(_logging.NullHandler())
 
 # Public name -> the module that defines it.
 _EXPORTS = {

@@ -24,6 +24,7 @@ import importlib.util
 import json
 import sys
 import time
+import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -32,7 +33,8 @@ from aiocompile._base.config import SETTINGS, SchedulerConfig
 from aiocompile._base.target import parse_target
 from aiocompile._cache.disk import DiskCache, make_private_dir, write_private
 from aiocompile._core.scheduler import Scheduler
-from aiocompile.errors import CompileError
+from aiocompile._observe import console
+from aiocompile.backends.triton._targets import check_target
 
 
 def _load_kernel_set(spec: str) -> list[dict[str, Any]]:
@@ -40,17 +42,53 @@ def _load_kernel_set(spec: str) -> list[dict[str, Any]]:
     if path.suffix == ".py" or path.is_file():
         if not path.is_file():
             _usage_error(f"no such file: {spec}")
-        module = _import_path(path.resolve())
+        try:
+            module = _import_path(path.resolve())
+        except Exception as exc:  # noqa: BLE001 - whatever the file raised: the kernel set cannot be loaded
+            _usage_error(f"cannot load {spec}: {_raised(exc)}")
     else:
         try:
             module = importlib.import_module(spec)
         except ImportError as exc:
             _usage_error(f"cannot import {spec!r}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - as for a file
+            _usage_error(f"cannot load {spec}: {_raised(exc)}")
     kernels = getattr(module, "KERNELS", None)
     if not isinstance(kernels, Sequence) or not all(isinstance(k, Mapping) and _kind(k) is not None for k in kernels):
         _usage_error(f"{spec} must define KERNELS, a list of dicts each with a 'kernel' (Triton), or with a 'kind' "
                      "('cpp' or 'cuda') and a 'source'")
+    for index, entry in enumerate(kernels):
+        missing = [name for name in _NEEDS[_kind(entry) or ""] if name not in entry]
+        name = entry.get("label") or entry.get("name") or getattr(entry.get("kernel"), "__name__", None)
+        which = f"KERNELS[{index}]" + (f" ({name})" if name else "")
+        if missing:
+            _usage_error(f"{spec}: {which} has no {' and no '.join(map(repr, missing))}")
+        label = entry.get("label")
+        if label is not None and (not isinstance(label, str) or label in ("", ".", "..") or "/" in label
+                                  or "\\" in label or "\0" in label):
+            # A label names the entry's binary file in the output directory, and no other.
+            _usage_error(f"{spec}: {which} has the label {label!r}: a label names a file, so it is a non-empty "
+                         "string without '/'")
     return [dict(k) for k in kernels]
+
+
+def _raised(exc: BaseException) -> str:
+    """What an exception says and, from its traceback, where it was raised."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" ({frames[-1].filename}, line {frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+def _config_from_env() -> SchedulerConfig:
+    try:
+        return SchedulerConfig.from_env()
+    except (TypeError, ValueError) as exc:  # an AIOCOMPILE_* variable that says nothing it takes
+        _usage_error(str(exc))
+
+
+# What an entry of each kind must hold besides its kernel or source (as compile_many's
+# specs of that kind must).
+_NEEDS = {"triton": ("signature",), "cpp": (), "cuda": (), "": ()}
 
 
 def _kind(entry: Mapping[str, Any]) -> str | None:
@@ -132,6 +170,10 @@ def _import_path(path: Path) -> Any:
     return module
 
 
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
 def _target_dir(target: str) -> str:
     return target.replace(":", "-")
 
@@ -147,34 +189,44 @@ async def _build(args: argparse.Namespace) -> int:
         for part in text.split(","):
             if part.strip():
                 try:
-                    targets.append(str(parse_target(part)))
+                    target = parse_target(part)
+                    assert target is not None
+                    check_target(target)  # one Triton does not know is refused before any worker starts
                 except ValueError as exc:
                     _usage_error(str(exc))
+                targets.append(str(target))
     targets = list(dict.fromkeys(targets))
     per_target = [k for k in kernels if _kind(k) == "triton" or (_kind(k) == "cuda" and "arch" not in k)]
     if per_target and not targets:
         _usage_error("--target is needed: some kernels are built for each target (Triton kernels, and CUDA sources "
                      "without an 'arch')")
     out = Path(args.out)
-    config = SchedulerConfig.from_env().with_changes(workers=args.workers, timeout=args.timeout,
+    config = _config_from_env().with_changes(workers=args.workers, timeout=args.timeout,
                                                      start_method=args.start_method, cache_url=args.cache_url)
     executor = _dask_executor(args.dask) if args.dask else None
     specs = _expand(kernels, targets)
 
-    for_what = f"{len(targets)} target(s) ({', '.join(targets)})" if targets else "this machine"
-    running = (f"on the Dask cluster at {args.dask} ({executor.capacity()} worker threads)" if executor is not None
-               else f"with {config.workers} workers")
-    print(f"aiocompile: building {len(kernels)} kernels for {for_what} {running}", file=sys.stderr)
+    for_what = f"{_count(len(targets), 'target')} ({', '.join(targets)})" if targets else "this machine"
+    running = (f"on the Dask cluster at {args.dask} ({_count(executor.capacity(), 'worker thread')})"
+               if executor is not None else f"with {_count(config.workers, 'worker')}")
+    print(f"aiocompile: building {_count(len(kernels), 'kernel')} for {for_what} {running}", file=sys.stderr)
     started = time.perf_counter()
-    async with Scheduler(config=config, cache_dir=out, event_log=args.events, executor=executor) as sched:
+    try:
+        scheduler = Scheduler(config=config, cache_dir=out, event_log=args.events, executor=executor)
+    except OSError as exc:  # the event log's file, the one thing it opens at once
+        _usage_error(f"cannot write the event log {args.events}: {exc.strerror or exc}")
+    async with scheduler as sched:
         access = sched.statistics().disk_access
         if access != "read-write":
             # Kernels compiled into a directory that keeps none of them would be a build
             # that ships nothing.
             _usage_error(f"cannot build into {out}: the directory is {access} for this user (see the warning above)")
         show_progress = not args.no_progress and sys.stderr.isatty()
-        results = await sched.compile_many([spec for _, spec in specs], progress=show_progress,
-                                           return_exceptions=True)
+        try:
+            results = await sched.compile_many([spec for _, spec in specs], progress=show_progress,
+                                               return_exceptions=True)
+        except (TypeError, ValueError) as exc:  # a spec refused as a whole, before any compile
+            _usage_error(f"{args.kernels}: {exc}")
         wall = time.perf_counter() - started
         stats = sched.statistics()
         from_cache = {r.key for r in sched.records() if r.outcome in ("disk_hit", "cache_hit", "shared_hit")}
@@ -228,10 +280,14 @@ async def _build(args: argparse.Namespace) -> int:
     if args.decisions:
         imported = _import_decisions(out, args.decisions, config.cache_key)
         print(f"{imported} tuning decision(s) imported into {out}", file=sys.stderr)
-    _print_summary(rows, failures, wall, stats, running, out)
-    if args.events:
-        print(f"events appended to {args.events} (aiocompile report {args.events})")
-    return 1 if failures else 0
+    status = 1 if failures else 0
+    try:
+        _print_summary(rows, failures, wall, stats, running, out)
+        if args.events:
+            print(f"events appended to {args.events} (aiocompile report {args.events})")
+    except BrokenPipeError:
+        console.stdout_gone()  # read as far as the reader wanted (`| head`): the build is what it was
+    return status
 
 
 def _setting(name: str) -> Any:
@@ -269,10 +325,7 @@ def _report_bundles(root: str) -> None:
     from aiocompile._observe.repro import format_bundles, list_bundles
 
     if not root:
-        try:
-            root = SchedulerConfig.from_env().repro_dir or ""
-        except ValueError as exc:
-            _usage_error(str(exc))
+        root = _config_from_env().repro_dir or ""
         if not root:
             _usage_error("repro bundles are switched off (AIOCOMPILE_REPRO_DIR=off); name a directory")
     if Path(root).exists() and not Path(root).is_dir():
@@ -299,6 +352,8 @@ def _report_events(args: argparse.Namespace) -> None:
             draw_timeline(events, args.timeline)
         except (ImportError, ValueError) as exc:
             _usage_error(str(exc))
+        except OSError as exc:
+            _usage_error(f"cannot write the timeline {args.timeline}: {exc.strerror or exc}")
         print(f"\ntimeline written to {args.timeline}")
     if args.repro is not None:
         print()
@@ -333,7 +388,7 @@ def _import_decisions(directory: Path, files: Sequence[str], secret: Any) -> int
 def _decisions(args: argparse.Namespace) -> int:
     from aiocompile._tuning.decisions import export_text, read_all
 
-    secret = SchedulerConfig.from_env().cache_key
+    secret = _config_from_env().cache_key
     directory = Path(args.directory)
     if args.action == "import":
         count = _import_decisions(directory, args.files, secret)
@@ -383,13 +438,7 @@ def _print_summary(rows: list[Any], failures: list[Any], wall: float, stats: Any
         print(f"{label:<{width}}  {target:<{where}} {kernel.compile_time * 1000:7.0f}ms {_fmt_size(size):>10} "
               f"{meta.get('num_warps', ''):>5} {meta.get('num_stages', ''):>6} {meta.get('shared', ''):>7}{note}")
     for label, target, exc in failures:
-        first_line = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-        if isinstance(exc, CompileError) and exc.command:
-            # A compiler's last line is its command (or a count of errors): show its first diagnostic.
-            lines = [line for line in exc.message.splitlines()[1:] if "error" in line.lower()]
-            first_line = lines[0].strip() if lines else first_line
-        kind = type(exc).__name__ if not isinstance(exc, CompileError) else "CompileError"
-        print(f"{label:<{width}}  {target:<{where}} FAILED   {kind}: {first_line}")
+        print(f"{label:<{width}}  {target:<{where}} FAILED   {type(exc).__name__}: {console.failure_line(exc)}")
     compiled = [kernel for _, _, kernel, cached in rows if not cached]
     total = sum(kernel.compile_time for kernel in compiled)
     cached_note = f" ({len(rows) - len(compiled)} of them from the cache)" if len(compiled) < len(rows) else ""
@@ -445,13 +494,22 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--timeline", metavar="PNG", default=None,
                         help="also draw the workers over time into this PNG (needs matplotlib)")
     args = parser.parse_args(argv)
-    if args.command == "build":
-        return asyncio.run(_build(args))
-    if args.command == "report":
-        return _report(args)
-    if args.command == "decisions":
-        return _decisions(args)
-    return 2  # pragma: no cover - argparse requires a command
+    with console.Console() as printer:
+        try:
+            if args.command == "build":
+                return asyncio.run(_build(args))
+            if args.command == "report":
+                return _report(args)
+            if args.command == "decisions":
+                return _decisions(args)
+            return 2  # pragma: no cover - argparse requires a command
+        except BrokenPipeError:
+            # The reader of stdout stopped early (`| head`): what it left unread was not wanted.
+            console.stdout_gone()
+            return 0
+        except KeyboardInterrupt:
+            printer.say("aiocompile: interrupted")
+            return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

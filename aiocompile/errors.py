@@ -72,10 +72,12 @@ class JobError(AiocompileError):
     ``message`` says what happened, ``kernel_name`` and ``key`` which job, ``target`` which
     architecture (where it compiled for one), ``output`` the tail of what the job printed.
     ``repro`` is the directory of the repro bundle written for this failure (see
-    ``SchedulerConfig.repro_dir``), or None.
+    ``SchedulerConfig.repro_dir``), or None. ``subject`` says what ``kernel_name`` names in
+    the message: a ``"kernel"``, or the ``"function"`` of a ``run()``.
     """
 
     repro: str | None = None
+    subject: str = "kernel"
 
     def __init__(
         self,
@@ -96,7 +98,7 @@ class JobError(AiocompileError):
     def __str__(self) -> str:
         where = []
         if self.kernel_name:
-            where.append(f"kernel {self.kernel_name!r}")
+            where.append(f"{self.subject} {self.kernel_name!r}")
         if self.target:
             where.append(f"target {self.target}")
         head = f"{', '.join(where)}: " if where else ""

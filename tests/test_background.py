@@ -109,6 +109,14 @@ def test_a_model_must_be_a_module():
         aiotorch.compile_in_background(lambda x: x)
 
 
+def test_a_closed_scheduler_is_refused_as_every_call_after_aclose_is():
+    closed = aiocompile.Scheduler(workers=1)
+    closed.close()
+    model, _ = background_models.make_mlp()
+    with pytest.raises(aiocompile.SchedulerClosed, match="closed"):
+        aiotorch.compile_in_background(model, scheduler=closed)
+
+
 def test_mode_becomes_inductors_settings_without_cuda_graphs(sched):
     model, _ = background_models.make_mlp()
     compiled = aiotorch.compile_in_background(model, mode="max-autotune", scheduler=sched)

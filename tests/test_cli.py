@@ -1,6 +1,8 @@
 """The `aiocompile build` command, run as a user runs it."""
 
+import importlib.metadata
 import json
+import logging
 import os
 import re
 import stat
@@ -113,6 +115,155 @@ def test_bad_arguments_are_refused_with_status_2(tmp_path):
         assert proc.returncode == 2 and "Traceback" not in proc.stderr and value in proc.stderr
 
 
+def test_an_architecture_triton_does_not_know_is_refused_before_any_worker(tmp_path):
+    for target, known in (("cuda:99", "cuda:90"), ("hip:gfx9999", "hip:gfx942")):
+        out = tmp_path / target.replace(":", "-")
+        proc = _aiocompile("build", "examples/kernels.py", "-t", f"cuda:80,{target}", "--out", str(out))
+        assert (proc.returncode, proc.stdout) == (2, ""), proc.stderr
+        assert proc.stderr.startswith(f"aiocompile: unknown {'CUDA' if known.startswith('cuda') else 'AMD'} "
+                                      f"architecture in target {target}: this Triton")
+        assert f"{known}," in proc.stderr and "Traceback" not in proc.stderr
+        assert not out.exists()  # no scheduler, no worker: nothing was started
+
+
+def test_a_kernel_set_entry_without_what_it_needs_is_a_message_not_a_traceback(tmp_path):
+    kernel_set = tmp_path / "no_signature.py"
+    kernel_set.write_text(f"import sys\nsys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+                          "from triton_kernels import add_kernel\n"
+                          "KERNELS = [{'label': 'add_64', 'kernel': add_kernel, 'constexprs': {'BLOCK': 64}}]\n")
+    proc = _aiocompile("build", str(kernel_set), "-t", "cuda:80", "--out", str(tmp_path / "out"), "--no-progress")
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr == f"aiocompile: {kernel_set}: KERNELS[0] (add_64) has no 'signature'\n"
+
+
+def test_what_the_command_cannot_use_is_a_line_and_status_2_not_a_traceback(tmp_path):
+    broken = tmp_path / "broken_set.py"
+    broken.write_text("import os\n\nraise RuntimeError('no such model')\n")
+    escaping = tmp_path / "escaping_set.py"
+    escaping.write_text(f"import sys\nsys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+                        "from triton_kernels import ADD_SIGNATURE, add_kernel\n"
+                        "KERNELS = [{'label': '../../escaped', 'kernel': add_kernel, 'signature': ADD_SIGNATURE,\n"
+                        "            'constexprs': {'BLOCK': 64}}]\n")
+    out = tmp_path / "out"
+    cases = [
+        (("build", str(broken), "-t", "cuda:80"), {},
+         f"aiocompile: cannot load {broken}: RuntimeError: no such model ({broken}, line 3)\n"),
+        (("build", str(escaping), "-t", "cuda:80"), {},
+         f"aiocompile: {escaping}: KERNELS[0] (../../escaped) has the label '../../escaped': a label names a file, "
+         "so it is a non-empty string without '/'\n"),
+        (("build", "examples/kernels.py", "-t", "cuda:80"), {"AIOCOMPILE_WORKERS": "many"},
+         "aiocompile: AIOCOMPILE_WORKERS must be an integer >= 1, got 'many'\n"),
+        (("build", "examples/kernels.py", "-t", "cuda:80", "--events", str(broken / "events.jsonl")), {},
+         f"aiocompile: cannot write the event log {broken / 'events.jsonl'}: "),
+    ]
+    for args, env, said in cases:
+        proc = _aiocompile(*args, "--out", str(out), "--no-progress", **env)
+        assert (proc.returncode, proc.stdout) == (2, ""), proc.stderr
+        assert proc.stderr.splitlines(keepends=True)[-1].startswith(said), proc.stderr
+        assert "Traceback" not in proc.stderr
+    assert not list(tmp_path.rglob("*.cubin")), "nothing was built, nowhere"
+
+
+PTXAS_STAND_IN = """#!/bin/sh
+# ptxas for the tests: kills the worker that runs it for a kernel named crashy, hangs for
+# one named sleepy, and is the real one otherwise (and when asked its version or help).
+for arg in "$@"; do case "$arg" in *.ptx) ptx="$arg";; esac; done
+if [ -n "$ptx" ] && grep -q "entry crashy" "$ptx"; then kill -9 $PPID; sleep 60; fi
+if [ -n "$ptx" ] && grep -q "entry sleepy" "$ptx"; then sleep 60; fi
+exec {real} "$@"
+"""
+
+FAILING_SET = """
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def crashy(x_ptr):
+    tl.store(x_ptr, 1.0)
+
+
+@triton.jit
+def sleepy(x_ptr):
+    tl.store(x_ptr, 2.0)
+
+
+@triton.jit
+def fine(x_ptr):
+    tl.store(x_ptr, 3.0)
+
+
+KERNELS = [
+    {"label": "crashes", "kernel": crashy, "signature": {"x_ptr": "*fp32"}},
+    {"label": "hangs", "kernel": sleepy, "signature": {"x_ptr": "*fp32"}, "timeout": 3},
+    {"label": "bad_ptxas_option", "kernel": fine, "signature": {"x_ptr": "*fp32"}, "ptx_options": "--no-such-flag"},
+    {"label": "fine", "kernel": fine, "signature": {"x_ptr": "*fp32"}},
+]
+"""
+
+
+def test_the_table_names_each_failure_as_it_happened(tmp_path):
+    from triton import knobs
+
+    ptxas = tmp_path / "ptxas"
+    ptxas.write_text(PTXAS_STAND_IN.format(real=knobs.nvidia.ptxas.path))
+    ptxas.chmod(0o755)
+    kernel_set = tmp_path / "failing_set.py"
+    kernel_set.write_text(FAILING_SET)
+    proc = _aiocompile("build", str(kernel_set), "-t", "cuda:80", "--out", str(tmp_path / "out"), "--no-progress",
+                       "-j", "2", TRITON_PTXAS_PATH=str(ptxas), TRITON_CACHE_DIR=str(tmp_path / "triton"))
+    assert proc.returncode == 1, proc.stderr
+    rows = {line.split()[0]: " ".join(line.split()[2:]) for line in proc.stdout.splitlines()[2:6]}
+    assert rows["crashes"] == "FAILED WorkerCrashed: killed its worker 2 times, last with signal SIGKILL"
+    assert rows["hangs"] == "FAILED JobTimeout: did not finish within 3 s; its worker was killed"
+    # ptxas's own verdict, not the exception that carried it or the command that ran.
+    assert rows["bad_ptxas_option"] == "FAILED CompileError: ptxas fatal : Unknown option '-no-such-flag'"
+    assert not rows["fine"].startswith("FAILED")
+    # Each failure's whole message on stderr, once; no worker's comings and goings.
+    assert proc.stderr.count("aiocompile: crashed: crashy for cuda:80: WorkerCrashed") == 1
+    assert proc.stderr.count("aiocompile: timeout: sleepy for cuda:80: JobTimeout") == 1
+    assert "aiocompile: error: fine for cuda:80: CompileError" in proc.stderr and "ptxas fatal" in proc.stderr
+    assert "exited (crashed" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _clean_env(tmp_path, **extra):
+    """The environment of a user's shell: no variable the test session sets for itself."""
+    return {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "PYTHONPATH": str(ROOT),
+            "TRITON_CACHE_DIR": str(tmp_path / "triton"), "XDG_CACHE_HOME": str(tmp_path / "cache"), **extra}
+
+
+def test_tritons_notice_about_fp_fusion_is_one_line_and_the_key_stays_the_variables(tmp_path):
+    kernel_set = tmp_path / "one.py"
+    kernel_set.write_text(f"import sys\nsys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+                          "from triton_kernels import ADD_SIGNATURE, add_kernel\n"
+                          "KERNELS = [{'label': 'add_64', 'kernel': add_kernel, 'signature': ADD_SIGNATURE,\n"
+                          "            'constexprs': {'BLOCK': 64}}]\n")
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "aiocompile", "build", str(kernel_set), "-t", "cuda:80", "--out",
+                           str(out), "-j", "1"], capture_output=True, text=True, cwd=ROOT, env=_clean_env(tmp_path),
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert lines[0] == "aiocompile: building 1 kernel for 1 target (cuda:80) with 1 worker"
+    assert lines[1].startswith("aiocompile: UserWarning from triton: TRITON_DEFAULT_FP_FUSION is unset")
+    assert len(lines) == 2, proc.stderr  # Triton's source line and file name stay out of it
+    # The build leaves the variable unset, as a server that reads the directory has it:
+    # it is part of every kernel's key.
+    entry = json.loads((out / "manifest.json").read_text())["kernels"][0]
+    code = ("import asyncio, sys, aiocompile\n"
+            f"sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+            "from triton_kernels import ADD_SIGNATURE, add_kernel\n"
+            "async def main():\n"
+            f"    async with aiocompile.Scheduler(workers=1, cache_dir={str(out)!r}) as s:\n"
+            "        k = await s.compile_triton(add_kernel, signature=ADD_SIGNATURE, constexprs={'BLOCK': 64},\n"
+            "                                   target='cuda:80')\n"
+            "        print(k.key, s.statistics().disk_hits)\n"
+            "asyncio.run(main())\n")
+    served = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                            env=_clean_env(tmp_path), timeout=300)
+    assert served.stdout.split() == [entry["key"], "1"], served.stderr
+
+
 TWO_KERNELS = (
     "import sys\n"
     "sys.path.insert(0, {tests!r})\n"
@@ -122,6 +273,40 @@ TWO_KERNELS = (
     "    {{'label': 'add_128', 'kernel': add_kernel, 'signature': ADD_SIGNATURE, 'constexprs': {{'BLOCK': 128}}}},\n"
     "]\n"
 )
+
+
+def test_a_directory_built_by_another_triton_is_said_once_in_the_build_the_log_and_the_report(tmp_path, caplog):
+    here = importlib.metadata.version("triton")
+    out = tmp_path / "kernels"
+    out.mkdir(mode=0o700)
+    # As `aiocompile build` left it under the Triton installed before this one.
+    (out / "manifest.json").write_text(json.dumps({"kernels": [
+        {"label": "add_64", "kind": "triton", "target": "cuda:80", "triton": "3.8.0"},
+        {"label": "add_cpp", "kind": "cpp", "target": "x86_64-linux-gnu"}]}))
+    said = (f"the cache directory {out} was built by Triton 3.8.0 (its manifest.json says so), and this is Triton "
+            f"{here}: a Triton kernel's key holds its Triton version, so none of its Triton kernels is found")
+    kernel_set = tmp_path / "two_kernels.py"
+    kernel_set.write_text(TWO_KERNELS.format(tests=str(ROOT / "tests")))
+    events = tmp_path / "events.jsonl"
+    proc = _aiocompile("build", str(kernel_set), "-t", "cuda:80", "--out", str(out), "--no-progress", "-j", "1",
+                       "--events", str(events))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count(f"aiocompile: {said}") == 1 and proc.stderr.count("was built by") == 1
+    report = _aiocompile("report", str(events))
+    assert report.stdout.count(f"warnings:\n  {said}") == 1, report.stdout
+    # The build wrote this Triton's manifest: nothing left to say.
+    caplog.set_level(logging.WARNING, logger="aiocompile")
+    aiocompile.Scheduler(workers=1, cache_dir=out).close()
+    assert not [r for r in caplog.records if "was built by" in r.getMessage()]
+    # Another Triton's, and a server that opens the directory: once, in its log.
+    manifest = json.loads((out / "manifest.json").read_text())
+    for entry in manifest["kernels"]:
+        entry["triton"] = "3.8.0"
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    aiocompile.Scheduler(workers=1, cache_dir=out).close()
+    warned = [r for r in caplog.records if "was built by" in r.getMessage()]
+    assert [(r.levelno, r.getMessage().split(": a Triton")[0]) for r in warned] == \
+        [(logging.WARNING, said.split(": a Triton")[0])]
 
 
 def test_a_build_with_a_key_writes_signed_files_private_to_its_user(tmp_path):
@@ -284,8 +469,8 @@ def test_a_build_of_cpp_sources_alone_needs_no_target(tmp_path):
     out = tmp_path / "out"
     proc = _aiocompile("build", str(kernel_set), "--out", str(out), "--no-progress", "-j", "1")
     assert proc.returncode == 0, proc.stderr
-    assert "building 1 kernels for this machine" in proc.stderr and "1 built, 0 failed" in proc.stdout
-    assert re.search(r"1 built, 0 failed in [0-9.]+ s wall with 1 workers;", proc.stdout), proc.stdout
+    assert "building 1 kernel for this machine with 1 worker\n" in proc.stderr and "1 built, 0 failed" in proc.stdout
+    assert re.search(r"1 built, 0 failed in [0-9.]+ s wall with 1 worker;", proc.stdout), proc.stdout
     # A Triton kernel, or a CUDA source without an arch, is built per target: then one is needed.
     kernel_set.write_text("KERNELS = [{'label': 'k', 'kind': 'cuda', 'source': '__global__ void k() {}'}]\n")
     proc = _aiocompile("build", str(kernel_set), "--out", str(out), "--no-progress")

@@ -1,6 +1,7 @@
 """Real Triton compiles on the CPU, for explicit targets, through real worker processes."""
 
 import math
+import os
 import pickle
 
 import anyio
@@ -146,6 +147,20 @@ async def test_different_specialisations_are_different_kernels(scheduler):
                                        target="cuda:80", num_warps=2)
     assert len({a.key, b.key, c.key}) == 3
     assert c.metadata["num_warps"] == 2
+
+
+@pytest.mark.skipif(os.path.exists("/dev/nvidiactl"), reason="this machine has an NVIDIA GPU")
+async def test_launching_without_a_gpu_says_so(scheduler):
+    kernel = await scheduler.compile_triton(add_kernel, signature=ADD_SIGNATURE, constexprs={"BLOCK": 64},
+                                            target="cuda:90")
+    # As the README launches it, on a machine that only builds: said, not "0 active drivers" alone.
+    said = ("add_kernel is compiled for cuda:90: loading and launching it needs a GPU of that kind, "
+            "and this machine has none")
+    with pytest.raises(RuntimeError, match=said):
+        kernel[(1,)](0, 0, 0, 1)
+    with pytest.raises(RuntimeError, match=said):
+        await kernel.load()
+    assert kernel.binary  # what it has without a GPU
 
 
 async def test_kernels_pickle_and_round_trip_through_bytes(scheduler):

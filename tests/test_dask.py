@@ -161,7 +161,11 @@ def _allowed_failures(dask_scheduler=None):
     return dask_scheduler.allowed_failures
 
 
-async def test_a_timeout_stops_the_task_and_restarts_its_worker(dask_client, tmp_path):
+async def test_a_timeout_stops_the_task_and_restarts_its_worker(dask_client, tmp_path, caplog):
+    # Every logger at every level: the job's future, failed by its timeout, is FINISHED
+    # when the stopped task's answer comes, and the stdlib logs "Future ... in unexpected
+    # state" at CRITICAL if that answer starts it again.
+    caplog.set_level(logging.DEBUG)
     mark = tmp_path / "hung"
     async with aiocompile.Scheduler(executor=dask_client) as sched:
         with anyio.fail_after(60):
@@ -175,6 +179,7 @@ async def test_a_timeout_stops_the_task_and_restarts_its_worker(dask_client, tmp
         assert await gather(*[lambda i=i: sched.run(jobs.sleep_then, 0.2, i) for i in range(2)]) == [0, 1]
         stats = sched.statistics()
     assert (stats.timeouts, stats.worker_crashes, stats.failed) == (1, 0, 1)
+    assert [(r.name, r.getMessage()) for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 async def test_aclose_stops_what_still_runs_on_the_cluster(dask_client, tmp_path):

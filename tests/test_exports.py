@@ -1,7 +1,9 @@
 """The public surface: a front door of at most twenty names, __all__ matching what each
 public module exports, the names of an earlier release still working, and importing light."""
 
+import email.parser
 import importlib
+import shutil
 import subprocess
 import sys
 
@@ -114,3 +116,22 @@ def test_errors_pickle_with_their_fields():
     assert pickle.loads(pickle.dumps(failed)).command == "g++ -shared x.cpp"
     missing = pickle.loads(pickle.dumps(aiocompile.errors.CompilerNotFound("no nvcc found")))
     assert type(missing) is aiocompile.errors.CompilerNotFound and str(missing) == "no nvcc found"
+
+
+def test_the_distribution_says_who_made_it_and_what_it_is_for(tmp_path):
+    # The metadata a wheel carries, made from a copy of the sources (nothing written here).
+    root = importlib.import_module("conftest").ROOT
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, tmp_path / name)
+    shutil.copytree(root / "aiocompile", tmp_path / "aiocompile", ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "meta").mkdir()
+    code = "import sys, setuptools.build_meta as b; print(b.prepare_metadata_for_build_wheel(sys.argv[1]))"
+    made = subprocess.run([sys.executable, "-c", code, str(tmp_path / "meta")], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=120)
+    assert made.returncode == 0, made.stderr
+    metadata = email.parser.Parser().parsestr((tmp_path / "meta" / made.stdout.split()[-1] / "METADATA").read_text())
+    assert metadata["Author"] == "aiocompile maintainers"
+    classifiers = metadata.get_all("Classifier")
+    assert "Framework :: AsyncIO" in classifiers and "Typing :: Typed" in classifiers
+    assert "Programming Language :: Python :: 3.10" in classifiers  # as requires-python says
+    assert metadata["Requires-Python"] == ">=3.10" and "triton" in metadata["Keywords"]

@@ -6,6 +6,7 @@ no process of the scheduler is left once it is closed.
 """
 
 import contextlib
+import logging
 import os
 import signal
 import time
@@ -68,6 +69,8 @@ async def test_a_crashing_job_fails_alone_and_innocents_succeed(fault, args, exi
         assert isinstance(poison, aiocompile.WorkerCrashed), poison
         assert poison.exitcode == exitcode and poison.attempts == 2
         assert poison.kernel_name == fault.__qualname__
+        # A run()'s job is a function's, named as such; the count in words.
+        assert str(poison).startswith(f"function {fault.__qualname__!r}: killed its worker 2 times, last with ")
         innocents = results[:3] + results[4:]
         assert all(isinstance(k, aiocompile.TritonKernel) for k in innocents), innocents
         stats = sched.statistics()
@@ -78,6 +81,24 @@ async def test_a_crashing_job_fails_alone_and_innocents_succeed(fault, args, exi
         assert wait_until(lambda: len(sched.worker_pids()) == 2)
     finally:
         await close_and_check(sched)
+
+
+async def test_a_crash_and_its_retry_log_nothing_alarming(caplog):
+    # Every logger at every level: a retried job's future is RUNNING already, and the
+    # stdlib logs "Future ... in unexpected state" at CRITICAL if it is started again.
+    caplog.set_level(logging.DEBUG)
+    sched = aiocompile.Scheduler(workers=1, max_crashes=2)
+    try:
+        with anyio.fail_after(60), pytest.raises(aiocompile.WorkerCrashed) as info:
+            await sched.run(os.abort)
+        assert info.value.attempts == 2
+    finally:
+        await close_and_check(sched)
+    alarming = [(r.name, r.levelname, r.getMessage()) for r in caplog.records
+                if r.levelno >= logging.ERROR or not r.name.startswith("aiocompile")]
+    assert alarming == []
+    # What it did log: each death, as a warning.
+    assert sum("exited (crashed" in r.getMessage() for r in caplog.records) == 2
 
 
 async def test_a_worker_killed_from_outside_like_the_oom_killer(tmp_path):
@@ -115,6 +136,7 @@ async def test_what_a_dying_worker_printed_comes_with_the_error():
         assert "ptxas fatal: out of registers (pretend)" in info.value.output
         assert "native write before death" in info.value.output
         assert info.value.attempts == 1
+        assert str(info.value) == "function 'print_then_exit': killed its worker with exit code 3"
     finally:
         await close_and_check(sched)
 

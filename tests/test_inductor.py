@@ -345,7 +345,7 @@ def test_install_checks_its_arguments(async_compile):
         aiotorch.install(timeout="5")
     closed = aiocompile.Scheduler(config=NO_PRELOAD)
     closed.close()
-    with pytest.raises(ValueError, match="closed"):
+    with pytest.raises(aiocompile.SchedulerClosed, match="closed"):  # as for any call after aclose()
         aiotorch.install(closed)
     assert not aiotorch.is_installed()
 

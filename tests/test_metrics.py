@@ -5,13 +5,16 @@ import functools
 import io
 import json
 import logging
+import subprocess
+import sys
+import textwrap
 import time
 import uuid
 
 import anyio
 import jobs
 import pytest
-from conftest import wait_until
+from conftest import subprocess_env, wait_until
 from triton_kernels import ADD_SIGNATURE, add_kernel, type_error_kernel
 
 import aiocompile
@@ -214,6 +217,32 @@ async def test_sinks_see_the_same_events(tmp_path, caplog):
     assert levels[("request", "timeout")] == logging.WARNING
     assert levels[("request", "cache_hit")] == logging.DEBUG
     assert levels[("worker_exited", "crashed")] == logging.WARNING
+
+
+QUIET_SCRIPT = textwrap.dedent("""
+    import asyncio, os, aiocompile
+
+    async def main():
+        try:
+            await aiocompile.compile_cpp("int x = ;")
+        except aiocompile.CompileError:
+            print("compile error caught")
+        async with aiocompile.Scheduler(workers=1, max_crashes=2) as sched:
+            try:
+                await sched.run(os.abort)
+            except aiocompile.WorkerCrashed:
+                print("crash caught")
+
+    asyncio.run(main())
+""")
+
+
+def test_errors_a_program_catches_print_nothing():
+    # As a program that configures no logging runs it: the library logs its warnings,
+    # and prints none of them (no last-resort handler, no CRITICAL from a retry).
+    done = subprocess.run([sys.executable, "-c", QUIET_SCRIPT], capture_output=True, text=True,
+                          env=subprocess_env(), timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "compile error caught\ncrash caught\n", "")
 
 
 async def test_stage_times_come_from_the_compiler(scheduler):

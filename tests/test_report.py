@@ -162,6 +162,29 @@ def test_a_log_without_attempts_has_no_timeline(tmp_path, capsys):
     assert not (tmp_path / "out.png").exists()
 
 
+def test_a_reader_that_stops_reading_early_costs_no_traceback(tmp_path):
+    path = tmp_path / "events.jsonl"
+    write_events(path, a_few_events())
+    # As `aiocompile report events.jsonl | head -1`, with the reader gone before the first write.
+    for command in (("report", str(path)), ("decisions", "list", str(tmp_path))):
+        proc = subprocess.Popen([sys.executable, "-m", "aiocompile", *command], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=subprocess_env(), cwd=ROOT)
+        proc.stdout.close()
+        stderr = proc.stderr.read()
+        assert (proc.wait(timeout=120), stderr) == (0, ""), command
+
+
+def test_a_timeline_that_cannot_be_written_is_a_line_and_status_2(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "events.jsonl"
+    write_events(path, a_few_events())
+    where = tmp_path / "missing" / "timeline.png"
+    with pytest.raises(SystemExit) as info:
+        main(["report", str(path), "--timeline", str(where)])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == f"aiocompile: cannot write the timeline {where}: No such file or directory\n"
+
+
 def test_build_writes_its_event_log(tmp_path):
     kernel_set = tmp_path / "tiny_set.py"
     kernel_set.write_text(

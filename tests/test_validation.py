@@ -6,6 +6,7 @@ of range, empty) a ``ValueError``; each message names the setting and the value.
 """
 
 import concurrent.futures as cf
+import os
 import time
 from dataclasses import fields
 
@@ -20,6 +21,7 @@ from aiocompile._base.checks import MAX_SECONDS
 from aiocompile._base.config import ENVIRONMENT, SETTINGS
 from aiocompile._foreign.pool import ForeignPool
 from aiocompile._pool.pool import WorkerPool
+from aiocompile.backends.triton._targets import known_architectures
 
 NAN, INF = float("nan"), float("inf")
 NO_PRELOAD = aiocompile.SchedulerConfig(workers=1, preload=())
@@ -49,6 +51,14 @@ BAD_CALLS = [
     ("attrs for an unknown argument", dict(attrs={"q": [("tt.divisibility", 16)]}), ValueError),
     ("malformed attrs", dict(attrs={"x_ptr": ["tt.divisibility"]}), TypeError),
     ("unpicklable constexpr", dict(constexprs={"BLOCK": lambda: 1}), TypeError),
+    ("an architecture Triton does not know", dict(target="cuda:99"), ValueError),
+    ("an architecture far beyond any", dict(target="cuda:999"), ValueError),
+    ("an AMD architecture Triton does not know", dict(target="hip:gfx9999"), ValueError),
+    ("a backend Triton does not have", dict(target=aiocompile.Target("xpu", 1, 32)), ValueError),
+    ("num_warps past any block", dict(num_warps=2**40), ValueError),
+    ("more threads than a block holds", dict(num_warps=64), ValueError),
+    ("more wave64 warps than a block holds", dict(target="hip:gfx942", num_warps=32), ValueError),
+    ("num_stages past a C int", dict(num_stages=2**40), ValueError),
     ("nonsense warp size", dict(target="cuda:90:7"), ValueError),
     ("AMD warp size neither 32 nor 64", dict(target="hip:gfx942:48"), ValueError),
     ("timeout as text", dict(timeout="5"), TypeError),
@@ -99,6 +109,43 @@ async def test_a_bad_timeout_fails_its_own_call_and_nothing_else(timeout, exc, o
     stats = sched.statistics()
     assert (stats.submitted - before.submitted, stats.failed - before.failed,
             stats.worker_crashes - before.worker_crashes) == (2, 0, 0)
+
+
+@pytest.mark.parametrize("target", ["cuda:99", "cuda:999", "hip:gfx9999"])
+async def test_an_architecture_triton_does_not_know_is_refused_naming_those_it_does(target):
+    backend = target.partition(":")[0]
+    known = known_architectures(backend)
+    assert known and f"{backend}:{'90' if backend == 'cuda' else 'gfx942'}" in known and target not in known
+    async with aiocompile.Scheduler(workers=1) as sched:
+        with pytest.raises(ValueError, match=f"unknown .* architecture in target {target}") as info:
+            await sched.compile_triton(add_kernel, signature=ADD_SIGNATURE, constexprs={"BLOCK": 64}, target=target)
+        assert f"compiles for {', '.join(known)}" in str(info.value)
+        with pytest.raises(ValueError, match=f"unknown .* architecture in target {target}"):
+            await sched.warm(target)
+        with pytest.raises(ValueError, match=f"unknown .* architecture in target {target}"):
+            await sched.warmup(add_kernel, "fp32", "fp32", "fp32", 1024, BLOCK=64, target=target)
+        stats = sched.statistics()
+        assert (stats.workers_started, stats.submitted) == (0, 0)
+
+
+@pytest.mark.skipif(os.path.exists("/dev/nvidia0") or os.path.exists("/dev/kfd"), reason="this machine has a GPU")
+async def test_without_a_gpu_the_current_device_is_refused_with_a_reason():
+    async with aiocompile.Scheduler(workers=1) as sched:
+        # Said, rather than warming some other target, or Triton's "0 active drivers".
+        with pytest.raises(ValueError, match="target=None means the current GPU.*explicit target"):
+            await sched.warm(None)
+        with pytest.raises(ValueError, match="target=None means the current GPU.*explicit target"):
+            await sched.warmup(add_kernel, "fp32", "fp32", "fp32", 1024, BLOCK=64)
+        assert sched.statistics().submitted == 0
+
+
+async def test_compile_many_takes_flags_as_flags():
+    async with aiocompile.Scheduler(workers=1) as sched:
+        with pytest.raises(TypeError, match="progress must be True or False"):
+            await sched.compile_many([], progress="yes")
+        with pytest.raises(TypeError, match="return_exceptions must be True or False"):
+            await sched.compile_many([], return_exceptions=1)
+        assert sched.statistics().workers_started == 0
 
 
 async def test_looking_for_the_current_gpu_is_not_counted_as_a_request():

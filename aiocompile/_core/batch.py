@@ -33,6 +33,8 @@ async def compile_batch(
     return_exceptions: bool,
 ) -> list[Any]:
     """``Scheduler.compile_many``: its docstring says what it does."""
+    checks.Flag().check("progress", progress)
+    checks.Flag().check("return_exceptions", return_exceptions)
     spec_list = [dict(spec) for spec in specs]
     kinds = [checks.SPEC_KIND.check(f"kind of spec #{index}", spec.pop("kind", "triton"))
              for index, spec in enumerate(spec_list)]

@@ -30,6 +30,7 @@ from aiocompile._base.config import SchedulerConfig
 from aiocompile._base.target import parse_target
 from aiocompile._cache.disk import DiskCache
 from aiocompile._cache.memory import KernelCache
+from aiocompile._cache.provenance import other_triton
 from aiocompile._cache.shared import SharedCache
 from aiocompile._core.costs import CostHistory
 from aiocompile._core.requests import Admitted, Requests
@@ -76,6 +77,10 @@ class Engine:
             timeout=config.cache_url_timeout, retry_after=config.cache_url_retry, secret=config.cache_key)
         self._metrics = Metrics()
         self._events = EventHub(event_log=config.event_log if config.metrics else None, on_event=on_event)
+        if self._disk is not None and self._disk.trusted:
+            built_elsewhere = other_triton(self._disk.directory)
+            if built_elsewhere is not None:
+                self._events.warn(built_elsewhere)
         if config.metrics:
             self._pool.on_event = self._events.emit
             self._pool.job_events_wanted = self._events.job_events_wanted
@@ -210,12 +215,16 @@ class Engine:
     async def warm(self, target: Any, benchmark: bool) -> None:
         """``Scheduler.warm``: its docstring says what it does."""
         self.check_open()
-        if benchmark:
-            await self.tuner().warm()
-        parsed = parse_target(target) or parse_target("cuda:90")
-        assert parsed is not None
         from aiocompile.backends.triton import _kernel as triton_kernel
         from aiocompile.backends.triton import _worker as triton_worker
+        from aiocompile.backends.triton._targets import check_target
+
+        # None is the current GPU, as for a compile (a worker asks the driver); a target
+        # Triton does not know is refused before any worker starts for it.
+        parsed = parse_target(target) or await self.triton.current_target(self)
+        await threads.KEYS.run(lambda: check_target(parsed))
+        if benchmark:
+            await self.tuner().warm()
 
         keys = threads.KEYS.submit(lambda: self.triton.warm_keys(parsed))
         loading = threads.LOADS.submit(lambda: triton_kernel.prime_loading(parsed.backend))

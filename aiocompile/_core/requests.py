@@ -37,7 +37,7 @@ from aiocompile._observe.metrics import Metrics
 from aiocompile._pool.job import Job
 from aiocompile._pool.pool import WorkerPool, check_timeout
 from aiocompile.backends import Request
-from aiocompile.errors import CompileError, JobTimeout, SchedulerClosed, WorkerCrashed
+from aiocompile.errors import CompileError, JobError, JobTimeout, SchedulerClosed, WorkerCrashed
 from aiocompile.records import JobRecord, Outcome
 
 _make = tuple.__new__
@@ -157,6 +157,9 @@ class Requests:
         try:
             result = await bridge.wait(entry.future)
         except BaseException as exc:
+            if isinstance(exc, JobError) and exc.kernel_name == request.name:
+                # Made where only the job's name is known (its worker's death, its timeout).
+                exc.subject = request.subject
             if isinstance(exc, anyio.get_cancelled_exc_class()):
                 self._cache.leave(entry, self._stop_abandoned)
                 self._record(request, Outcome.CANCELLED, wall, arrived, entry)

@@ -349,7 +349,7 @@ class Scheduler:
         checks.CALL_TIMEOUT.check("timeout", timeout)
         name = getattr(fn, "__qualname__", None) or type(fn).__name__
         request = Request(backend="python", key=key, name=name, target=None, fn=fn, args=args, finish=None,
-                          direct=True)
+                          direct=True, subject="function")
         return await self._engine.requests.execute_now(request, timeout)
 
     async def warmup(

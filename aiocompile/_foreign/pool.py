@@ -71,7 +71,7 @@ from aiocompile._foreign.executors import (
 )
 from aiocompile._foreign.remote import run_in_foreign_worker
 from aiocompile._foreign.sent import Sent
-from aiocompile._pool.job import Job, PoolCounters, Stop, emit_event, logger
+from aiocompile._pool.job import Job, PoolCounters, Stop, emit_event, logger, times
 from aiocompile._pool.protocol import outcome
 from aiocompile.errors import JobTimeout, SchedulerClosed, WorkerCrashed
 from aiocompile.records import WorkerEvent
@@ -321,8 +321,7 @@ class ForeignPool:
         except SchedulerClosed as exc:
             job.fail(exc)
             return
-        if not job.future.running():
-            job.future.set_running_or_notify_cancel()
+        job.mark_running()  # a re-run's is RUNNING already; cancelling is under the lock we hold
         job.attempts += 1
         sent = self._sent[job.id] = Sent(job, future, generation)
         if self._slots:
@@ -487,7 +486,7 @@ class ForeignPool:
         job.crashes += 1
         if job.crashes >= job.max_crashes:
             job.fail(WorkerCrashed(
-                f"killed its worker (or broke the executor) {job.crashes} time(s), running alone each time",
+                f"killed its worker (or broke the executor) {times(job.crashes)}, running alone each time",
                 exitcode=None, attempts=job.attempts, kernel_name=job.name, key=job.key))
         else:
             self.counters.retries += 1

@@ -25,6 +25,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import weakref
 from typing import Any, Callable, Union
 
@@ -137,8 +138,12 @@ class JsonLinesSink:
         _open_sinks.add(self)
 
     def __call__(self, event: Event) -> None:
+        self.put(event_dict(event))
+
+    def put(self, item: dict[str, Any]) -> None:
+        """Queue one line's object (JSON-ready, ``"event"`` first)."""
         if not self._closed:
-            self._queue.put(event_dict(event))
+            self._queue.put(item)
 
     def _write_loop(self) -> None:
         # Items: an event's dict; a threading.Event that flush() waits on, set once what
@@ -252,6 +257,14 @@ class EventHub:
         """Whether a job_started/job_ended event would reach anyone now: a listener, the
         event file, or a logger handling DEBUG."""
         return bool(self._listeners) or logger.isEnabledFor(logging.DEBUG)
+
+    def warn(self, message: str) -> None:
+        """A warning about the scheduler's own set-up (a cache directory built by another
+        Triton): logged at WARNING, and written to the event file as a ``"warning"`` line
+        that ``aiocompile report`` shows. Listeners hear of records and events only."""
+        logger.warning(message)
+        if self.sink is not None:
+            self.sink.put({"event": "warning", "time": time.time(), "message": message})
 
     def emit(self, event: Event) -> None:
         log_event(event)

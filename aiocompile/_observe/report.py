@@ -55,6 +55,9 @@ class Events:
     """``worker_started`` and ``worker_exited`` events, by ``time``."""
     skipped: int = 0
     """Lines that were not a whole event: cut short, not JSON, or missing fields."""
+    warnings: tuple[str, ...] = ()
+    """What the schedulers that wrote the log warned of (``"warning"`` lines), each once,
+    in order."""
 
     @property
     def empty(self) -> bool:
@@ -112,8 +115,9 @@ def _worker_event(data: dict[str, Any]) -> WorkerEvent:
         raise _Unreadable(str(exc)) from None
 
 
-def _decode(line: str) -> JobRecord | WorkerEvent | None:
-    """The event on one line; None for a kind this reader passes over."""
+def _decode(line: str) -> JobRecord | WorkerEvent | str | None:
+    """The event on one line (a warning's message for a ``"warning"``); None for a kind
+    this reader passes over."""
     try:
         data = json.loads(line)
     except ValueError:
@@ -125,6 +129,10 @@ def _decode(line: str) -> JobRecord | WorkerEvent | None:
         return _record(data)
     if kind in ("job_ended", "worker_started", "worker_exited"):
         return _worker_event(data)
+    if kind == "warning":
+        if not isinstance(data.get("message"), str):
+            raise _Unreadable("a warning without its message")
+        return str(data["message"])
     return None
 
 
@@ -134,6 +142,7 @@ def read_events(path: str | os.PathLike[str]) -> Events:
     requests: list[JobRecord] = []
     attempts: list[WorkerEvent] = []
     workers: list[WorkerEvent] = []
+    warnings: dict[str, None] = {}
     skipped = 0
     # A line cut short may end inside a multi-byte character: replace rather than fail,
     # and let the JSON decoder reject that line alone.
@@ -148,6 +157,8 @@ def read_events(path: str | os.PathLike[str]) -> Events:
                 continue
             if isinstance(event, JobRecord):
                 requests.append(event)
+            elif isinstance(event, str):
+                warnings[event] = None
             elif event is not None:
                 (attempts if event.event == "job_ended" else workers).append(event)
     return Events(
@@ -155,6 +166,7 @@ def read_events(path: str | os.PathLike[str]) -> Events:
         attempts=tuple(sorted(attempts, key=lambda event: event.time)),
         workers=tuple(sorted(workers, key=lambda event: event.time)),
         skipped=skipped,
+        warnings=tuple(warnings),
     )
 
 
@@ -387,6 +399,8 @@ def summary_table(events: Events) -> str:
     failures = _failure_lines(events, span[0])
     if failures:
         sections.append(["crashes and timeouts:"] + ["  " + line for line in failures])
+    if events.warnings:
+        sections.append(["warnings:"] + ["  " + warning for warning in events.warnings])
     return "\n\n".join("\n".join(section) for section in sections) + "\n"
 
 

@@ -41,9 +41,10 @@ from aiocompile._cache.disk import make_private_dir, write_private
 __all__ = ["BundleInfo", "ReproRoot", "environment", "format_bundles", "list_bundles", "root_of", "versions"]
 
 MANIFEST = "bundle.json"
-# A manifest is a few KiB; a larger file (or one that is not a regular file: a FIFO would
-# block the reader) in a bundle's place is not one, and is passed over unread.
-_MANIFEST_MAX = 1 << 20
+# bundle.json holds an error's message and the environment: a few KiB, never megabytes.
+_LARGEST_MANIFEST = 4 * 1024 * 1024
+# A creation time past this (the year 2100) is none a bundle was written at.
+_LATEST = 4102444800.0
 
 # Environment variables worth knowing to reproduce a compile, by prefix; names that look
 # like secrets are left out whatever their prefix.
@@ -161,14 +162,14 @@ def list_bundles(root: str | os.PathLike[str]) -> list[BundleInfo]:
         if entry.name.startswith(".") or not entry.is_dir(follow_symlinks=False):
             continue
         data = _read_manifest(os.path.join(entry.path, MANIFEST))
-        if not isinstance(data, dict):
+        if data is None:
             continue
         created = data.get("created")
         found.append(BundleInfo(
             path=entry.path,
             kind=str(data.get("kind", "?")),
             name=str(data.get("name", "?")),
-            created=float(created) if isinstance(created, (int, float)) else 0.0,
+            created=float(created) if isinstance(created, (int, float)) and 0 <= created < _LATEST else 0.0,
             stage=data.get("stage") if isinstance(data.get("stage"), str) else None,
             error_type=data.get("error_type") if isinstance(data.get("error_type"), str) else None,
             error=data.get("error") if isinstance(data.get("error"), str) else None,
@@ -178,28 +179,26 @@ def list_bundles(root: str | os.PathLike[str]) -> list[BundleInfo]:
     return found
 
 
-def _read_manifest(path: str) -> Any:
-    """The manifest's JSON, or None where there is no readable, plausible one."""
+def _read_manifest(path: str) -> dict[str, Any] | None:
+    """A bundle's ``bundle.json``, or None for what is not one. Only a regular file of at
+    most ``_LARGEST_MANIFEST`` bytes is read, opened without waiting: a FIFO or a device
+    left in a root (which others may share) would otherwise hold the listing, and the
+    pruning after every bundle written, forever."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     except OSError:
         return None
     try:
-        with os.fdopen(fd, "rb") as f:
-            info = os.fstat(f.fileno())
-            if not stat.S_ISREG(info.st_mode) or info.st_size > _MANIFEST_MAX:
-                return None
-            return json.loads(f.read(_MANIFEST_MAX + 1).decode("utf-8"))
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode) or status.st_size > _LARGEST_MANIFEST:
+            return None
+        with os.fdopen(fd, "rb", closefd=False) as file:
+            data = json.loads(file.read(_LARGEST_MANIFEST + 1).decode("utf-8"))
     except (OSError, ValueError):
         return None
-
-
-def _shown(text: str) -> str:
-    """``text`` for a terminal: control characters (a newline, an escape sequence) written
-    as escapes, so that a bundle's name cannot forge lines or colours of the listing."""
-    if text.isprintable():
-        return text
-    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+    finally:
+        os.close(fd)
+    return data if isinstance(data, dict) else None
 
 
 def format_bundles(bundles: Iterable[BundleInfo], root: str) -> str:
@@ -210,13 +209,12 @@ def format_bundles(bundles: Iterable[BundleInfo], root: str) -> str:
     lines = [f"{len(rows)} repro bundle(s) in {root}, newest first:", ""]
     for bundle in rows:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(bundle.created))
-        stage = f" at {bundle.stage}" if bundle.stage else ""
-        stage = _shown(stage)
+        stage = f" at {_shown(bundle.stage)}" if bundle.stage else ""
         lines.append(f"{when}  {_shown(bundle.kind)}{stage}  {_shown(bundle.name)}  ({_size(bundle.size)})")
         if bundle.headline:
             lines.append(f"    {_shown(bundle.headline[:200])}")
-        lines.append(f"    {_shown(bundle.path)}")
-        lines.append(f"    python {_shown(os.path.join(bundle.path, 'repro.py'))}")
+        lines.append(f"    {bundle.path}")
+        lines.append(f"    python {os.path.join(bundle.path, 'repro.py')}")
     return "\n".join(lines) + "\n"
 
 
@@ -251,6 +249,12 @@ def environment(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
 def _safe(text: str) -> str:
     cleaned = "".join(c if c in _NAME_CHARS else "_" for c in text).strip("._-")
     return cleaned or "unnamed"
+
+
+def _shown(text: str) -> str:
+    # What a bundle says is printed on a terminal: no control characters (escape
+    # sequences) from a file anyone with access to the root may have written.
+    return "".join(c if c.isprintable() else "?" for c in text)
 
 
 def _tree_size(path: str) -> int:

@@ -11,6 +11,7 @@ import concurrent.futures as cf
 import enum
 import logging
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -63,6 +64,9 @@ class Job:
     output_size: int = 0
     last_exitcode: int | None = None
     last_output: str = ""
+    # Whether ``future`` was moved out of PENDING by ``mark_running`` (see there).
+    _marked: bool = field(default=False, init=False, repr=False)
+    _mark_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     @property
     def queue_wait(self) -> float | None:
@@ -93,12 +97,22 @@ class Job:
         if self.finished_at is None:
             self.finished_at = time.monotonic()
         # A queued job never started is RUNNING once it has an outcome.
-        if self.future.running():
-            return True  # the usual case: a worker answered
-        try:
-            return self.future.set_running_or_notify_cancel()
-        except RuntimeError:  # finished already, or started meanwhile in another thread
-            return self.future.running()
+        return self.mark_running()
+
+    def mark_running(self) -> bool:
+        """Move the future from PENDING to RUNNING, once in the job's life: whether the job
+        may run (or take its outcome) now. False once it is cancelled or has its outcome.
+
+        ``Future.set_running_or_notify_cancel()`` logs at CRITICAL (before raising) when
+        the future is RUNNING or FINISHED already, as a retried job's, or one that timed out
+        before its worker's answer came, is. So it is called exactly once, by whichever
+        thread gets here first; the future is then PENDING or CANCELLED, since everything
+        that finishes it comes through here, and cancelling is all that others do to it."""
+        with self._mark_lock:
+            if not self._marked:
+                self._marked = True
+                return self.future.set_running_or_notify_cancel()
+        return self.future.running()
 
     def stopped_error(self, stop: Stop) -> BaseException:
         """What it fails with when stopped on purpose, other than by its timeout."""
@@ -136,7 +150,8 @@ class Job:
         self.crashes += 1
         if self.crashes >= self.max_crashes:
             self.fail(WorkerCrashed(
-                f"killed its worker {self.crashes} time(s), last with {signal_name(exitcode)}",
+                f"killed its worker with {signal_name(exitcode)}" if self.crashes == 1 else
+                f"killed its worker {times(self.crashes)}, last with {signal_name(exitcode)}",
                 exitcode=exitcode, attempts=self.attempts, kernel_name=self.name, key=self.key, output=tail))
             return False
         counters.retries += 1
@@ -216,6 +231,10 @@ def death_statuses(stop: Stop | None, machinery_failed: bool) -> tuple[str, str]
     if stop is not None:
         return "killed", "cancelled" if stop is Stop.CANCELLED else "closed"
     return "crashed", "lost" if machinery_failed else "crashed"
+
+
+def times(count: int) -> str:
+    return "once" if count == 1 else f"{count} times"
 
 
 def signal_name(code: int | None) -> str:

@@ -133,11 +133,7 @@ class Roster:
         cancelled meanwhile (the worker is idle again)."""
         # A retried job's future is RUNNING already; a queued one may have been cancelled,
         # or (sent from a submitting thread as the pool shuts down) failed meanwhile.
-        try:
-            startable = job.future.set_running_or_notify_cancel()
-        except RuntimeError:  # RUNNING: a retry; or FINISHED: it has its outcome already
-            startable = job.future.running()
-        if not startable:
+        if not job.mark_running():
             with self.lock:
                 worker.release()
             return False

@@ -35,7 +35,7 @@ from aiocompile._torch import parcel as _parcel
 from aiocompile._torch.job import ENV_PREFIXES, ExportJob
 from aiocompile._torch.states import TRANSITIONS, BackgroundStatus, ShapeStatus, _Entry
 from aiocompile.backends import Request
-from aiocompile.errors import CompileError, JobTimeout, WorkerCrashed
+from aiocompile.errors import CompileError, JobTimeout, SchedulerClosed, WorkerCrashed
 
 __all__ = ["TRANSITIONS", "BackgroundCompiled", "BackgroundStatus", "ShapeStatus", "compile_in_background"]
 
@@ -531,7 +531,7 @@ def compile_in_background(
     if scheduler is not None and not isinstance(scheduler, Scheduler):
         raise TypeError(f"scheduler must be an aiocompile.Scheduler or None, got {type(scheduler).__name__}")
     if scheduler is not None and scheduler.closed:
-        raise ValueError("the scheduler is closed")
+        raise SchedulerClosed("the scheduler is closed: pass an open one, or None for one of aiocompile's")
     checks.CALL_TIMEOUT.check("timeout", timeout)
     checks.Number(integer=True, at_least=1).check("max_signatures", max_signatures)
     if not isinstance(artifact, str):

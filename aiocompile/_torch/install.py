@@ -35,6 +35,7 @@ from aiocompile._observe import repro
 from aiocompile._torch import async_triton, autotune, graph_repro
 from aiocompile._torch.installation import STATE, Installation
 from aiocompile.backends.inductor._worker import PRELOAD
+from aiocompile.errors import SchedulerClosed
 
 # The attributes of AsyncCompile that install() replaces, with what replaces them below.
 PATCHED = ("triton", "cpp", "cpp_pybinding", "cuda", "use_process_pool", "warm_pool", "wakeup", "wait_pool_ready")
@@ -61,7 +62,7 @@ def install(scheduler: Scheduler | None = None, *, timeout: float | None = None,
         raise TypeError(f"scheduler must be an aiocompile.Scheduler or None, got {type(scheduler).__name__}")
     checks.CALL_TIMEOUT.check("timeout", timeout)
     if scheduler is not None and scheduler.closed:
-        raise ValueError("the scheduler is closed")
+        raise SchedulerClosed("the scheduler is closed: pass an open one, or None for one of aiocompile's")
     _use_torch_ptxas()
     # A scheduler of our own starts its fork server before this process imports Inductor
     # (seconds): the fork server's own import of torch is what the first kernels wait for.

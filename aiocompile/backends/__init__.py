@@ -42,6 +42,9 @@ class Request(NamedTuple):
     """What is known of the compile's cost before it runs, as ``(name, value)`` pairs, for
     predicting it (``_core.costs``): ``source`` (log2 of the source's bytes) from any backend
     that has a source; from Triton also ``tile``, ``warps``, ``dot`` and ``stages``."""
+    subject: str = "kernel"
+    """What ``name`` names, in the messages of the job's errors: a ``kernel``, or the
+    ``function`` a ``run()`` runs."""
 
 
 class SpecBackend(Protocol):

@@ -40,6 +40,7 @@ from aiocompile.backends.triton import _worker as _triton_worker
 from aiocompile.backends.triton._check import check_options, constexpr_defaults, fill_defaults, normalize
 from aiocompile.backends.triton._kernel import TritonKernel
 from aiocompile.backends.triton._ship import KernelRef, SourceBundle, SourceModule, exec_source_module, ship, unwrap_jit
+from aiocompile.backends.triton._targets import check_target
 from aiocompile.errors import CompileError
 
 __all__ = ["TritonBackend", "TritonKernel", "TritonSource", "TritonSpec"]
@@ -350,7 +351,7 @@ class TritonBackend:
         if isinstance(found, Request):
             return found
         if found.target is None:
-            found.resolve(await self._current_target(ctx))
+            found.resolve(await self.current_target(ctx))
         built: Request = await ctx.to_thread(lambda: self._build(found))
         return built
 
@@ -377,7 +378,7 @@ class TritonBackend:
         current: Target | Exception | None = None
         if any(item.get("target") is None for item in items):
             try:
-                current = await self._current_target(ctx)
+                current = await self.current_target(ctx)
             except Exception as exc:  # only the requests without a target fail for it
                 current = exc
 
@@ -573,6 +574,7 @@ class TritonBackend:
         if backend is None:
             from triton.compiler.compiler import make_backend
 
+            check_target(target)  # before Triton is asked: it takes what it cannot compile
             backend = self._backends[target] = make_backend(target.to_gpu_target())
             backend.hash()
         return backend
@@ -584,7 +586,8 @@ class TritonBackend:
             parsed = self._options[cache_key] = self._backend(target).parse_options(dict(options))
         return parsed
 
-    async def _current_target(self, ctx: BackendContext) -> Target:
+    async def current_target(self, ctx: BackendContext) -> Target:
+        """The current GPU's target (``target=None``); ``ValueError`` where there is none."""
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
             # This process holds a device already: ask it (no new driver initialisation),

@@ -64,6 +64,8 @@ _VENDOR_OPTIONS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     },
 }
 
+_INT32_MAX = 2**31 - 1
+_BLOCK_THREADS = 1024
 
 
 def check_type(arg: str, ty: Any) -> None:
@@ -101,8 +103,18 @@ def check_options(options: Mapping[str, Any], target: Target | None) -> None:
             expected = " or ".join(t.__name__ for t in types_)
             raise TypeError(f"compile option {name}={value!r} must be {expected}, not {type(value).__name__}")
     num_warps = options.get("num_warps")
-    if num_warps is not None and (num_warps < 1 or num_warps & (num_warps - 1)):
-        raise ValueError(f"num_warps must be a positive power of two, got {num_warps}")
+    if num_warps is not None:
+        # A program's num_warps x warp_size threads run as one GPU block, of at most 1024
+        # threads on every GPU Triton compiles for.
+        warp_size = target.warp_size if target is not None else 32
+        most = max(1, _BLOCK_THREADS // warp_size)
+        if num_warps < 1 or num_warps & (num_warps - 1) or num_warps > most:
+            where = f" for {target} (warps of {warp_size} threads)" if target is not None else ""
+            raise ValueError(f"num_warps must be a power of two from 1 to {most}{where}, got {num_warps}")
+    for name, value in options.items():
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > _INT32_MAX:
+            # Triton hands integer options to its C++ passes as 32-bit ints.
+            raise ValueError(f"compile option {name}={value} is out of range: at most {_INT32_MAX}")
     for name in ("num_stages", "num_ctas"):
         value = options.get(name)
         if value is not None and value < (0 if name == "num_stages" else 1):

@@ -194,11 +194,21 @@ class TritonKernel:
             if self._compiled is None:
                 self._compiled = rebuild_compiled_kernel(self)
             if getattr(self._compiled, "function", None) is None:
-                if device is not None:
-                    from triton.runtime import driver
+                try:
+                    if device is not None:
+                        from triton.runtime import driver
 
-                    driver.active.set_current_device(device)
-                self._compiled._init_handles()
+                        driver.active.set_current_device(device)
+                    self._compiled._init_handles()
+                except RuntimeError as exc:
+                    backend = self.target.partition(":")[0]
+                    if _gpu_device_present(backend):
+                        raise
+                    # Triton's own words for it are "0 active drivers".
+                    raise RuntimeError(
+                        f"{self.name} is compiled for {self.target}: loading and launching it needs a GPU of that "
+                        f"kind, and this machine has none ({exc}); its binary is kernel.binary"
+                    ) from None
             return self._compiled
 
     def __getitem__(self, grid: Any) -> Callable[..., None]:

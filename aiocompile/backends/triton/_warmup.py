@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiocompile._base.target import Target, parse_target
+from aiocompile.backends.triton._targets import check_target
 
 _PRIME_LOCK = threading.Lock()
 
@@ -116,13 +117,20 @@ def plan(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any
     if parsed is None:
         from triton.runtime import driver
 
-        if device is None:
-            device = int(driver.active.get_current_device())
-        _, kernel_key_cache, gpu_target, backend, binder = fn.device_caches[device]
+        try:
+            if device is None:
+                device = int(driver.active.get_current_device())
+            _, kernel_key_cache, gpu_target, backend, binder = fn.device_caches[device]
+        except RuntimeError as exc:  # Triton's "0 active drivers": no GPU here
+            raise ValueError(
+                f"target=None means the current GPU, whose JIT warmup() primes, and Triton found none ({exc}); "
+                "pass an explicit target such as 'cuda:90' to compile without priming"
+            ) from None
         parsed = parse_target(gpu_target)
         assert parsed is not None
     else:
         device = None  # an explicit target: no device's cache to prime
+        check_target(parsed)
         backend = make_backend(parsed.to_gpu_target())
         binder = create_function_from_signature(fn.signature, fn.params, backend)
         kernel_key_cache = {}
