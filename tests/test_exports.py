@@ -121,7 +121,7 @@ def test_errors_pickle_with_their_fields():
 def test_the_distribution_says_who_made_it_and_what_it_is_for(tmp_path):
     # The metadata a wheel carries, made from a copy of the sources (nothing written here).
     root = importlib.import_module("conftest").ROOT
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(root / name, tmp_path / name)
     shutil.copytree(root / "aiocompile", tmp_path / "aiocompile", ignore=shutil.ignore_patterns("__pycache__"))
     (tmp_path / "meta").mkdir()
@@ -131,7 +131,9 @@ def test_the_distribution_says_who_made_it_and_what_it_is_for(tmp_path):
     assert made.returncode == 0, made.stderr
     metadata = email.parser.Parser().parsestr((tmp_path / "meta" / made.stdout.split()[-1] / "METADATA").read_text())
     assert metadata["Author"] == "aiocompile maintainers"
+    assert metadata["License"] == "MIT" and "LICENSE" in metadata.get_all("License-File")
     classifiers = metadata.get_all("Classifier")
     assert "Framework :: AsyncIO" in classifiers and "Typing :: Typed" in classifiers
+    assert "License :: OSI Approved :: MIT License" in classifiers
     assert "Programming Language :: Python :: 3.10" in classifiers  # as requires-python says
     assert metadata["Requires-Python"] == ">=3.10" and "triton" in metadata["Keywords"]
