@@ -163,11 +163,14 @@ def test_benchmark_at_start_has_the_process_up_before_the_first_tuning():
             up = pool.processes()
             submitted = sched.statistics().submitted
             best = await sched.autotune(kernel, *gk.launch_args(a, b, c), grid=gk.grid)
-            return up, submitted, best, sched.statistics(), list(pool.starts), sched.port.tuner().last_profile
+            return (up, set(pool.devices), submitted, best, sched.statistics(), list(pool.starts),
+                    sched.port.tuner().last_profile)
 
-    up, submitted, best, stats, starts, profile = asyncio.run(tune())
-    assert set(up) == {torch.cuda.current_device()} and submitted == 0
-    assert stats.benchmark_processes_started == 1 and best.source == "tuned"
+    up, devices, submitted, best, stats, starts, profile = asyncio.run(tune())
+    # One benchmark process per GPU of the current one's model, each up before the first tuning.
+    assert devices <= set(range(torch.cuda.device_count())) and torch.cuda.current_device() in devices
+    assert set(up) == devices and submitted == 0
+    assert stats.benchmark_processes_started == len(devices) and best.source == "tuned"
     # The real timer's start, step by step: torch, the context, Triton's driver beside it.
     start = starts[0]
     assert start["launched_at"] <= start["opening_at"] <= start["ready_at"]
