@@ -238,14 +238,21 @@ class TuningPool:
 
     def warm(self) -> None:
         """Start the benchmark processes the choices will need (Inductor asks for its pool
-        before it precompiles), and have them import Inductor meanwhile."""
+        before it precompiles), and have them import Inductor meanwhile: the process of
+        each GPU the graph being lowered is on; with several GPUs and no graph yet (the
+        compile's start), none."""
         try:
             port = self._port()
             if GpuTiming().count() > 0:
                 pool = port.tuner().pool()
+                graph = _graph_gpus()
+                if graph is None and len(pool.devices) > 1:
+                    return  # nothing says which GPU the compile is for: none is opened for it
+                devices = [d for d in pool.devices if graph is None or d in graph]
             else:
                 pool = self._host_pool(port)
-            for device in pool.devices:
+                devices = pool.devices
+            for device in devices:
                 with self._lock:
                     if (id(pool), device) in self._warmed:
                         continue
@@ -460,3 +467,18 @@ def _cpp_precompile(original: Any, pool: TuningPool) -> Any:
 
     setattr(precompile, _MARK, pool)
     return precompile
+
+
+def _graph_gpus() -> set[int] | None:
+    """The CUDA devices of the graph Inductor is lowering now, or None where it is lowering
+    none (or says nothing of its devices): a model on ``cuda:1`` needs no process on GPU 0."""
+    try:
+        from torch._inductor.virtualized import V
+
+        graph = V.graph
+        if getattr(graph, "device_type", None) != "cuda":
+            return None
+        indices = {int(index) for index in getattr(graph, "device_idxs", ()) if index is not None}
+    except Exception:  # noqa: BLE001 - a guide for warming only
+        return None
+    return indices or None
