@@ -32,6 +32,9 @@ extern "C" __global__ void vector_add(const float* x, const float* y, float* out
 }
 """
 
+# The same kernel in HIP, for AMD GPUs: HIP's runtime header declares the thread indices.
+HIP_VECTOR_ADD = "#include <hip/hip_runtime.h>\n" + VECTOR_ADD
+
 # Compiles for as long as one lets it: g++ evaluates 4e10 steps of a constant expression
 # (cc1plus at full speed, in a few MB); nvcc builds 2000 distinct device functions and
 # ptxas then takes tens of seconds over them.

@@ -14,7 +14,6 @@ from native_sources import (
     have,
     in_group,
     marked,
-    needs_hipcc,
     needs_nvcc,
 )
 
@@ -184,14 +183,6 @@ async def test_without_hipcc_an_amd_architecture_says_what_is_missing():
         assert sched.worker_pids() == []
     finally:
         await sched.aclose()
-
-
-@needs_hipcc
-async def test_a_code_object_for_an_amd_gpu_through_hipcc(native):
-    with anyio.fail_after(120):
-        binary = await native.compile_cuda(VECTOR_ADD, arch=("gfx942", "gfx90a"), output="fatbin")
-    assert binary.output == "hsaco" and binary.target == "hip:gfx942+gfx90a"
-    assert "--offload-arch=gfx942" in binary.command and binary.binary
 
 
 @pytest.mark.parametrize(("arguments", "error", "words"), [

@@ -9,6 +9,7 @@ exactly what was there):
   build it would hand to a compile thread runs in a worker (``_NativeSubmit``), and
   Inductor loads the library itself;
 - ``cuda``: ``CUDACodeCache.compile`` (nvcc) in a worker; the library is loaded here;
+- ``rocm``: the same with ``ROCmCodeCache`` (ROCm's Clang, HIP);
 - ``use_process_pool``: true whenever Inductor would compile in parallel, so that it starts
   compiles during code generation; its own pool is never started;
 - ``warm_pool``, ``wakeup``, ``wait_pool_ready``: instead of Inductor's pool warm-up, the
@@ -38,7 +39,8 @@ from aiocompile.backends.inductor._worker import PRELOAD
 from aiocompile.errors import SchedulerClosed
 
 # The attributes of AsyncCompile that install() replaces, with what replaces them below.
-PATCHED = ("triton", "cpp", "cpp_pybinding", "cuda", "use_process_pool", "warm_pool", "wakeup", "wait_pool_ready")
+PATCHED = ("triton", "cpp", "cpp_pybinding", "cuda", "rocm", "use_process_pool", "warm_pool", "wakeup",
+           "wait_pool_ready")
 
 
 
@@ -290,23 +292,37 @@ def _cuda(self: Any, source_code: str, dst_file_ext: str, aot_compile: bool = Fa
     installation = _active(type(self), "cuda")
     if installation is None:
         return type(self).cuda(self, source_code, dst_file_ext, aot_compile)
-    from torch._inductor.codecache import CUDACodeCache
+    return _gpu_build(installation, "cuda", source_code, dst_file_ext, aot_compile)
+
+
+def _rocm(self: Any, source_code: str, dst_file_ext: str, aot_compile: bool = False) -> Any:
+    installation = _active(type(self), "rocm")
+    if installation is None:
+        return type(self).rocm(self, source_code, dst_file_ext, aot_compile)
+    return _gpu_build(installation, "rocm", source_code, dst_file_ext, aot_compile)
+
+
+def _gpu_build(installation: Installation, kind: str, source_code: str, dst_file_ext: str, aot_compile: bool) -> Any:
+    """``AsyncCompile.cuda`` or ``.rocm``: the build in a worker, the library loaded here."""
+    from torch._inductor import codecache
 
     from aiocompile.backends.inductor import _native
 
+    cache = codecache.CUDACodeCache if kind == "cuda" else codecache.ROCmCodeCache
     module = async_triton.async_compile_module()
-    _log_kernel(module, "CUDA Kernel:\n%s", source_code)
-    request = _native.cuda_request(source_code, dst_file_ext, aot_compile)
-    answer = installation.current_scheduler().port.execute_sync(request, installation.timeout)
+    _log_kernel(module, f"{'CUDA' if kind == 'cuda' else 'ROCm'} Kernel:\n%s", source_code)
+    make = _native.cuda_request if kind == "cuda" else _native.rocm_request
+    answer = installation.current_scheduler().port.execute_sync(make(source_code, dst_file_ext, aot_compile),
+                                                                installation.timeout)
 
     def load() -> Any:
         # What Inductor's compile thread does once the build is done: the compile finds
         # its files and compiles nothing; the library is loaded here.
         async_triton.result(answer)
         if aot_compile:
-            output_path, *_ = CUDACodeCache.compile(source_code, "o")
-            CUDACodeCache.aot_kernels_o.append(output_path)
-        return CUDACodeCache.load(source_code, dst_file_ext)[0]
+            output_path, *_ = cache.compile(source_code, "o")
+            cache.aot_kernels_o.append(output_path)
+        return cache.load(source_code, dst_file_ext)[0]
 
     if not _threads(module):
         return load()
@@ -379,6 +395,7 @@ _REPLACEMENTS: dict[str, Any] = {
     "cpp": _cpp,
     "cpp_pybinding": _cpp_pybinding,
     "cuda": _cuda,
+    "rocm": _rocm,
     "use_process_pool": classmethod(_use_process_pool),
     "warm_pool": classmethod(_warm_pool),
     # torch.compile's own backend calls wakeup() alone, for a graph with GPU inputs;

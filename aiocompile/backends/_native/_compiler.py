@@ -18,10 +18,14 @@ go into every key and travel with every compile (see ``environment``).
 
 Its identity (what ``--version`` prints, and for GCC and Clang the machine they build for)
 goes into every key: another compiler, or another version of the same, builds another
-binary. Asking costs a process or two, so it is asked once per process and
+binary. Asking costs a process or two, so it is asked once per process,
 compiler file (its path, inode, size and modification time: a compiler upgraded in place
-is asked again), in the calling thread, which is a backend's key thread, never an event
-loop's.
+is asked again) and environment it runs with, in the calling thread, which is a backend's
+key thread, never an event loop's. hipcc is a driver over another compiler, chosen by its
+environment (``HIP_PLATFORM``: AMD's Clang, or nvcc): it is asked with the environment it
+compiles with, so that its identity names the compiler underneath (HIP's version, then
+Clang's). The AMD processors that compiler knows (``amd_processors``) are asked the same
+way, once, so that an architecture it does not know is refused before any worker.
 """
 
 from __future__ import annotations
@@ -33,10 +37,15 @@ import subprocess
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Callable, TypeVar, cast
 
 from aiocompile.errors import CompilerNotFound
 
-__all__ = ["ENVIRONMENT", "Compiler", "environment", "find", "host_compiler", "identify"]
+__all__ = ["ENVIRONMENT", "Compiler", "Environment", "amd_processors", "environment", "find", "host_compiler",
+           "identify"]
+
+Environment = tuple[tuple[str, str | None], ...]
+"""``(name, value)`` pairs a compiler runs with; None: unset (see ``environment``)."""
 
 # What each kind of compile looks for when no compiler is given: names on PATH, and the
 # environment variables (then fixed directories) whose bin/ may hold it.
@@ -71,7 +80,7 @@ DROPPED = ("DEPENDENCIES_OUTPUT", "SUNPRO_DEPENDENCIES")
 passed on (the compile writes its own, in its scratch directory)."""
 
 
-def environment(cwd: str, environ: Mapping[str, str] = os.environ) -> tuple[tuple[str, str | None], ...]:
+def environment(cwd: str, environ: Mapping[str, str] = os.environ) -> Environment:
     """``(name, value)`` for each of ``ENVIRONMENT``, None where unset. A relative
     directory in a path list (an empty entry of ``CPATH`` means the current directory) is
     made absolute against ``cwd``, the caller's current directory, as relative paths in
@@ -104,6 +113,16 @@ class Compiler:
     @property
     def name(self) -> str:
         return os.path.basename(self.path)
+
+    @property
+    def summary(self) -> str:
+        """The compiler as a message names it: ``hipcc (HIP 5.2.21153-0, clang 15.0.6)``,
+        ``nvcc (13.0.88)``; the Clang under hipcc where its identity names one."""
+        under = re.search(r"clang version (\d+(?:\.\d+)*)", self.identity) if self.family == "hipcc" else None
+        parts = [f"HIP {self.version}" if self.family == "hipcc" and self.version else self.version,
+                 f"clang {under.group(1)}" if under else ""]
+        shown = ", ".join(part for part in parts if part)
+        return f"{self.name} ({shown})" if shown else self.name
 
 
 def _executable(path: str) -> bool:
@@ -158,53 +177,85 @@ def host_compiler(environ: Mapping[str, str] = os.environ) -> str | None:
     return os.path.abspath(found) if found else None
 
 
+_T = TypeVar("_T")
+
+
 class _Identities:
-    """What each compiler file said about itself, asked once per process and file."""
+    """What each compiler file said about itself, and the AMD processors it knows, asked
+    once per process, file and environment."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._known: dict[tuple[object, ...], Compiler] = {}
+        self._known: dict[tuple[object, ...], object] = {}
         self._pid = os.getpid()
 
-    def get(self, path: str) -> Compiler:
+    def get(self, what: str, path: str, environment: Environment, ask: Callable[[str, str], _T]) -> _T:
         real = os.path.realpath(path)
         try:
             st = os.stat(real)
         except OSError as exc:
             raise CompilerNotFound(f"the compiler {path} cannot be read: {exc.strerror or exc}") from None
-        stamp = (path, real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        stamp = (what, path, real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, environment)
         with self._lock:
             if self._pid != os.getpid():  # a forked child asks for itself
                 self._known, self._pid = {}, os.getpid()
-            known = self._known.get(stamp)
-        if known is not None:
-            return known
+            if stamp in self._known:
+                return cast(_T, self._known[stamp])
         # Asked outside the lock: two threads asking at once for a new compiler each pay
         # for a process once, rather than one waiting for the other's.
-        found = _ask(path, real)
+        found = ask(path, real)
         with self._lock:
-            return self._known.setdefault(stamp, found)
+            return cast(_T, self._known.setdefault(stamp, found))
 
 
 _IDENTITIES = _Identities()
 
 
-def identify(path: str) -> Compiler:
-    """What the compiler at ``path`` is (asked once per process and compiler file)."""
-    return _IDENTITIES.get(path)
+def identify(path: str, environment: Environment = ()) -> Compiler:
+    """What the compiler at ``path`` is, run with ``environment`` applied to this
+    process's (asked once per process, compiler file and environment)."""
+    return _IDENTITIES.get("identity", path, environment, lambda p, real: _ask(p, real, environment))
 
 
-def _run(argv: list[str]) -> str:
+def amd_processors(compiler: Compiler, environment: Environment = ()) -> frozenset[str] | None:
+    """The AMD processors (``gfx90a``, ...) that ``compiler`` (hipcc over Clang, or Clang)
+    builds for, as its Clang lists them (``-print-supported-cpus`` for the ``amdgcn``
+    target: no source is compiled); None where it cannot say (another compiler, or one
+    that does not answer that question): its compile then says what it knows."""
+    if compiler.family not in ("hipcc", "clang"):
+        return None
+    return _IDENTITIES.get("amd-processors", compiler.path, environment,
+                           lambda path, real: _processors(path, environment))
+
+
+def _processors(path: str, environment: Environment) -> frozenset[str] | None:
     try:
-        proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=60,
-                              env={**os.environ, "LC_ALL": "C"})
+        stdout, stderr = _run([path, "--target=amdgcn-amd-amdhsa", "-nogpulib", "-print-supported-cpus"],
+                              environment)
+    except CompilerNotFound:
+        return None
+    found = frozenset(re.findall(r"^\s*(gfx[0-9a-f]+)\s*$", stdout + "\n" + stderr, re.MULTILINE))
+    return found or None
+
+
+def _run(argv: list[str], environment: Environment = ()) -> tuple[str, str]:
+    """What ``argv`` printed (stdout, stderr), run with ``environment`` applied."""
+    env = {**os.environ, "LC_ALL": "C"}
+    for name, value in environment:
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    try:
+        proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=60, env=env)
     except (OSError, subprocess.SubprocessError) as exc:
         raise CompilerNotFound(f"{argv[0]} does not run ({' '.join(argv[1:])}): {exc}") from None
-    text = (proc.stdout + proc.stderr).decode(errors="replace").strip()
+    stdout, stderr = proc.stdout.decode(errors="replace").strip(), proc.stderr.decode(errors="replace").strip()
     if proc.returncode != 0:
+        text = f"{stdout}\n{stderr}".strip()
         raise CompilerNotFound(f"{argv[0]} is not a usable compiler: '{' '.join(argv)}' exited with status "
                                f"{proc.returncode}: {text[-500:]}")
-    return text
+    return stdout, stderr
 
 
 _BOILERPLATE = re.compile(r"Copyright|This is free software|warranty;")
@@ -216,8 +267,9 @@ _VERSION_PATTERNS = {
 }
 
 
-def _ask(path: str, real: str) -> Compiler:
-    text = _run([path, "--version"])
+def _ask(path: str, real: str, environment: Environment) -> Compiler:
+    stdout, stderr = _run([path, "--version"], environment)
+    text = f"{stdout}\n{stderr}".strip()
     lowered = text.lower()
     if "cuda compilation tools" in lowered:
         family = "nvcc"
@@ -229,11 +281,15 @@ def _ask(path: str, real: str) -> Compiler:
         family = "gcc"
     else:
         family = "unknown"
+    if family == "hipcc":
+        # hipcc's helpers complain on stderr where there is no GPU (rocm_agent_enumerator):
+        # what it is is on stdout, the same on a machine with a GPU and one without.
+        text = stdout
     identity = "\n".join(line for line in text.splitlines() if line.strip() and not _BOILERPLATE.match(line))
     machine = ""
     if family in ("gcc", "clang"):
         # The version text does not say which machine a cross compiler builds for.
-        lines = _run([path, "-dumpmachine"]).splitlines()
+        lines = _run([path, "-dumpmachine"], environment)[0].splitlines()
         if not lines or not lines[-1].strip():
             raise CompilerNotFound(f"{path} is not a usable compiler: '{path} -dumpmachine' printed nothing, where "
                                    "a GCC or Clang driver prints the machine it builds for")

@@ -29,14 +29,11 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from aiocompile.backends._native._compiler import DROPPED
+from aiocompile.backends._native._compiler import DROPPED, Environment
 from aiocompile.backends._native._headers import make_dependencies
 from aiocompile.errors import CompileError
 
 __all__ = ["DependencyPass", "Ran", "dependencies", "failure", "output", "run", "scratch", "sweep"]
-
-Environment = tuple[tuple[str, str | None], ...]
-"""``(name, value)`` pairs a compiler runs with; None: unset (see ``_compiler.environment``)."""
 
 # What a CompileError's message shows of the diagnostics; ``output`` keeps more.
 _MESSAGE_LINES = 60
@@ -145,11 +142,14 @@ def run(argv: Sequence[str], cwd: str, environment: Environment = ()) -> Ran:
     return Ran(tuple(argv), proc.returncode, proc.stdout.decode("utf-8", errors="replace"), seconds)
 
 
-def failure(ran: Ran, *, name: str, key: str | None, target: str | None, how: str | None = None) -> CompileError:
+def failure(ran: Ran, *, name: str, key: str | None, target: str | None, how: str | None = None,
+            tool: str | None = None) -> CompileError:
     """The ``CompileError`` for a compiler command that failed: its diagnostics (the first
     lines in the message, more in ``output``) and its command line. ``how`` says what went
-    wrong where its exit status does not (it exited 0 without writing its output)."""
-    tool = os.path.basename(ran.argv[0])
+    wrong where its exit status does not (it exited 0 without writing its output);
+    ``tool`` names the compiler where its file name alone does not (hipcc, with the HIP and
+    Clang versions under it)."""
+    tool = tool or os.path.basename(ran.argv[0])
     how = how or _ending(ran.returncode)
     diagnostics = ran.output.strip()
     lines = diagnostics.splitlines()

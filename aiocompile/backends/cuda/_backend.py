@@ -9,12 +9,22 @@ What runs, in a scratch directory of the worker (``FLAGS`` after the include dir
     ptx      nvcc ... -ptx -arch=sm_90 -o sm_90.ptx source.cu --time sm_90.time      (once per architecture)
     fatbin   nvcc ... -fatbin -gencode=arch=compute_80,code=sm_80 ... -o source.fatbin source.cu --time ...
     shared   nvcc ... -shared -Xcompiler -fPIC -gencode=... -o libsource.so source.cu --time ...
-    hsaco    hipcc -I... FLAGS --genco --offload-arch=gfx942 ... -o source.hsaco source.hip
+    hsaco    HIP_PLATFORM=amd hipcc -I... FLAGS --genco --offload-arch=gfx90a ... -o source.hsaco source.hip
+    shared   HIP_PLATFORM=amd hipcc -I... FLAGS -shared -fPIC --offload-arch=gfx90a ... -o libsource.so source.hip
 
 An ``sm_XX`` architecture in a fatbin or a shared library is its machine code; a
 ``compute_XX`` one is its PTX, which the driver compiles for newer GPUs. For AMD
-architectures (``gfx942``) hipcc runs instead, and ``cubin``, ``fatbin`` and ``hsaco``
-all mean a code object (a bundle of one per architecture).
+architectures (``gfx90a``) hipcc runs instead, and ``cubin``, ``fatbin`` and ``hsaco``
+all mean a code object (a Clang offload bundle of one per architecture).
+
+hipcc builds for AMD or NVIDIA GPUs as ``HIP_PLATFORM`` says, and where it is unset picks
+NVIDIA's whenever it finds nvcc and no ``clang++``: an AMD architecture is then handed to
+nvcc, which does not know it. A ``gfx`` architecture is AMD's alone, so hipcc always runs
+with ``HIP_PLATFORM=amd`` here, whatever the environment says (another value could only
+fail), and is asked what it is with it too: its identity, in the key, is HIP's version
+and the Clang under it. The AMD processors that Clang knows are asked once
+(``_compiler.amd_processors``): an architecture it does not know (``gfx942`` for Clang 15)
+is a ``CompileError`` naming the compiler and its versions, before any worker.
 
 The key covers the source, the architectures, the output, the flags, the include
 directories and the headers read from them, the contents of the other files the flags
@@ -43,12 +53,13 @@ from aiocompile.backends._native._headers import Scan, SearchPath, absolute_path
 from aiocompile.backends._native._inputs import named_files, refuse_unkeyable
 from aiocompile.backends.cuda import _worker as _cuda_worker
 from aiocompile.backends.cuda._binary import CudaBinary
+from aiocompile.errors import CompileError
 
 __all__ = ["CudaBackend", "CudaSpec", "Invocation"]
 
-_FORMAT = 2
+_FORMAT = 3
 """Part of every key: raised when the command lines built here change (2: the compiler's
-environment carried)."""
+environment carried; 3: hipcc runs with ``HIP_PLATFORM=amd``)."""
 
 # What nvcc and hipcc add to every command line from the environment: searched for
 # include directories and files as the flags are.
@@ -174,9 +185,16 @@ class CudaBackend(NativeBackend):
         return str(spec.get("name") or (found.group(1) if found else self.kind))
 
     def plan(self, checked: _Checked) -> Plan:
-        compiler = _compiler.identify(_compiler.find(checked.vendor, checked.compiler))
         cwd = os.getcwd()
         environment = _compiler.environment(cwd)
+        if checked.vendor == "hip":
+            environment = tuple((name, "amd" if name == "HIP_PLATFORM" else value) for name, value in environment)
+        compiler = _compiler.identify(_compiler.find(checked.vendor, checked.compiler), environment)
+        source_digest = hashlib.sha256(checked.source.encode("utf-8", errors="surrogatepass")).hexdigest()
+        found_name = _KERNEL_NAME.search(checked.source)
+        name = checked.name or (found_name.group(1) if found_name else f"cuda-{source_digest[:12]}")
+        if checked.vendor == "hip":
+            _refuse_unknown_processors(compiler, environment, checked.archs, name)
         include_dirs = tuple(os.path.normpath(os.path.join(cwd, d)) for d in checked.include_dirs)
         flags = absolute_paths(checked.flags, cwd)
         base = (compiler.path, *(f"-I{d}" for d in include_dirs), *flags)
@@ -192,9 +210,6 @@ class CudaBackend(NativeBackend):
         added = [word for name in _ADDED_FLAGS.get(checked.vendor, ()) for word in _words(name, values[name])]
         inputs = named_files((*flags, *added), cwd, self.headers, driver=False, library_path=values["LIBRARY_PATH"])
         source_file = "source.cu" if checked.vendor == "cuda" else "source.hip"
-        source_digest = hashlib.sha256(checked.source.encode("utf-8", errors="surrogatepass")).hexdigest()
-        found_name = _KERNEL_NAME.search(checked.source)
-        name = checked.name or (found_name.group(1) if found_name else f"cuda-{source_digest[:12]}")
 
         def finish(scan: Scan) -> Request:
             key = key_of({
@@ -211,9 +226,32 @@ class CudaBackend(NativeBackend):
                 compiler=compiler, environment=environment,
             ))
 
+        # hipcc's -MM for host and device code at once fails where it bundles the
+        # dependency files: a code object is device code alone, so is its pass.
+        depends = base if checked.vendor == "cuda" or checked.output == "shared" else (
+            *base, "--cuda-device-only", *(f"--offload-arch={a}" for a in checked.archs))
         return Plan(name=name, search=SearchPath.from_argv((*base[1:], *added), environment), finish=finish,
-                    dependency_pass=_run.DependencyPass(base, checked.source, os.path.splitext(source_file)[1],
+                    dependency_pass=_run.DependencyPass(depends, checked.source, os.path.splitext(source_file)[1],
                                                         environment))
+
+
+def _refuse_unknown_processors(compiler: Compiler, environment: _run.Environment, archs: tuple[str, ...],
+                               name: str) -> None:
+    """A ``CompileError`` where the compiler lists the AMD processors it knows and one of
+    the architectures is not among them (a target ID's features, ``gfx90a:xnack+``, aside)."""
+    known = _compiler.amd_processors(compiler, environment)
+    if known is None:
+        return
+    unknown = [arch for arch in archs if arch.split(":", 1)[0] not in known]
+    if unknown:
+        family = unknown[0].split(":", 1)[0][:-2]  # gfx942 -> gfx9, gfx1201 -> gfx12
+        kin = sorted((p for p in known if p[:-2] == family), key=lambda p: (len(p), p))
+        knows = f"of {family} it knows {', '.join(kin)}" if kin else f"it knows no {family} processor"
+        raise CompileError(
+            f"{compiler.summary} does not know {', '.join(unknown)} ({knows}); a newer ROCm (its hipcc and "
+            "Clang) builds for more",
+            kernel_name=name, target=f"hip:{'+'.join(archs)}",
+            command=f"{compiler.path} --target=amdgcn-amd-amdhsa -nogpulib -print-supported-cpus")
 
 
 def request(spec: CudaSpec) -> Request:

@@ -4,12 +4,18 @@ once per image, with nvcc's own phase times."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import os
+import re
 from typing import Any
 
 from aiocompile.backends._native import _run
 
 _UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+# What Clang says of an AMD processor it does not know (where hipcc could not list them
+# beforehand).
+_UNKNOWN_PROCESSOR = re.compile(r"invalid target ID '(gfx[^':]+)|unknown target CPU '(gfx[^']+)'")
 
 
 def read_phase_times(path: str) -> list[tuple[str, float]]:
@@ -41,6 +47,16 @@ def read_phase_times(path: str) -> list[tuple[str, float]]:
     return list(totals.items())
 
 
+def _failure(spec: Any, ran: _run.Ran) -> Exception:
+    """A failed run's ``CompileError``; hipcc's names the HIP and Clang under it, and says
+    so where Clang does not know an architecture."""
+    if spec.vendor != "hip":
+        return _run.failure(ran, name=spec.name, key=spec.key, target=spec.target)
+    found = _UNKNOWN_PROCESSOR.search(ran.output)
+    how = f"does not know {found.group(1) or found.group(2)}" if found else None
+    return _run.failure(ran, name=spec.name, key=spec.key, target=spec.target, how=how, tool=spec.compiler.summary)
+
+
 def compile_gpu_code(spec: Any) -> dict[str, Any]:
     """Build one ``CudaSpec``'s images; returns them as plain data."""
     images: dict[str, bytes] = {}
@@ -52,12 +68,15 @@ def compile_gpu_code(spec: Any) -> dict[str, Any]:
             f.write(spec.source)
         for invocation in spec.invocations:
             ran = _run.run(invocation.argv, work, spec.environment)
+            if spec.vendor == "hip":
+                # The command as shown (its record, its error) runs the same in a shell.
+                ran = dataclasses.replace(ran, argv=("env", "HIP_PLATFORM=amd", *ran.argv))
             if ran.returncode != 0:
-                raise _run.failure(ran, name=spec.name, key=spec.key, target=spec.target)
+                raise _failure(spec, ran)
             images[invocation.label] = _run.output(ran, os.path.join(work, invocation.output), name=spec.name,
                                                    key=spec.key, target=spec.target)
             phases = read_phase_times(os.path.join(work, invocation.times)) if invocation.times else []
-            for phase, duration in phases or [(os.path.basename(invocation.argv[0]), ran.seconds)]:
+            for phase, duration in phases or [(spec.compiler.name, ran.seconds)]:
                 stages[phase] = stages.get(phase, 0.0) + duration
             commands.append(ran.command)
             if ran.output.strip():

@@ -15,7 +15,8 @@ of another shape (a builder of another class, a remote build) runs as the very c
 Inductor would have run (``_native_worker.build_native``, torch imported in the worker).
 The first and third steps stay where Inductor runs them. :func:`cuda_request` does the
 same for ``AsyncCompile.cuda``: ``CUDACodeCache.compile`` in a worker,
-``CUDACodeCache.load`` in the parent.
+``CUDACodeCache.load`` in the parent; :func:`rocm_request` for ``AsyncCompile.rocm``, with
+``ROCmCodeCache`` (Inductor's HIP builds, which run ROCm's Clang).
 
 Keys: Inductor's own key for the source (the hash its files are named after: the source
 with its compile command), with the commands themselves (where the outputs go, which
@@ -38,7 +39,7 @@ from aiocompile.backends import Request
 from aiocompile.backends.inductor import _native_worker
 from aiocompile.backends.inductor._native_worker import BuildStep
 
-__all__ = ["BUILD_ENV_NAMES", "InductorBuild", "cpp_request", "cuda_request"]
+__all__ = ["BUILD_ENV_NAMES", "InductorBuild", "cpp_request", "cuda_request", "rocm_request"]
 
 # Environment variables a compiler reads (where to find itself, its headers, libraries and
 # scratch space; nvcc's CUDA), sent with each build and part of its key: the workers' own
@@ -60,6 +61,12 @@ _CUDA_ENV_NAMES = (*BUILD_ENV_NAMES, "TORCHINDUCTOR_CACHE_DIR")
 
 # The Inductor settings a CUDA build reads in the worker (the nvcc command, CUTLASS).
 _CUDA_SETTING_PREFIXES = ("cuda.", "cutlass.")
+
+# A ROCm build: where ROCm is (Inductor's settings name its Clang, headers and libraries;
+# Clang looks for the HIP runtime and device libraries as these variables say), and the
+# ``rocm.`` settings that make the command (architectures, Composable Kernel, options).
+_ROCM_ENV_NAMES = (*_CUDA_ENV_NAMES, "ROCM_HOME", "ROCM_PATH", "HIP_PATH", "HIP_DEVICE_LIB_PATH")
+_ROCM_SETTING_PREFIXES = ("rocm.",)
 
 
 @dataclass(frozen=True)
@@ -189,6 +196,30 @@ def cuda_request(source_code: str, dst_file_ext: str, aot_compile: bool) -> Requ
     build = functools.partial(_native_worker.build_cuda, source_code, dst_file_ext, aot_compile, settings)
     args = (build, lock_path, tuple(outputs), os.getpid(), env, inductor_key, key, "cuda")
     return _request("inductor-cuda", inductor_key, key, "cuda", _native_worker.build_native, args)
+
+
+def rocm_request(source_code: str, dst_file_ext: str, aot_compile: bool) -> Request:
+    """The request for ``AsyncCompile.rocm(source_code, dst_file_ext, aot_compile)``'s
+    build: ``ROCmCodeCache.compile`` in a worker, under this process's ROCm settings."""
+    from torch._inductor import config
+    from torch._inductor.codecache import ROCmCodeCache, get_lock_dir
+
+    steps = ("o", dst_file_ext) if aot_compile else (dst_file_ext,)
+    outputs = []
+    inductor_key = ""
+    suffix = len(ROCmCodeCache._SOURCE_CODE_SUFFIX)
+    for ext in dict.fromkeys(steps):
+        inductor_key, input_path = ROCmCodeCache.write(source_code, ext)
+        outputs.append(input_path[:-suffix] + ext)
+    lock_path = os.path.join(get_lock_dir(), inductor_key + ".lock")
+    save = getattr(config, "save_config_portable", None) or config.get_config_copy
+    settings = {k: v for k, v in save().items() if k.startswith(_ROCM_SETTING_PREFIXES)}
+    env = _environment(_ROCM_ENV_NAMES)
+    key = _key("inductor-rocm", inductor_key, tuple(outputs), aot_compile, _written([input_path]),
+               sorted(settings.items(), key=lambda kv: kv[0]), sorted(env.items()))
+    build = functools.partial(_native_worker.build_rocm, source_code, dst_file_ext, aot_compile, settings)
+    args = (build, lock_path, tuple(outputs), os.getpid(), env, inductor_key, key, "rocm")
+    return _request("inductor-rocm", inductor_key, key, "rocm", _native_worker.build_native, args)
 
 
 def _request(backend: str, name: str, key: str | None, target: str, fn: Callable[..., Any],

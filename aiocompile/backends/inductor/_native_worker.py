@@ -175,3 +175,20 @@ def build_cuda(source_code: str, dst_file_ext: str, aot_compile: bool, settings:
         if aot_compile:
             CUDACodeCache.compile(source_code, "o")
         CUDACodeCache.compile(source_code, dst_file_ext)
+
+
+def build_rocm(source_code: str, dst_file_ext: str, aot_compile: bool, settings: Mapping[str, Any]) -> None:
+    """What ``AsyncCompile.rocm`` does in Inductor's compile thread, short of loading:
+    ``ROCmCodeCache.compile`` for the source (its object file first, for AOT; its test
+    runner where ``rocm.generate_test_runner`` asks), under the parent's ``rocm.``
+    settings."""
+    from torch._inductor import config
+    from torch._inductor.codecache import ROCmCodeCache
+
+    ROCmCodeCache.cache_clear()  # as build_cuda: each job goes by the files alone
+    with config.patch(dict(settings)):
+        if aot_compile:
+            ROCmCodeCache.compile(source_code, "o")
+        if config.rocm.generate_test_runner:
+            ROCmCodeCache.compile(source_code, "exe")
+        ROCmCodeCache.compile(source_code, dst_file_ext)
