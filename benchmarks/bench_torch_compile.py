@@ -18,10 +18,12 @@ workers as Inductor would (its ``compile_threads``). The outputs are checked aga
 Each round prints both times and their ratio; the summary gives the medians, their ratio
 and the median of the rounds' ratios (steadier on a machine shared with other work). On
 the CPU, "ms added per build" is what the pool adds to a C++ build beyond the compiler's
-own time and the wait for a free worker (median over the run's builds).
+own time and the wait for a free worker (median over the run's builds). With
+``--cpu-backend halide`` the CPU kernels are Inductor's Halide ones (``pip install halide``):
+each a Halide generator and a C++ glue, and Halide's runtime once per run.
 
     python benchmarks/bench_torch_compile.py [--device cpu] [--repeat 3] [--scenarios cold,started]
-        [--models mlp,attention,convnet] [--json out.json]
+        [--models mlp,attention,convnet] [--cpu-backend cpp|halide] [--json out.json]
 
 The device is the GPU where torch sees one, the CPU otherwise.
 """
@@ -65,6 +67,7 @@ def measure_in_child(mode: str, name: str, scenario: str, device: str, inductor_
     from torch._inductor import config
 
     config.fx_graph_cache = False
+    config.cpu_backend = os.environ.get("BENCH_CPU_BACKEND", "cpp")
     spec = importlib.util.spec_from_file_location("torch_models", os.path.join(ROOT, "examples", "torch_models.py"))
     assert spec is not None and spec.loader is not None
     models = importlib.util.module_from_spec(spec)
@@ -95,6 +98,10 @@ def measure_in_child(mode: str, name: str, scenario: str, device: str, inductor_
     }
     if sched is not None:
         stats = sched.statistics()
+        halide = [r for r in sched.records() if r.backend == "inductor-halide" and r.outcome == "compiled"]
+        if halide:
+            result.update(halide_builds=len(halide), halide_build_seconds=round(sum(r.run_time or 0.0
+                                                                                   for r in halide), 3))
         result.update(compiled=stats.compiled, joined=stats.joined, cache_hits=stats.cache_hits,
                       compile_seconds_in_workers=round(stats.run_time.total, 3),
                       worker_crashes=stats.worker_crashes, failed=stats.failed,
@@ -146,11 +153,11 @@ def start_pool(mode: str, workers: int, wait: bool = True) -> object:
     return sched
 
 
-def measure(mode: str, name: str, scenario: str, device: str, timeout: float) -> dict:
+def measure(mode: str, name: str, scenario: str, device: str, timeout: float, cpu_backend: str = "cpp") -> dict:
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", mode, name, scenario, device],
                           capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get(
-                              "PYTHONPATH", "")]))})
+                          env={**os.environ, "BENCH_CPU_BACKEND": cpu_backend, "PYTHONPATH": path})
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{mode} {name} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
@@ -165,6 +172,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per measurement")
     parser.add_argument("--json", help="write every measurement here")
     parser.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda where torch sees a GPU, else cpu")
+    parser.add_argument("--cpu-backend", choices=("cpp", "halide"), default="cpp", help="Inductor's CPU kernels")
     parser.add_argument("--child", nargs=4, metavar=("MODE", "MODEL", "SCENARIO", "DEVICE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -179,7 +187,7 @@ def main() -> None:
             for name in names:
                 pair = {}
                 for mode in (MODES if round_ % 2 == 0 else MODES[::-1]):
-                    run = pair[mode] = measure(mode, name, scenario, device, args.timeout)
+                    run = pair[mode] = measure(mode, name, scenario, device, args.timeout, args.cpu_backend)
                     run["round"] = round_ + 1
                     runs.append(run)
                     extra = f", {run['compiled']} compiled in workers" if mode == "aiocompile" else ""

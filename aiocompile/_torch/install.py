@@ -10,6 +10,8 @@ exactly what was there):
   Inductor loads the library itself;
 - ``cuda``: ``CUDACodeCache.compile`` (nvcc) in a worker; the library is loaded here;
 - ``rocm``: the same with ``ROCmCodeCache`` (ROCm's Clang, HIP);
+- ``halide``: Halide's runtime, then each kernel's build (its generator, its C++ glue)
+  in a worker; Inductor loads the kernel's binding here;
 - ``use_process_pool``: true whenever Inductor would compile in parallel, so that it starts
   compiles during code generation; its own pool is never started;
 - ``warm_pool``, ``wakeup``, ``wait_pool_ready``: instead of Inductor's pool warm-up, the
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import functools
 import os
 import sys
 import warnings
@@ -39,14 +42,14 @@ from aiocompile.backends.inductor._worker import PRELOAD
 from aiocompile.errors import SchedulerClosed
 
 # The attributes of AsyncCompile that install() replaces, with what replaces them below.
-PATCHED = ("triton", "cpp", "cpp_pybinding", "cuda", "rocm", "use_process_pool", "warm_pool", "wakeup",
+PATCHED = ("triton", "cpp", "cpp_pybinding", "cuda", "rocm", "halide", "use_process_pool", "warm_pool", "wakeup",
            "wait_pool_ready")
 
 
 
 
 def install(scheduler: Scheduler | None = None, *, timeout: float | None = None, warm: bool = True) -> Scheduler:
-    """Make Inductor's compiles (Triton kernels, C++ and CUDA builds) run in ``scheduler``
+    """Make Inductor's compiles (Triton kernels, C++, CUDA and Halide builds) run in ``scheduler``
     and return it; with None, in a scheduler of its own (configured from the environment,
     its workers forked with torch already imported where Triton kernels may come), which
     starts loading at once and which ``uninstall()`` closes.
@@ -329,20 +332,57 @@ def _gpu_build(installation: Installation, kind: str, source_code: str, dst_file
     return async_triton.lambda_future(module, load, answer)
 
 
-class _NativeSubmit:
-    """The ``submit_fn`` Inductor's ``CppCodeCache.load_async`` hands its build to: a
-    request to the scheduler instead of a compile thread. Inductor waits on the future it
-    returns (``future.result()``), then loads the library itself, in the thread that asks
-    for the kernel. Inductor calls it only when the library is not on disk yet."""
+def _halide(self: Any, meta: Any, source_code: str) -> Any:
+    installation = _active(type(self), "halide")
+    if installation is None:
+        return type(self).halide(self, meta, source_code)
+    from torch._inductor.codecache import HalideCodeCache
 
-    def __init__(self, installation: Installation) -> None:
+    from aiocompile.backends.inductor import _native
+
+    module = async_triton.async_compile_module()
+    _log_kernel(module, "Halide Kernel:\n%r\n%s", meta, source_code)
+    target = "cuda" if meta.is_cuda() else "cpu"
+    _halide_runtime(installation, target)
+    submit = _NativeSubmit(installation, functools.partial(_native.halide_request, target=target))
+    get_result = HalideCodeCache.generate_halide_async(meta, source_code, submit_fn=submit)
+    if not _threads(module):
+        return get_result()
+    return async_triton.lambda_future(module, get_result, submit.future)
+
+
+def _halide_runtime(installation: Installation, target: str) -> None:
+    """Halide's runtime library, built in a worker before Inductor asks for it. Inductor
+    builds it in the calling thread for the first Halide kernel of a cache directory,
+    importing Halide into this process and compiling with it; built first in a worker, it
+    is found done there. Waited for: the kernel's build links against it."""
+    from torch._inductor.codecache import HalideCodeCache
+
+    from aiocompile.backends.inductor import _native
+
+    previous = getattr(HalideCodeCache, "_standalone_runtime_path", None)
+    if previous and os.path.exists(previous):
+        return
+    request = _native.halide_runtime_request(previous, target)
+    async_triton.result(installation.current_scheduler().port.execute_sync(request, installation.timeout))
+
+
+class _NativeSubmit:
+    """The ``submit_fn`` Inductor's ``CppCodeCache.load_async`` (or
+    ``HalideCodeCache.generate_halide_async``) hands its build to: a request to the
+    scheduler instead of a compile thread. Inductor waits on the future it returns
+    (``future.result()``), then loads the library itself, in the thread that asks for the
+    kernel. Inductor calls it only when the library is not on disk yet."""
+
+    def __init__(self, installation: Installation, request: Callable[[Callable[[], Any]], Any] | None = None) -> None:
         self.installation = installation
+        self.request = request
         self.future: cf.Future[Any] | None = None
 
     def __call__(self, build: Callable[[], Any]) -> cf.Future[Any]:
         from aiocompile.backends.inductor import _native
 
-        request = _native.cpp_request(build)
+        request = (self.request or _native.cpp_request)(build)
         self.future = self.installation.current_scheduler().port.execute_sync(request, self.installation.timeout)
         return self.future
 
@@ -353,10 +393,10 @@ def _threads(module: Any) -> bool:
     return bool(module.get_compile_threads() > 1)
 
 
-def _log_kernel(module: Any, message: str, source_code: str) -> None:
+def _log_kernel(module: Any, message: str, *args: Any) -> None:
     code_log = getattr(module, "kernel_code_log", None)
     if code_log is not None:
-        code_log.info(message, source_code)
+        code_log.info(message, *args)
 
 
 def _use_process_pool(cls: Any) -> bool:
@@ -396,6 +436,7 @@ _REPLACEMENTS: dict[str, Any] = {
     "cpp_pybinding": _cpp_pybinding,
     "cuda": _cuda,
     "rocm": _rocm,
+    "halide": _halide,
     "use_process_pool": classmethod(_use_process_pool),
     "warm_pool": classmethod(_warm_pool),
     # torch.compile's own backend calls wakeup() alone, for a graph with GPU inputs;

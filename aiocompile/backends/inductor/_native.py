@@ -1,4 +1,4 @@
-"""Inductor's native builds (its C++ kernels, and CUDA/CUTLASS ones) as requests.
+"""Inductor's native builds (its C++ kernels, CUDA/CUTLASS and Halide ones) as requests.
 
 Inductor builds a C++ kernel in three steps, all in ``CppCodeCache.load_async``: it writes
 the source into its cache directory and makes the ``CppBuilder`` commands for it (in the
@@ -18,6 +18,16 @@ same for ``AsyncCompile.cuda``: ``CUDACodeCache.compile`` in a worker,
 ``CUDACodeCache.load`` in the parent; :func:`rocm_request` for ``AsyncCompile.rocm``, with
 ``ROCmCodeCache`` (Inductor's HIP builds, which run ROCm's Clang).
 
+A Halide kernel (``HalideCodeCache.generate_halide_async``) is built by a task Inductor
+hands its ``submit_fn`` too: under a lock for the kernel's directory, a Python program
+(the generator) that writes the kernel's static library, the C++ glue's build (the
+Python binding, linked with that library and Halide's runtime), and a ``done`` file.
+:func:`halide_request` sends those parts to a worker (``_native_worker.build_halide``,
+without torch); Inductor loads the binding in the parent as it always does. Halide's
+runtime, which Inductor builds in the calling thread on the first kernel of a cache
+directory (importing Halide there), is built first in a worker
+(:func:`halide_runtime_request`), where Inductor then finds it.
+
 Keys: Inductor's own key for the source (the hash its files are named after: the source
 with its compile command), with the commands themselves (where the outputs go, which
 compiler), the source file as written (so that a cache directory emptied and refilled
@@ -31,6 +41,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -39,7 +50,8 @@ from aiocompile.backends import Request
 from aiocompile.backends.inductor import _native_worker
 from aiocompile.backends.inductor._native_worker import BuildStep
 
-__all__ = ["BUILD_ENV_NAMES", "InductorBuild", "cpp_request", "cuda_request", "rocm_request"]
+__all__ = ["BUILD_ENV_NAMES", "InductorBuild", "cpp_request", "cuda_request", "halide_request",
+           "halide_runtime_request", "rocm_request"]
 
 # Environment variables a compiler reads (where to find itself, its headers, libraries and
 # scratch space; nvcc's CUDA), sent with each build and part of its key: the workers' own
@@ -58,6 +70,9 @@ BUILD_ENV_NAMES = (
 # A CUDA build works out its paths in the worker, from Inductor's cache directory; a C++
 # build has them in its commands.
 _CUDA_ENV_NAMES = (*BUILD_ENV_NAMES, "TORCHINDUCTOR_CACHE_DIR")
+# Halide's runtime: its directory, and the compiler command it is named after, are worked
+# out in the worker.
+_HALIDE_RUNTIME_ENV_NAMES = (*_CUDA_ENV_NAMES, "CXX")
 
 # The Inductor settings a CUDA build reads in the worker (the nvcc command, CUTLASS).
 _CUDA_SETTING_PREFIXES = ("cuda.", "cutlass.")
@@ -220,6 +235,86 @@ def rocm_request(source_code: str, dst_file_ext: str, aot_compile: bool) -> Requ
     build = functools.partial(_native_worker.build_rocm, source_code, dst_file_ext, aot_compile, settings)
     args = (build, lock_path, tuple(outputs), os.getpid(), env, inductor_key, key, "rocm")
     return _request("inductor-rocm", inductor_key, key, "rocm", _native_worker.build_native, args)
+
+
+def halide_request(task: Callable[[], Any], target: str = "cpu") -> Request:
+    """The request for one Halide kernel's build, the task ``generate_halide_async`` hands
+    its ``submit_fn``: ``functools.partial(_worker_task_halide, lock_path, jobs)``, whose
+    jobs are the generator's command (``subprocess.check_call``), the glue's build
+    (``_worker_compile_cpp``, absent where Inductor has the glue already) and the ``done``
+    file (``touch``). Built from those parts without torch in the worker; a task of
+    another shape runs as Inductor's own callable (``_native_worker.build_native``)."""
+    parts = _halide_parts(task)
+    env = _environment()
+    pid = os.getpid()
+    if parts is None:
+        lock_path = _lock_of(task)
+        name = _halide_name(lock_path) if lock_path is not None else "halide"
+        args: tuple[Any, ...] = (task, lock_path, (), pid, env, name, None, target)
+        return _request("inductor-halide", name, None, target, _native_worker.build_native, args)
+    lock_path, generate, glue_lock, glue_builders, done = parts
+    name = _halide_name(lock_path)
+    outputs = (*(str(b.get_target_file_path()) for b in glue_builders), done)
+    # The generator as written: Inductor writes it afresh whenever the kernel is not built
+    # (a cache directory emptied and refilled), and that is a build of its own.
+    key = _key("inductor-halide", name, generate, tuple(b.get_command_line() for b in glue_builders), done,
+               _written([generate[1]] if len(generate) > 1 else []), sorted(env.items()))
+    steps = _steps(glue_builders) if glue_builders else ()
+    if steps is None:
+        args = (task, lock_path, outputs, pid, env, name, key, target)
+        return _request("inductor-halide", name, key, target, _native_worker.build_native, args)
+    args = (lock_path, generate, glue_lock, steps, done, pid, env, name, key, target)
+    return _request("inductor-halide", name, key, target, _native_worker.build_halide, args)
+
+
+def halide_runtime_request(previous: str | None, target: str = "cpu") -> Request:
+    """The request for Halide's runtime library (``HalideCodeCache.build_standalone_runtime``),
+    built in a worker; ``previous`` is Inductor's record in this process of where it was.
+    Not keyed: Inductor's lock and ``done`` file make a second build find the first."""
+    args = (previous, _environment(_HALIDE_RUNTIME_ENV_NAMES), target)
+    return _request("inductor-halide", "halide-runtime", None, target, _native_worker.build_halide_runtime, args)
+
+
+def _halide_name(lock_path: str) -> str:
+    """Inductor's key for a Halide kernel: its directory's name (``<hash>.halide``)."""
+    return os.path.splitext(os.path.basename(os.path.dirname(lock_path)))[0]
+
+
+def _lock_of(task: Callable[[], Any]) -> str | None:
+    if isinstance(task, functools.partial) and task.args and isinstance(task.args[0], str):
+        return task.args[0]
+    return None
+
+
+def _halide_parts(task: Callable[[], Any]) -> tuple[str, tuple[str, ...], str | None, tuple[Any, ...], str] | None:
+    """``(lock path, generator command, glue lock, glue builders, done file)`` of the
+    task, or None for a task of another shape."""
+    if not isinstance(task, functools.partial) or len(task.args) != 2 or task.keywords:
+        return None
+    lock_path, jobs = task.args
+    if not isinstance(lock_path, str) or not isinstance(jobs, (list, tuple)):
+        return None
+    generate: tuple[str, ...] | None = None
+    glue_lock: str | None = None
+    glue: tuple[Any, ...] = ()
+    done: str | None = None
+    for job in jobs:
+        if not isinstance(job, functools.partial) or job.keywords:
+            return None
+        func_name = getattr(job.func, "__name__", "")
+        if job.func is subprocess.check_call and len(job.args) == 1 and isinstance(job.args[0], (list, tuple)):
+            generate = tuple(str(arg) for arg in job.args[0])
+        elif func_name == "_worker_compile_cpp":
+            glue_lock, glue = _cpp_parts(job)
+            if glue_lock is None or not glue:
+                return None
+        elif func_name == "touch" and len(job.args) == 1 and isinstance(job.args[0], str):
+            done = job.args[0]
+        else:
+            return None
+    if generate is None or done is None:
+        return None
+    return lock_path, generate, glue_lock, glue, done
 
 
 def _request(backend: str, name: str, key: str | None, target: str, fn: Callable[..., Any],

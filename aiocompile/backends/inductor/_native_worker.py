@@ -1,4 +1,4 @@
-"""Inductor's native builds (C++, CUDA) inside a worker process.
+"""Inductor's native builds (C++, CUDA, Halide) inside a worker process.
 
 A C++ build of Inductor is a few compiler command lines, each run in a scratch directory
 beside its output, under Inductor's file lock for the source. :func:`build_commands` runs
@@ -9,7 +9,9 @@ that fails imports torch, to raise Inductor's own error class.
 
 :func:`build_native` runs Inductor's own build callable instead (unpickling it imports
 torch), for builds whose shape :mod:`._native` does not know; :func:`build_cuda` runs
-``CUDACodeCache.compile``.
+``CUDACodeCache.compile``. :func:`build_halide` runs a Halide kernel's build from its parts
+(the generator program, the C++ glue's command lines), again without torch in the worker;
+:func:`build_halide_runtime` builds the Halide runtime every such kernel links against.
 
 Inductor's build skips every output that already exists. A build killed in the middle
 (its worker died, or its timeout killed it) may have left an output half written, which
@@ -32,7 +34,7 @@ from typing import Any, Callable
 
 from aiocompile._pool.procs import environment
 
-__all__ = ["BuildStep", "build_commands", "build_cuda", "build_native", "ready"]
+__all__ = ["BuildStep", "build_commands", "build_cuda", "build_halide", "build_halide_runtime", "build_native", "ready"]
 
 BuildStep = tuple[str, str, str, str]
 """One compiler run: ``(command line, output directory, scratch directory, output file)``,
@@ -111,24 +113,101 @@ def build_commands(
     outputs = tuple(step[3] for step in steps)
     with environment(env), _locked(lock_path), _marked(lock_path, owner, outputs) as cached:
         if not cached:
-            for command, output_dir, scratch, output in steps:
-                if os.path.exists(output):
-                    continue
-                os.makedirs(output_dir, exist_ok=True)
-                os.makedirs(scratch, exist_ok=True)
-                argv = shlex.split(command)
-                try:
-                    run = subprocess.run(argv, cwd=scratch, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                         check=False)
-                except OSError as exc:  # the compiler is not there
-                    raise _failed(exc, name, key, target) from exc
-                if run.returncode != 0:
-                    from torch._inductor.exc import CppCompileError
-
-                    error = CppCompileError(argv, run.stdout.decode("utf-8", "replace"))
-                    raise _failed(error, name, key, target) from error
-                shutil.rmtree(scratch, ignore_errors=True)
+            _run_steps(steps, name, key, target)
     return _answer(outputs, cached, started)
+
+
+def _run_steps(steps: tuple[BuildStep, ...], name: str, key: str | None, target: str | None) -> None:
+    """``CppBuilder.build`` for each step whose output is missing, in its scratch
+    directory (removed after)."""
+    for command, output_dir, scratch, output in steps:
+        if os.path.exists(output):
+            continue
+        os.makedirs(output_dir, exist_ok=True)
+        os.makedirs(scratch, exist_ok=True)
+        argv = shlex.split(command)
+        try:
+            run = subprocess.run(argv, cwd=scratch, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False)
+        except OSError as exc:  # the compiler is not there
+            raise _failed(exc, name, key, target) from exc
+        if run.returncode != 0:
+            from torch._inductor.exc import CppCompileError
+
+            error = CppCompileError(argv, run.stdout.decode("utf-8", "replace"))
+            raise _failed(error, name, key, target) from error
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def build_halide(
+    lock_path: str,
+    generate: tuple[str, ...],
+    glue_lock: str | None,
+    glue: tuple[BuildStep, ...],
+    done: str,
+    owner: int,
+    env: Mapping[str, str | None],
+    name: str,
+    key: str | None,
+    target: str | None,
+) -> dict[str, Any]:
+    """Inductor's ``_worker_task_halide`` given as its parts, under its lock for the
+    kernel's directory: the Halide generator (``generate``, a Python program that writes
+    the kernel's static library and header), the C++ glue's build (``glue``, under the
+    glue's own lock as ``_worker_compile_cpp`` runs it; empty when Inductor had the glue
+    already), then the ``done`` file, whose absence is what makes Inductor ask for a
+    build. A generator that fails raises a ``CompileError`` with what it printed; a glue
+    that does not compile, Inductor's ``CppCompileError`` as for any C++ kernel."""
+    started = time.perf_counter()
+    outputs = (*(step[3] for step in glue), done)
+    with environment(env), _locked(lock_path), _marked(lock_path, owner, outputs) as cached:
+        if not cached:
+            _generate(generate, name, key, target)
+            if glue:
+                with _locked(glue_lock) if glue_lock is not None else contextlib.nullcontext():
+                    _run_steps(glue, name, key, target)
+            # Last: a build killed before this line is a build Inductor asks for again.
+            with open(done, "a"):
+                pass
+    return _answer(outputs, cached, started)
+
+
+# The end of a failed generator's output kept in its error: Halide's own message comes last.
+_GENERATOR_OUTPUT_KEPT = 8000
+
+
+def _generate(argv: tuple[str, ...], name: str, key: str | None, target: str | None) -> None:
+    from aiocompile.errors import CompileError
+
+    try:
+        run = subprocess.run(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False)
+    except OSError as exc:  # the interpreter is not there
+        raise _failed(exc, name, key, target) from exc
+    if run.returncode != 0:
+        output = run.stdout.decode("utf-8", "replace").strip()[-_GENERATOR_OUTPUT_KEPT:]
+        raise CompileError(f"the Halide generator exited with status {run.returncode}:\n{output}",
+                           command=shlex.join(argv), kernel_name=name, key=key, target=target)
+
+
+def build_halide_runtime(previous: str | None, env: Mapping[str, str | None], target: str | None) -> dict[str, Any]:
+    """``HalideCodeCache.build_standalone_runtime()``: the Halide runtime compiled (with
+    the ``halide`` module) and linked into the shared library that every Halide kernel of
+    Inductor links against, once per cache directory, under Inductor's lock. ``previous``
+    is the requesting process's record of where the runtime was, which decides where
+    Inductor puts it now. ``cached``: it was built already."""
+    started = time.perf_counter()
+    started_ns = time.time_ns()
+    from torch._inductor.codecache import HalideCodeCache
+
+    with environment(env):
+        HalideCodeCache._standalone_runtime_path = previous
+        try:
+            path = HalideCodeCache.build_standalone_runtime()
+        except Exception as exc:
+            raise _failed(exc, "halide-runtime", None, target) from exc
+    done = os.path.join(os.path.dirname(path), "done")
+    # A runtime built here took seconds: its done file cannot predate the job.
+    cached = os.stat(done).st_mtime_ns < started_ns
+    return _answer((path,), cached, started)
 
 
 def build_native(
