@@ -235,3 +235,20 @@ def clear_inductor_caches():
     clear = getattr(utils, "clear_caches", None) or getattr(utils, "clear_inductor_caches", None)
     if clear is not None:
         clear()
+
+
+@pytest.fixture
+def fresh_inductor(tmp_path, monkeypatch):
+    """Empty Inductor and Triton caches, in memory and on disk, and no graph cache: every
+    kernel the test's compile needs is compiled."""
+    import torch
+    from torch._inductor import config
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    torch._dynamo.reset()
+    clear_inductor_caches()
+    with config.patch(fx_graph_cache=False):
+        yield
+    torch._dynamo.reset()
+    clear_inductor_caches()

@@ -13,7 +13,6 @@ import os
 
 import pytest
 from autotune_faults import inject
-from conftest import clear_inductor_caches
 
 import aiocompile
 from aiocompile._torch import install as torch_install
@@ -25,19 +24,6 @@ pytestmark = [
     pytest.mark.timeout(600),
 ]
 
-
-@pytest.fixture
-def fresh_inductor(tmp_path, monkeypatch):
-    from torch._inductor import config
-
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
-    torch._dynamo.reset()
-    clear_inductor_caches()
-    with config.patch(fx_graph_cache=False):
-        yield
-    torch._dynamo.reset()
-    clear_inductor_caches()
 
 
 def mlp():

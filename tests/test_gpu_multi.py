@@ -15,7 +15,6 @@ import subprocess
 
 import gpu_tuning_kernels as gk
 import pytest
-from conftest import clear_inductor_caches
 
 import aiocompile
 
@@ -127,19 +126,6 @@ def _gpus_of(pids: set[int]) -> dict[int, set[int]]:
             found[index_of[bus]].add(int(pid))
     return found
 
-
-@pytest.fixture
-def fresh_inductor(tmp_path, monkeypatch):
-    from torch._inductor import config
-
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
-    torch._dynamo.reset()
-    clear_inductor_caches()
-    with config.patch(fx_graph_cache=False):
-        yield
-    torch._dynamo.reset()
-    clear_inductor_caches()
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is None, reason="needs nvidia-smi to see which GPU a process uses")

@@ -637,18 +637,6 @@ def load_models():
     return module
 
 
-@pytest.fixture
-def fresh_inductor(tmp_path, monkeypatch):
-    """Empty Inductor and Triton caches, and no graph cache: every kernel is compiled."""
-    from torch._inductor import config
-
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
-    torch._dynamo.reset()
-    with config.patch(fx_graph_cache=False):
-        yield
-    torch._dynamo.reset()
-
 
 TOLERANCES = {"mlp": 1e-4, "attention": 1e-4, "convnet": 1e-4}
 
