@@ -200,6 +200,25 @@ async def test_a_key_of_another_type_is_a_refused_entry_not_a_failing_server(ser
     assert (reader.statistics().shared_hits, reader.statistics().compiled) == (1, 0)
 
 
+async def test_a_value_larger_than_any_entry_is_refused_unread_and_replaced(server, scheduler):
+    """A value far larger than any entry written (cache_url_entry_bytes) under a kernel's
+    name is refused by its length, not read and found damaged; the compile replaces it."""
+    kernel = fresh_kernel()
+    key = (await scheduler.compile_triton(**spec(kernel))).key  # a scheduler without the shared cache
+    server.client().set(f"aiocompile:{key}", b"x" * (4 << 20))
+    config = aiocompile.SchedulerConfig(workers=1, cache_url=server.url, cache_url_entry_bytes=1 << 20)
+    async with aiocompile.Scheduler(config=config) as sched:
+        with anyio.fail_after(60):
+            await sched.compile_triton(**spec(kernel))
+    stats = sched.statistics()  # after aclose(), which waited for the write
+    assert (stats.compiled, stats.shared_refused, stats.shared_corrupt, stats.shared_errors) == (1, 1, 0, 0)
+    assert stats.shared_writes == 1 and stats.shared_state == "closed"
+    assert server.client().strlen(f"aiocompile:{key}") < 1 << 20
+    async with aiocompile.Scheduler(config=config) as reader:
+        await reader.compile_triton(**spec(kernel))
+    assert (reader.statistics().shared_hits, reader.statistics().compiled) == (1, 0)
+
+
 async def test_without_a_key_a_damaged_entry_is_compiled_again(server):
     kernel = fresh_kernel()
     async with aiocompile.Scheduler(workers=1, cache_url=server.url) as first:

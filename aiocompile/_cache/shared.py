@@ -92,6 +92,11 @@ def redact(url: str) -> str:
     return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
 
+class _TooLarge(Exception):
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+
 class SharedCache:
     """One Redis server as a cache tier: ``lookup`` and ``store`` by key, under the rules
     above. Counts hits, misses, writes, and what it could not do or use."""
@@ -265,8 +270,15 @@ class SharedCache:
                 return  # answered already: the breaker opened while it waited
         try:
             blob = self._fetch(read.key)
+        except _TooLarge as exc:
+            # The server answered; the entry is one no write of ours makes, and is not
+            # read (the compile's write, if it fits, replaces it).
+            self._breaker.succeeded()
+            self._untrusted("size", read.key, f"{exc.size} bytes, more than cache_url_entry_bytes")
+            self._answer(read, None, _Found.REFUSED)
+            return
         except self._response_error as exc:
-            if not str(exc).startswith("WRONGTYPE"):
+            if "WRONGTYPE" not in str(exc):  # (a pipeline names the command before it)
                 self._answer(read, None, _Found.ERROR)
                 self._failed("read", exc)
                 return
@@ -291,8 +303,23 @@ class SharedCache:
         self._answer(read, found, outcome)
 
     def _fetch(self, key: str) -> Any:
-        """The bytes stored for ``key`` (None: nothing); raises what the client raised."""
+        """The bytes stored for ``key`` (None: nothing); raises what the client raised, or
+        ``_TooLarge`` for a value larger than any entry written (not read: a planted value
+        of hundreds of megabytes would otherwise cost that much memory in each reading
+        thread)."""
         name = PREFIX + key
+        if self._max_entry is not None:
+            # One round trip: the value's length and at most max_entry + 1 of its bytes
+            # (a value replaced between the two shows as too long, or fails its seal).
+            pipe = self._client.pipeline(transaction=False)
+            pipe.strlen(name)
+            pipe.getrange(name, 0, self._max_entry)
+            if self._ttl is not None:
+                pipe.expire(name, self._ttl)  # read, and live on
+            size, blob = pipe.execute()[:2]
+            if size > self._max_entry or len(blob) > self._max_entry:
+                raise _TooLarge(max(size, len(blob)))
+            return blob if size else None
         if self._getex:
             try:
                 return self._client.getex(name, ex=self._ttl)  # read, and live on
