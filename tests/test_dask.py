@@ -179,7 +179,11 @@ async def test_a_timeout_stops_the_task_and_restarts_its_worker(dask_client, tmp
         assert await gather(*[lambda i=i: sched.run(jobs.sleep_then, 0.2, i) for i in range(2)]) == [0, 1]
         stats = sched.statistics()
     assert (stats.timeouts, stats.worker_crashes, stats.failed) == (1, 0, 1)
-    assert [(r.name, r.getMessage()) for r in caplog.records if r.levelno >= logging.ERROR] == []
+    # Ours and the stdlib's (Dask's own scheduler may log, at ERROR, the task whose worker
+    # was restarted under it: that is the cluster's account of what was done to it).
+    assert [(r.name, r.getMessage()) for r in caplog.records
+            if r.levelno >= logging.ERROR and not r.name.startswith("distributed")] == []
+    assert not [r for r in caplog.records if "unexpected state" in r.getMessage()]
 
 
 async def test_aclose_stops_what_still_runs_on_the_cluster(dask_client, tmp_path):
