@@ -3,6 +3,8 @@ or by value, and the interpreter lock offered to the serving thread before each 
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -55,3 +57,35 @@ def test_packing_offers_the_lock_before_each_tensor_and_round_trips(monkeypatch,
     with torch.no_grad():
         torch.testing.assert_close(copy(x), model(x), rtol=0, atol=0)
 
+
+
+def in_main(monkeypatch: pytest.MonkeyPatch) -> torch.nn.Module:
+    """A model whose class lives in ``__main__``, as one defined in a program's script."""
+
+    class Scaled(background_models.MLP):
+        pass
+
+    Scaled.__module__ = "__main__"
+    Scaled.__qualname__ = "Scaled"
+    monkeypatch.setattr(sys.modules["__main__"], "Scaled", Scaled, raising=False)
+    return Scaled().eval()
+
+
+def test_a_class_of_main_travels_by_value_and_no_script_goes_with_it(monkeypatch):
+    pytest.importorskip("cloudpickle")
+    model = in_main(monkeypatch)
+    parcel = _parcel.pack(model)
+    assert parcel.how == "cloudpickle"
+    monkeypatch.delattr(sys.modules["__main__"], "Scaled")  # a worker's __main__ has no such class
+    copy = _parcel.unpack(parcel)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(copy(x), model(x), rtol=0, atol=0)
+
+
+def test_without_cloudpickle_a_class_of_main_is_refused_saying_what_to_change(monkeypatch):
+    model = in_main(monkeypatch)
+    monkeypatch.setitem(sys.modules, "cloudpickle", None)  # import cloudpickle raises ImportError
+    with pytest.raises(TypeError, match=r"Scaled defined in the program's __main__.*move its class into an "
+                                        r"importable module"):
+        _parcel.pack(model)

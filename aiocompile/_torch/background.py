@@ -27,13 +27,15 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+import anyio
+
 from aiocompile._base import bridge, threads
 from aiocompile._core.scheduler import Scheduler
 from aiocompile._observe import repro as _repro
 from aiocompile._torch import ahead, export, graph
 from aiocompile._torch import parcel as _parcel
 from aiocompile._torch.job import ENV_PREFIXES, ExportJob
-from aiocompile._torch.states import TRANSITIONS, BackgroundStatus, ShapeStatus, _Entry
+from aiocompile._torch.states import TRANSITIONS, BackgroundStatus, ShapeStatus, _Entry, describe
 from aiocompile.backends import Request
 from aiocompile.errors import CompileError, JobTimeout, SchedulerClosed, WorkerCrashed
 
@@ -57,7 +59,7 @@ class BackgroundCompiled:
     the scheduler it made for itself, if it did.
     """
 
-    def __init__(self, model: Any, *, inductor_configs: Mapping[str, Any], scheduler: Scheduler,
+    def __init__(self, model: Any, *, mode: str | None, options: Mapping[str, Any], scheduler: Scheduler,
                  owns_scheduler: bool, strict: bool, timeout: float | None, disabled: bool,
                  max_signatures: int = 8, artifact: str = "auto") -> None:
         import torch
@@ -65,7 +67,9 @@ class BackgroundCompiled:
         self._model = model
         self._torch = torch
         self._tensor = torch.Tensor
-        self._configs = dict(inductor_configs)
+        self._mode = mode
+        self._options = dict(options)
+        self._configs: dict[str, Any] | None = None  # the mode's settings, made by the first compile
         self._scheduler = scheduler
         self._owns_scheduler = owns_scheduler
         self._strict = strict
@@ -80,6 +84,7 @@ class BackgroundCompiled:
         self._needs_grad: bool | None = None
         self._parcel: _parcel.Parcel | None = None
         self._packing_users = 0
+        self._closing: threading.Thread | None = None
 
     @property
     def model(self) -> Any:
@@ -174,7 +179,7 @@ class BackgroundCompiled:
                 return entry
             if len(self._entries) >= self._max_signatures:
                 return None
-            entry = _Entry(_describe(self._torch, args, kwargs))
+            entry = _Entry(describe(args, kwargs))
             self._entries[key] = entry
         if self._disabled:
             entry.state = "eager"
@@ -203,7 +208,7 @@ class BackgroundCompiled:
             form = _form(self._artifact, on_gpu=device_index >= 0)
             job = ExportJob(
                 name=self._name, signature=entry.text, parcel=parcel, inputs=inputs.getvalue(),
-                inductor_configs=dict(self._configs), device_index=device_index,
+                inductor_configs=self._inductor_configs(), device_index=device_index,
                 env={name: value for name, value in os.environ.items() if name.startswith(ENV_PREFIXES)},
                 repro=_repro.root_of(self._scheduler.config), form=form,
             )
@@ -219,6 +224,13 @@ class BackgroundCompiled:
             return
         answer.add_done_callback(lambda done: _LANE.submit(lambda: self._finish(entry, job, done)))
         ahead.for_form(form).start()  # what the load will need here, made while the worker compiles
+
+    def _inductor_configs(self) -> dict[str, Any]:
+        """Inductor's settings for the compiles (in a lane's thread: a mode's settings are
+        Inductor's to say, and importing Inductor takes seconds)."""
+        if self._configs is None:
+            self._configs = _inductor_configs(self._torch, self._mode, self._options)
+        return dict(self._configs)
 
     def _take_parcel(self) -> _parcel.Parcel:
         """The model packed, shared by the compiles under way (packed again once none is:
@@ -360,7 +372,7 @@ class BackgroundCompiled:
                 status = ShapeStatus(signature="(inputs that are not plain tensors or values)", state="eager",
                                      error="the inputs cannot be keyed: a tensor subclass or an unsupported type")
             else:
-                status = ShapeStatus(signature=_describe(self._torch, args, kwargs), state="eager",
+                status = ShapeStatus(signature=describe(args, kwargs), state="eager",
                                      error=f"max_signatures={self._max_signatures} signatures are compiled or "
                                            "compiling already: these inputs are served eagerly")
             if self._strict:
@@ -391,13 +403,28 @@ class BackgroundCompiled:
 
     def close(self) -> None:
         """Close the scheduler this object made for itself (none when one was given).
-        Calls still work afterwards, eagerly for signatures not compiled yet."""
-        if self._owns_scheduler:
+        Calls still work afterwards, eagerly for signatures not compiled yet. Called in
+        an event loop's thread, it returns at once: the workers' exits are waited for in
+        a thread of their own (``aclose()`` waits for them), not by the loop."""
+        if not self._owns_scheduler:
+            return
+        try:
+            bridge.current_library()
+        except RuntimeError:  # no event loop here: wait for the exits
             self._scheduler.close()
+            return
+        # Not a daemon: the interpreter's exit waits for the workers to be gone.
+        with self._lock:
+            if self._closing is None:
+                self._closing = threading.Thread(target=self._scheduler.close, name="aiocompile-close")
+                self._closing.start()
 
     async def aclose(self) -> None:
         if self._owns_scheduler:
             await self._scheduler.aclose()
+            closing = self._closing
+            if closing is not None:
+                await anyio.to_thread.run_sync(closing.join)
 
     def __repr__(self) -> str:
         status = self.status()
@@ -412,29 +439,6 @@ def _identity(answer: Any) -> Any:
 def _details(answer: Mapping[str, Any]) -> dict[str, Any]:
     return {"stages": tuple((str(stage), float(seconds)) for stage, seconds in answer.get("stages", {}).items()),
             "compiler_cache_hit": None}
-
-
-def _describe(torch: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-    """The inputs, readable: ``f32[4, 128, 256] cpu`` for a tensor, ``repr`` for a value,
-    ``name=...`` for a keyword, a container's leaves in parentheses."""
-
-    def one(value: Any) -> str:
-        if isinstance(value, torch.Tensor):
-            dtype = _DTYPE_NAMES.get(str(value.dtype), str(value.dtype).replace("torch.", ""))
-            text = f"{dtype}[{', '.join(str(s) for s in value.shape)}] {value.device}"
-            if not value.is_contiguous():
-                text += f" stride ({', '.join(str(s) for s in value.stride())})"
-            return text
-        if isinstance(value, (tuple, list, dict)):
-            return f"({', '.join(one(leaf) for leaf in torch.utils._pytree.tree_leaves(value))})"
-        return repr(value)
-
-    return ", ".join([one(value) for value in args] + [f"{name}={one(value)}" for name, value in kwargs.items()])
-
-
-_DTYPE_NAMES = {"torch.float32": "f32", "torch.float16": "f16", "torch.bfloat16": "bf16", "torch.float64": "f64",
-                "torch.int64": "i64", "torch.int32": "i32", "torch.int8": "i8", "torch.uint8": "u8",
-                "torch.bool": "bool"}
 
 
 def _device_index(torch: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
@@ -538,7 +542,8 @@ def compile_in_background(
         raise TypeError(f"artifact must be a str, got {artifact!r} ({type(artifact).__name__})")
     if artifact not in ARTIFACTS:
         raise ValueError(f"artifact must be one of {', '.join(map(repr, ARTIFACTS))}, got {artifact!r}")
-    configs = _inductor_configs(torch, mode, dict(options or {}))
+    if options:
+        _check_options(options)
     owned = False
     device = _model_device(model)
     form = _form(artifact, on_gpu=device == "cuda")
@@ -549,7 +554,7 @@ def compile_in_background(
         ahead.for_form(form).start()
     if scheduler is None:
         scheduler, owned = _scheduler_for_background(device, form)
-    return BackgroundCompiled(model, inductor_configs=configs, scheduler=scheduler, owns_scheduler=owned,
+    return BackgroundCompiled(model, mode=mode, options=dict(options or {}), scheduler=scheduler, owns_scheduler=owned,
                               strict=strict, timeout=timeout, disabled=disable, max_signatures=max_signatures,
                               artifact=artifact)
 
@@ -580,9 +585,9 @@ def _torch() -> Any:
     return torch
 
 
-def _inductor_configs(torch: Any, mode: str | None, options: dict[str, Any]) -> dict[str, Any]:
-    """Inductor's settings for ``mode`` (less CUDA graphs), or ``options`` checked against
-    the settings Inductor has."""
+def _check_options(options: Mapping[str, Any]) -> None:
+    """``options`` checked against the settings Inductor has (the one part of the
+    constructor that imports Inductor, and only when options are given)."""
     from torch._inductor import config
 
     known = set(config.get_config_copy())
@@ -591,8 +596,14 @@ def _inductor_configs(torch: Any, mode: str | None, options: dict[str, Any]) -> 
             raise TypeError(f"options keys must be str (Inductor setting names), got {name!r}")
         if name not in known:
             raise ValueError(f"options names an Inductor setting that does not exist: {name!r}")
+
+
+def _inductor_configs(torch: Any, mode: str | None, options: dict[str, Any]) -> dict[str, Any]:
+    """Inductor's settings for ``mode`` (less CUDA graphs), or ``options`` (checked)."""
     if mode in (None, "default"):
         return options
+    import torch._inductor
+
     chosen = dict(torch._inductor.list_mode_options(mode))
     return {name: value for name, value in chosen.items() if "cudagraph" not in name}
 

@@ -5,8 +5,8 @@ Two kinds:
 - ``background``: a compile of ``aiocompile.torch.compile_in_background`` that failed.
   Written by the worker when a stage raised (it holds the model, the exported program and
   the generated sources), or by the parent when the worker died or ran out of time (it
-  holds the model and the inputs). The bundle carries the model (``model.pkl``, with the
-  main script as ``main.py`` when the model's classes live there), the inputs
+  holds the model and the inputs). The bundle carries the model (``model.pkl``; classes of
+  the program's ``__main__`` in it by value, never its script), the inputs
   (``inputs.pt``, described in ``inputs.txt``), the exported FX graph's code
   (``graph.py``) when export got that far, the sources Inductor generated meanwhile
   (``kernels/``), the Inductor settings, and ``repro.py``, which exports, compiles, loads
@@ -140,8 +140,6 @@ def background_failure(job: ExportJob, stage: str, exc: BaseException, *, model:
         "inputs.pt": job.inputs,
         "repro.py": background_script(job, stage, type(exc).__name__),
     }
-    if job.parcel.main_source is not None:
-        files["main.py"] = job.parcel.main_source
     try:
         import io
 
@@ -165,16 +163,15 @@ def background_failure(job: ExportJob, stage: str, exc: BaseException, *, model:
             pass
     info = {"stage": stage, "error_type": type(exc).__name__, "error": str(exc), "signature": job.signature,
             "inductor_configs": {k: repr(v) for k, v in job.inductor_configs.items()},
-            "parcel": job.parcel.how, "main_path": job.parcel.main_path}
+            "parcel": job.parcel.how}
     return job.repro.write("background", job.name, files, info)
 
 
 def background_script(job: ExportJob, stage: str, error_type: str) -> str:
-    main_dir = os.path.dirname(job.parcel.main_path) if job.parcel.main_path else None
     return _BACKGROUND_SCRIPT.format(
         name=job.name, signature=job.signature, stage=stage, error_type=error_type,
         configs=configs_literal(job.inductor_configs), package_configs=repr(_package_configs()),
-        device_index=job.device_index, main_dir=repr(main_dir), sys_path=repr([p for p in sys.path if p]),
+        device_index=job.device_index, sys_path=repr([p for p in sys.path if p]),
         form=repr(job.form),
     )
 
@@ -198,8 +195,6 @@ version run beside the model. Run it with the torch the failure happened with
     python repro.py
 """
 
-import importlib.util
-import io
 import os
 import pickle
 import sys
@@ -208,7 +203,6 @@ import tempfile
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MAIN_DIR = {main_dir}  # the directory of the program whose main script defined the model
 # Where the compile found the model's modules: the serving program's import path.
 sys.path.extend(path for path in {sys_path} if path not in sys.path)
 INDUCTOR_CONFIGS = {configs}
@@ -220,28 +214,8 @@ FORM = {form}
 def load_model():
     with open(os.path.join(HERE, "model.pkl"), "rb") as f:
         data = f.read()
-    main_file = os.path.join(HERE, "main.py")
-    if not os.path.exists(main_file):
-        return pickle.loads(data)
-    # The model's classes live in the program's main script: run it as a module of its
-    # own (its "if __name__ == '__main__':" block stays out), then read them from there.
-    if MAIN_DIR and MAIN_DIR not in sys.path:
-        sys.path.insert(0, MAIN_DIR)
-    spec = importlib.util.spec_from_file_location("__aiocompile_main__", main_file)
-    main = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = main
-    spec.loader.exec_module(main)
-
-    class Unpickler(pickle.Unpickler):
-        def find_class(self, module, name):
-            if module == "__main__":
-                found = main
-                for part in name.split("."):
-                    found = getattr(found, part)
-                return found
-            return super().find_class(module, name)
-
-    return Unpickler(io.BytesIO(data)).load()
+    # Classes of the program's __main__ came by value (cloudpickle): its script is not run.
+    return pickle.loads(data)
 
 
 def main():

@@ -6,12 +6,13 @@ worker never imports). So a model travels as a :class:`Parcel`:
 
 - the module pickled as usual: classes and functions by reference, tensors (weights and
   buffers) by value;
-- when something it references lives in ``__main__``: the main script's path and text,
-  which the worker executes as a module of its own (``__aiocompile_main__``, so that an
-  ``if __name__ == "__main__":`` block does not run: the rule ``multiprocessing`` sets
-  for spawned processes) and reads those references from;
-- when ``__main__`` has no file (a notebook, ``python -c``) or the class is local to a
-  function: by value with ``cloudpickle``, if it is installed.
+- when something it references lives in ``__main__`` (the program's script, a notebook,
+  ``python -c``) or is local to a function: by value with ``cloudpickle``, which carries
+  those classes with their methods and the globals they read. The script itself is never
+  run anywhere but in the program's own process: a script without an
+  ``if __name__ == "__main__":`` guard, or one that reads ``sys.argv`` at its top, would
+  otherwise start a second program inside a worker. Without ``cloudpickle`` such a model
+  is refused here, saying to move its class into a module.
 
 Anything else that will not pickle (a lock, an open file held by the model) raises
 ``TypeError`` here, in the parent, saying what.
@@ -23,17 +24,13 @@ it already.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import io
-import os
 import pickle
 import sys
 import time
 import types
 from dataclasses import dataclass, field
 from typing import Any
-
-MAIN_ALIAS = "__aiocompile_main__"
 
 
 @dataclass(frozen=True)
@@ -42,13 +39,11 @@ class Parcel:
 
     data: bytes = field(repr=False)
     how: str
-    """``reference``, ``main-script`` or ``cloudpickle``."""
-    main_path: str | None = None
-    main_source: str | None = field(default=None, repr=False)
+    """``reference`` or ``cloudpickle``."""
 
     @property
     def size(self) -> int:
-        return len(self.data) + len(self.main_source or "")
+        return len(self.data)
 
 
 class _MainSeen(pickle.Pickler):
@@ -98,13 +93,9 @@ def pack(obj: Any) -> Parcel:
         return _by_value(obj, f"{type(exc).__name__}: {exc}")
     if not pickler.main_names:
         return Parcel(buffer.getvalue(), "reference")
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    if not path or not os.path.isfile(path):
-        return _by_value(obj, f"{', '.join(sorted(pickler.main_names))} defined in __main__, which has no file")
-    with open(path, encoding="utf-8") as f:
-        source = f.read()
-    return Parcel(buffer.getvalue(), "main-script", os.path.abspath(path), source)
+    # A worker has no ``__main__`` of the program's, and must not make one by running
+    # the program's script: what lives there travels by value.
+    return _by_value(obj, f"{', '.join(sorted(pickler.main_names))} defined in the program's __main__")
 
 
 def _by_value(obj: Any, why: str) -> Parcel:
@@ -112,8 +103,8 @@ def _by_value(obj: Any, why: str) -> Parcel:
         import cloudpickle
     except ImportError:
         raise TypeError(
-            f"the model cannot be sent to a worker process ({why}); define its class in an importable module or "
-            "in the program's main script, or install cloudpickle to send it by value"
+            f"the model cannot be sent to a worker process ({why}): move its class into an importable module, "
+            "or install cloudpickle to send it by value (a worker never runs the program's script)"
         ) from None
     tensor = _tensor_type()
 
@@ -133,50 +124,12 @@ def _by_value(obj: Any, why: str) -> Parcel:
 # -- the worker's half --------------------------------------------------------------------------
 
 
-class _MainUnpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, main: types.ModuleType | None) -> None:
-        super().__init__(file)
-        self._main = main
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "__main__" and self._main is not None:
-            target: Any = self._main
-            for part in name.split("."):
-                target = getattr(target, part)
-            return target
-        return super().find_class(module, name)
-
-
 def unpack(parcel: Parcel) -> Any:
-    """The object again, in a worker. A parcel that refers into the main script executes
-    that script as the module ``__aiocompile_main__`` first (its directory first on
-    ``sys.path``, as when it ran as a script)."""
-    if parcel.how == "cloudpickle":
-        return pickle.loads(parcel.data)
-    main = None
-    if parcel.how == "main-script":
-        assert parcel.main_path is not None and parcel.main_source is not None
-        main = load_main(parcel.main_path, parcel.main_source)
-    return _MainUnpickler(io.BytesIO(parcel.data), main).load()
-
-
-def load_main(path: str, source: str) -> types.ModuleType:
-    """Execute a main script's text as a module named ``__aiocompile_main__``."""
-    directory = os.path.dirname(path)
-    if directory not in sys.path:
-        sys.path.insert(0, directory)
-    spec = importlib.util.spec_from_loader(MAIN_ALIAS, loader=None, origin=path)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    module.__file__ = path
-    sys.modules[MAIN_ALIAS] = module
-    exec(compile(source, path, "exec"), module.__dict__)
-    return module
+    """The object again, in a worker (whatever came by value with ``cloudpickle`` is
+    rebuilt from the parcel alone: no script is run)."""
+    return pickle.loads(parcel.data)
 
 
 def digest(parcel: Parcel) -> str:
     """A short hash of the parcel, for names."""
-    h = hashlib.sha256(parcel.data)
-    if parcel.main_source:
-        h.update(parcel.main_source.encode("utf-8"))
-    return h.hexdigest()[:16]
+    return hashlib.sha256(parcel.data).hexdigest()[:16]

@@ -136,3 +136,27 @@ class _Entry:
             max_abs_difference=self.difference, eager_calls=self.eager_calls, compiled_calls=self.compiled_calls,
             compiler=self.compiler, form=self.form, form_reason=self.form_reason,
         )
+
+
+def describe(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """The inputs, readable: ``f32[4, 128, 256] cpu`` for a tensor, ``repr`` for a value,
+    ``name=...`` for a keyword, a container's leaves in parentheses."""
+    import torch
+
+    def one(value: Any) -> str:
+        if isinstance(value, torch.Tensor):
+            dtype = _DTYPE_NAMES.get(str(value.dtype), str(value.dtype).replace("torch.", ""))
+            text = f"{dtype}[{', '.join(str(s) for s in value.shape)}] {value.device}"
+            if not value.is_contiguous():
+                text += f" stride ({', '.join(str(s) for s in value.stride())})"
+            return text
+        if isinstance(value, (tuple, list, dict)):
+            return f"({', '.join(one(leaf) for leaf in torch.utils._pytree.tree_leaves(value))})"
+        return repr(value)
+
+    return ", ".join([one(value) for value in args] + [f"{name}={one(value)}" for name, value in kwargs.items()])
+
+
+_DTYPE_NAMES = {"torch.float32": "f32", "torch.float16": "f16", "torch.bfloat16": "bf16", "torch.float64": "f64",
+                "torch.int64": "i64", "torch.int32": "i32", "torch.int8": "i8", "torch.uint8": "u8",
+                "torch.bool": "bool"}

@@ -1,0 +1,120 @@
+"""``compile_in_background`` from a cold start: the constructor and the first call hold
+neither the caller's thread nor its event loop for the compile's start-up, and a start-up
+that fails leaves the model served eagerly, the reason in ``status()``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from conftest import subprocess_env
+
+torch = pytest.importorskip("torch")
+
+import background_models  # noqa: E402  (needs torch)
+
+import aiocompile  # noqa: E402
+import aiocompile.torch as aiotorch  # noqa: E402
+
+TIMEOUT = 300
+
+# A fresh interpreter (a server's start): every import of Inductor or Dynamo is noted with
+# the thread that made it, and the constructor's scheduler is asked how far its workers got.
+SCRIPT = textwrap.dedent('''
+    import json
+    import sys
+    import threading
+
+    import anyio
+    import torch
+
+    import background_models
+    import aiocompile.torch as aiotorch
+
+    HEAVY = ("torch._inductor", "torch._dynamo")
+    seen = []
+
+
+    class Noting:
+        def find_spec(self, name, path=None, target=None):
+            if name.startswith(HEAVY):
+                seen.append((name, threading.current_thread().name))
+            return None
+
+
+    sys.meta_path.insert(0, Noting())
+    model, x = background_models.make_mlp()
+
+
+    async def serve():
+        with torch.no_grad():
+            expected = model(x)
+            compiled = aiotorch.compile_in_background(model)
+            in_constructor = [name for name, thread in seen if thread == "MainThread"]
+            workers = compiled.scheduler.statistics().workers_started
+            first = compiled(x)
+        state = compiled.state(x)
+        on_the_caller = [name for name, thread in seen if thread == "MainThread"]
+        compiled.close()  # in the loop: returns at once
+        await compiled.aclose()
+        print(json.dumps({"in_constructor": in_constructor, "workers_at_return": workers,
+                          "first_equal": bool(torch.equal(first, expected)), "state": state,
+                          "on_the_caller": on_the_caller, "closed": compiled.scheduler.closed}))
+
+
+    anyio.run(serve, backend=sys.argv[1])
+''')
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_the_constructor_and_first_call_import_no_compiler_and_wait_for_no_worker(tmp_path, backend):
+    pytest.importorskip(backend)
+    script = tmp_path / "serve.py"
+    script.write_text(SCRIPT)
+    tests = str(__import__("pathlib").Path(__file__).parent)
+    run = subprocess.run([sys.executable, str(script), backend], capture_output=True, text=True, timeout=TIMEOUT,
+                         env=subprocess_env(PYTHONPATH=f"{subprocess_env()['PYTHONPATH']}:{tests}",
+                                            TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor")))
+    assert run.returncode == 0, run.stderr[-3000:]
+    answer = json.loads(run.stdout.strip().splitlines()[-1])
+    # Inductor and Dynamo are imported by threads of aiocompile's (what the load will
+    # need, made ahead) and by workers, never by the caller's thread.
+    assert answer["in_constructor"] == [] and answer["on_the_caller"] == []
+    # The constructor started its workers and returned without waiting for one.
+    assert answer["workers_at_return"] == 0
+    assert answer["first_equal"] is True and answer["state"] == "compiling"
+    assert answer["closed"] is True
+
+
+@pytest.fixture
+def unstartable(tmp_path, monkeypatch):
+    """A scheduler whose fork server dies while it starts (a preload that exits)."""
+    (tmp_path / "exits_at_import.py").write_text(
+        "import os, sys\nsys.stderr.write('this machine cannot start a compiler\\n')\nos._exit(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{subprocess_env()['PYTHONPATH']}")
+    config = aiocompile.SchedulerConfig(workers=1, preload=("exits_at_import",))
+    scheduler = aiocompile.Scheduler(config=config)
+    yield scheduler
+    scheduler.close(grace=0)
+
+
+@pytest.mark.timeout(TIMEOUT)
+async def test_a_start_up_that_fails_leaves_eager_serving_with_the_reason_in_status(unstartable):
+    model, x = background_models.make_mlp()
+    compiled = aiotorch.compile_in_background(model, scheduler=unstartable)
+    with torch.no_grad():
+        expected = model(x)
+        torch.testing.assert_close(compiled(x), expected, rtol=0, atol=0)
+        shape = await compiled.ready(x)
+        assert shape.state == "failed"
+        assert "could not start worker processes" in shape.error and "cannot start a compiler" in shape.error
+        for _ in range(3):
+            torch.testing.assert_close(compiled(x), expected, rtol=0, atol=0)
+    (status,) = compiled.status().shapes
+    assert (status.state, status.eager_calls, status.compiled_calls) == ("failed", 4, 0)
+    assert status.error == shape.error
