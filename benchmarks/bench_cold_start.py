@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 
 T0 = time.perf_counter()
+T0_WALL = time.time()
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -79,11 +80,26 @@ def child(way: str, pause: float) -> dict:
             else:
                 wrapped = aiotorch.compile_in_background(model)
             result["constructor_ms"] = (time.perf_counter() - began) * 1e3
+            timeline: list[tuple[float, str]] = []
+            if way != "stock":
+                # Worker events carry wall-clock times; they come from the pool's thread.
+                def note(event: object) -> None:
+                    what = getattr(event, "event", type(event).__name__)
+                    detail = " ".join(str(part) for part in (getattr(event, "name", None),
+                                                               getattr(event, "status", None),
+                                                               "warm-up" if getattr(event, "warm_up", False) else None,
+                                                               f"pid {getattr(event, 'pid', None)}")
+                                      if part)
+                    timeline.append((getattr(event, "time", time.time()) - T0_WALL, f"{what} {detail}"))
+
+                wrapped.scheduler.subscribe(note)
+                timeline.append((time.time() - T0_WALL, "constructor returned"))
             began = time.perf_counter()
             wrapped(x)
             result["first_call_ms"] = (time.perf_counter() - began) * 1e3
             latencies = []
-            if way == "background":
+            if way != "stock":
+                timeline.append((time.time() - T0_WALL, "first call answered (eager), compile started"))
                 while wrapped.state(x) == "compiling":
                     await asyncio.sleep(pause)
                     began = time.perf_counter()
@@ -95,6 +111,9 @@ def child(way: str, pause: float) -> dict:
                 result["state"] = status.shapes[0].state
                 result["stages"] = {stage: round(seconds, 2) for stage, seconds in status.shapes[0].stages}
             result["compiled_from_s"] = time.perf_counter() - T0
+            if way != "stock":
+                timeline.append((result["compiled_from_s"], "compiled answers from"))
+                result["timeline"] = [f"{at:6.2f} s {what}" for at, what in sorted(timeline)]
             out = wrapped(x)
             result["equal"] = bool(torch.allclose(out, expected, rtol=1e-3, atol=1e-3))
             if latencies:
@@ -138,7 +157,10 @@ def main() -> None:
     for _ in range(args.repeat):
         runs = {way: measure(way, args.pause) for way in WAYS}
         for result in runs.values():
+            timeline = result.pop("timeline", ())
             print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in result.items()}))
+            for line in timeline:
+                print(f"  {result['way']}: {line}")
         ratio = runs["background"]["compiled_from_s"] / runs["stock"]["compiled_from_s"]
         print(f"compiled from: background {runs['background']['compiled_from_s']:.1f} s, "
               f"stock {runs['stock']['compiled_from_s']:.1f} s ({ratio:.2f}x stock); "

@@ -52,6 +52,15 @@ def vec_isa_known() -> tuple[int, str]:
     return known, str(cpu_vec_isa.pick_vec_isa()) if known else ""
 
 
+def compile_modules_loaded() -> list[str]:
+    """Run in a worker: which of the modules a background compile imports are loaded."""
+    import sys
+
+    from aiocompile._torch import export
+
+    return [name for name in export._MODULES if name in sys.modules]
+
+
 class Keyed(nn.Module):
     """A parameter, a buffer, a tensor constant made during tracing, a plain int argument
     and keyword inputs, with a structured output: every kind of input the Python form

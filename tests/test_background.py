@@ -369,24 +369,19 @@ def test_a_compile_past_its_timeout_leaves_eager_serving_with_a_bundle(sched, tm
 
 
 @pytest.mark.timeout(TIMEOUT)
-def test_a_worker_warmed_for_packages_has_made_inductors_cpu_check_before_any_compile():
-    # Every package's compile needs Inductor's CPU vector-ISA check (a test program built
-    # and loaded per instruction set, once per process): a worker warmed for background
-    # compiles has it made, so no compile waits for it.
+def test_workers_of_a_background_scheduler_start_with_the_compile_imported_and_no_cpu_check_to_wait_for():
+    # The fork server imports what a compile needs, once: a worker forked from it has it
+    # all before its first job (each worker importing it in its warm-up made the first
+    # compile queue behind that). Inductor's CPU vector-ISA check is the serving process's
+    # to start (ahead.VEC_ISA); a worker's warm-up does not make the compile wait for it.
     from aiocompile._torch import export
 
-    config = aiocompile.SchedulerConfig(workers=1, preload=(aiotorch.PRELOAD,), repro_dir=None)
+    config = aiocompile.SchedulerConfig(workers=1, preload=(aiotorch.PRELOAD, export.PRELOAD), repro_dir=None)
     own = aiocompile.Scheduler(config=config)
     try:
+        assert asyncio.run(own.run(background_models.compile_modules_loaded)) == list(export._MODULES)
+        assert asyncio.run(own.run(export.warm_up)) < 0.5
         assert asyncio.run(own.run(background_models.vec_isa_known)) == (0, "")
-        # Warmed for the Python form, which needs no such check (it took 65 to 72 s on a
-        # GPU host), it makes none.
-        asyncio.run(own.run(export.warm_up, "cpu", "python"))
-        assert asyncio.run(own.run(background_models.vec_isa_known)) == (0, "")
-        assert asyncio.run(own.run(export.warm_up)) > 0
-        known, isa = asyncio.run(own.run(background_models.vec_isa_known))
-        assert known == 1 and isa
-        assert asyncio.run(own.run(export.warm_up)) < 0.5  # made once per process
     finally:
         own.close(grace=0)
 

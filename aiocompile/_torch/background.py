@@ -611,10 +611,9 @@ def _inductor_configs(torch: Any, mode: str | None, options: dict[str, Any]) -> 
 def _scheduler_for_background(device: str = "cpu", form: str = "package") -> tuple[Scheduler, bool]:
     """The scheduler ``aiocompile.torch.install()`` uses if installed (its workers start
     with torch); else a new one, owned by the caller: the environment's configuration, at
-    most ``MAX_OWN_WORKERS`` workers, torch imported in its fork server, and its workers
-    started at once, each importing what a compile needs while the program starts up
-    (for a package, Inductor's CPU check; for a model on a GPU, compiling a small one
-    there: ``export.warm_up``)."""
+    most ``MAX_OWN_WORKERS`` workers, torch and what a compile imports preloaded in its
+    fork server (``export.PRELOAD``), and its workers started at once (for a model on a
+    GPU, each compiles a small one there: ``export.warm_up``)."""
     from aiocompile._base.config import SchedulerConfig
     from aiocompile._torch.installation import STATE
     from aiocompile.backends.inductor._worker import PRELOAD
@@ -623,7 +622,7 @@ def _scheduler_for_background(device: str = "cpu", form: str = "package") -> tup
     if installation is not None:
         return installation.current_scheduler(), False
     config = SchedulerConfig.from_env()
-    scheduler = Scheduler(config=config.with_changes(preload=(*config.preload, PRELOAD),
+    scheduler = Scheduler(config=config.with_changes(preload=(*config.preload, PRELOAD, export.PRELOAD),
                                                      workers=min(config.workers, MAX_OWN_WORKERS)))
     scheduler.port.warm_workers(export.warm_up, (device, form))
     return scheduler, True

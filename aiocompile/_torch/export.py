@@ -38,36 +38,72 @@ import tempfile
 import time
 from typing import Any
 
-from aiocompile._torch import cxx, graph, isa
+from aiocompile._torch import cxx, graph
 from aiocompile._torch.job import ENV_PREFIXES, PACKAGE_CONFIGS, ExportJob
 from aiocompile._torch.parcel import unpack
 from aiocompile.errors import CompileError
 
 STAGES = ("load", "export", "compile", "trial")
 
-# What a compile imports beyond what the fork server preloads: seconds, paid in the
-# warm-up rather than by the first compile.
+# What a compile imports beyond what Inductor's own fork-server preload imports: seconds,
+# paid once in the fork server (``prepare_fork_server``) rather than by each worker.
 _MODULES = ("torch", "torch.export", "torch._export", "torch._inductor.compile_fx", "torch._inductor.package")
 
+PRELOAD = "aiocompile._torch.export:prepare_fork_server"
+"""The fork-server preload entry of the schedulers ``compile_in_background`` makes (after
+Inductor's own, ``aiocompile.torch.PRELOAD``)."""
 
-def warm_up(device: str = "cpu", form: str = "package") -> float:
-    """Import what a background compile needs in this worker; for ``form="package"``, make
-    Inductor's CPU vector-ISA check (a test program built and loaded per instruction set,
-    once per process, which every package's compile needs: see :mod:`._isa`; the Python
-    form needs none of it); for ``device="cuda"``, start Inductor's compile pool (without
-    it, a graph's Triton kernels compile one after another) and compile a one-layer model
-    there in the Python form (Inductor's code generators imported, CUDA and Triton's
-    driver ready: what a first compile would otherwise pay). Returns the seconds it took
-    (about 0 when done before)."""
+
+def prepare_fork_server() -> None:
+    """Preload hook: import what a background compile needs, once, in the fork server, so
+    that every worker forked from it starts with it (each worker importing it itself made
+    the first compile wait for its worker's imports, two workers competing for the CPUs).
+
+    The fork server must stay single-threaded to fork safely: an import that starts a
+    thread stops the imports there, reported as a preload problem (workers import the rest
+    in their warm-up)."""
     import importlib
     import sys
 
+    for name in _MODULES:
+        if name in sys.modules:
+            continue
+        before = _threads()
+        importlib.import_module(name)
+        after = _threads()
+        if before is not None and after is not None and after > before:
+            raise RuntimeError(f"importing {name} started {after - before} thread(s) in the fork server; "
+                               "workers import the rest themselves")
+
+
+def _threads() -> int | None:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return None
+
+
+def warm_up(device: str = "cpu", form: str = "package") -> float:
+    """Import what a background compile needs in this worker (nothing, when the fork
+    server preloaded it: ``prepare_fork_server``); for ``device="cuda"``, start Inductor's
+    compile pool (without it, a graph's Triton kernels compile one after another) and
+    compile a one-layer model there in the Python form (Inductor's code generators
+    imported, CUDA and Triton's driver ready: what a first compile would otherwise pay).
+    Returns the seconds it took (about 0 when done before).
+
+    Inductor's CPU vector-ISA check, which a package's compile needs, is not made here:
+    the serving process makes it from the moment a model is wrapped (``ahead.VEC_ISA``),
+    and its test programs land in Inductor's cache, under a lock per program, where the
+    compile finds them when its code generation gets there (after the export and the
+    lowering, which it then no longer waits for). ``form`` is kept for the callers."""
+    import importlib
+    import sys
+
+    del form
     started = time.perf_counter()
     for name in _MODULES:
         if name not in sys.modules:
             importlib.import_module(name)
-    if form == "package":
-        isa.make()
     if device == "cuda" and device not in _warmed:
         _warm_cuda()
         _warmed.add(device)

@@ -11,10 +11,11 @@ compile itself: where the serving process's compiler is not the one the worker b
 (:mod:`._cxx`), nothing the worker built is found. (docs/benchmarks.md has the command that
 times it.)
 
-So the serving process makes it while the first package compiles
-(:data:`._ahead.VEC_ISA`), and a worker warmed for background compiles makes it in its
-warm-up (``export.warm_up``): every package's compile needs it too. The check waits on
-child processes, so it holds the interpreter lock for little of its time.
+So the serving process makes it from the moment a model is wrapped
+(:data:`._ahead.VEC_ISA`). Every package's compile needs it too: a worker makes it when its
+code generation gets there, and finds the test programs the serving process built in
+Inductor's cache (one lock per program, so the two never build one twice). The check
+waits on child processes, so it holds the interpreter lock for little of its time.
 """
 
 from __future__ import annotations
