@@ -13,6 +13,8 @@
     m = aiocompile.torch.compile_in_background(model)   # eager now, compiled when ready
     await m.ready(*example_inputs); m.status()
 
+    await aiocompile.torch.warm()       # a server's start-up: workers ready before traffic
+
 ``install()`` sends Inductor's Triton kernels and its C++ and CUDA builds to an aiocompile
 scheduler: a worker that dies in a compile costs a retry of that kernel, not the whole
 ``torch.compile``; a per-kernel ``timeout`` kills only that kernel's worker; every kernel
@@ -31,6 +33,7 @@ from aiocompile._torch.background import (
     compile_in_background,
 )
 from aiocompile._torch.install import install, installed, is_installed, uninstall
+from aiocompile._torch.warming import warm
 from aiocompile.backends.inductor._worker import PRELOAD
 
 __all__ = [
@@ -43,4 +46,5 @@ __all__ = [
     "installed",
     "is_installed",
     "uninstall",
+    "warm",
 ]

@@ -118,3 +118,68 @@ async def test_a_start_up_that_fails_leaves_eager_serving_with_the_reason_in_sta
     (status,) = compiled.status().shapes
     assert (status.state, status.eager_calls, status.compiled_calls) == ("failed", 4, 0)
     assert status.error == shape.error
+
+
+# A server that pays the start-up ahead: warm(), then the model wrapped and compiled.
+WARM_SCRIPT = textwrap.dedent('''
+    import json
+    import sys
+
+    import anyio
+    import torch
+
+    import background_models
+    import aiocompile.torch as aiotorch
+
+    model, x = background_models.make_mlp()
+
+
+    async def serve():
+        scheduler = await aiotorch.warm()
+        pids = sorted(scheduler.worker_pids())
+        started = scheduler.statistics().workers_started
+        again = await aiotorch.warm()  # idempotent: the same scheduler, nothing started
+        compiled = aiotorch.compile_in_background(model)
+        with torch.no_grad():
+            expected = model(x)
+            shape = await compiled.ready(x)
+            out = compiled(x)
+        compiled.close()  # not its scheduler to close
+        print(json.dumps({
+            "same": again is scheduler and compiled.scheduler is scheduler, "pids": pids, "started": started,
+            "pids_after": sorted(scheduler.worker_pids()), "started_after": scheduler.statistics().workers_started,
+            "state": shape.state, "error": shape.error, "compiled_calls": compiled.status().shapes[0].compiled_calls,
+            "equal": bool(torch.allclose(out, expected, rtol=1e-4, atol=1e-4)), "open": not scheduler.closed}))
+        await scheduler.aclose()
+
+
+    anyio.run(serve, backend=sys.argv[1])
+''')
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_after_warm_a_background_compile_starts_no_process_and_compiles(tmp_path, backend):
+    pytest.importorskip(backend)
+    script = tmp_path / "serve.py"
+    script.write_text(WARM_SCRIPT)
+    tests = str(__import__("pathlib").Path(__file__).parent)
+    run = subprocess.run([sys.executable, str(script), backend], capture_output=True, text=True, timeout=TIMEOUT,
+                         env=subprocess_env(PYTHONPATH=f"{subprocess_env()['PYTHONPATH']}:{tests}",
+                                            TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor")))
+    assert run.returncode == 0, run.stderr[-3000:]
+    answer = json.loads(run.stdout.strip().splitlines()[-1])
+    # warm() returned with every worker started; the compile ran in one of them.
+    assert answer["pids"] and answer["started"] == len(answer["pids"])
+    assert answer["same"] is True
+    assert answer["pids_after"] == answer["pids"] and answer["started_after"] == answer["started"]
+    assert answer["state"] == "compiled", answer["error"]
+    assert answer["compiled_calls"] == 1 and answer["equal"] is True
+    assert answer["open"] is True
+
+
+async def test_warm_refuses_a_device_it_does_not_know():
+    with pytest.raises(ValueError, match="'cpu' or 'cuda'"):
+        await aiotorch.warm("tpu")
+    with pytest.raises(TypeError, match="'cpu' or 'cuda'"):
+        await aiotorch.warm(0)

@@ -32,7 +32,7 @@ import anyio
 from aiocompile._base import bridge, threads
 from aiocompile._core.scheduler import Scheduler
 from aiocompile._observe import repro as _repro
-from aiocompile._torch import ahead, export, graph
+from aiocompile._torch import ahead, export, graph, warming
 from aiocompile._torch import parcel as _parcel
 from aiocompile._torch.job import ENV_PREFIXES, ExportJob
 from aiocompile._torch.states import TRANSITIONS, BackgroundStatus, ShapeStatus, _Entry, describe
@@ -483,9 +483,9 @@ def compile_in_background(
     cannot be honoured ``ValueError``. Then aiocompile's own:
 
     - ``scheduler``: where compiles run (default: ``aiocompile.torch.install()``'s
-      scheduler if installed, else a new one from the environment, at most 4 workers,
-      started at once with torch and the compile's modules imported, which ``close()``
-      closes);
+      scheduler if installed, else the one ``aiocompile.torch.warm()`` made, else a new
+      one from the environment, at most 4 workers, started at once with torch and the
+      compile's modules imported, which ``close()`` closes);
     - ``timeout``: seconds one compile may take in its worker (None: the scheduler's);
     - ``strict``: ``ready()`` raises the error of a compile that failed (a ``JobError``)
       rather than returning the failed status;
@@ -553,7 +553,7 @@ def compile_in_background(
     if not disable:
         ahead.for_form(form).start()
     if scheduler is None:
-        scheduler, owned = _scheduler_for_background(device, form)
+        scheduler, owned = warming.scheduler_for(device, form)
     return BackgroundCompiled(model, mode=mode, options=dict(options or {}), scheduler=scheduler, owns_scheduler=owned,
                               strict=strict, timeout=timeout, disabled=disable, max_signatures=max_signatures,
                               artifact=artifact)
@@ -606,29 +606,3 @@ def _inductor_configs(torch: Any, mode: str | None, options: dict[str, Any]) -> 
 
     chosen = dict(torch._inductor.list_mode_options(mode))
     return {name: value for name, value in chosen.items() if "cudagraph" not in name}
-
-
-def _scheduler_for_background(device: str = "cpu", form: str = "package") -> tuple[Scheduler, bool]:
-    """The scheduler ``aiocompile.torch.install()`` uses if installed (its workers start
-    with torch); else a new one, owned by the caller: the environment's configuration, at
-    most ``MAX_OWN_WORKERS`` workers, torch and what a compile imports preloaded in its
-    fork server (``export.PRELOAD``), and its workers started at once (for a model on a
-    GPU, each compiles a small one there: ``export.warm_up``)."""
-    from aiocompile._base.config import SchedulerConfig
-    from aiocompile._torch.installation import STATE
-    from aiocompile.backends.inductor._worker import PRELOAD
-
-    installation = STATE.current
-    if installation is not None:
-        return installation.current_scheduler(), False
-    config = SchedulerConfig.from_env()
-    scheduler = Scheduler(config=config.with_changes(preload=(*config.preload, PRELOAD, export.PRELOAD),
-                                                     workers=min(config.workers, MAX_OWN_WORKERS)))
-    scheduler.port.warm_workers(export.warm_up, (device, form))
-    return scheduler, True
-
-
-MAX_OWN_WORKERS = 4
-"""Workers of a scheduler ``compile_in_background`` makes, at most: one compile per input
-signature, each a heavy compile of its own (Inductor compiles a package's kernels in
-parallel inside its worker)."""

@@ -1,0 +1,139 @@
+"""The scheduler ``compile_in_background`` compiles in, and ``warm()``, which pays its
+start-up ahead.
+
+Without a scheduler given, a background compile goes to ``install()``'s scheduler if
+installed; else to the one ``warm()`` made, if any; else to a new one of its own (closed
+by its ``close()``). Each starts its workers at once, forked from a fork server that has
+torch and what a compile needs imported (``export.PRELOAD``). ``warm()`` makes (or finds)
+that scheduler and waits, without holding the event loop, until its workers are ready
+and this process has made what loading a compiled version needs (``ahead``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import anyio
+
+from aiocompile._base import bridge
+from aiocompile._core.scheduler import Scheduler
+from aiocompile._torch import ahead, export
+
+__all__ = ["MAX_OWN_WORKERS", "DEVICES", "scheduler_for", "warm"]
+
+MAX_OWN_WORKERS = 4
+"""Workers of a scheduler ``compile_in_background`` makes, at most: one compile per input
+signature, each a heavy compile of its own (Inductor compiles a package's kernels in
+parallel inside its worker)."""
+
+DEVICES = ("cpu", "cuda")
+
+
+class _Warmed:
+    """The scheduler ``warm()`` made, shared by every later ``compile_in_background``
+    without a scheduler of its own, and the process it belongs to (a forked child makes
+    its own: the parent's pool is the parent's)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.scheduler: Scheduler | None = None
+        self.pid = 0
+
+    def current(self) -> Scheduler | None:
+        scheduler = self.scheduler
+        if scheduler is None or self.pid != os.getpid() or scheduler.closed:
+            return None
+        return scheduler
+
+
+_WARMED = _Warmed()
+
+
+def scheduler_for(device: str = "cpu", form: str = "package") -> tuple[Scheduler, bool]:
+    """The scheduler a background compile without one goes to, and whether the caller owns
+    it (then its ``close()`` closes it): ``install()``'s if installed; the one ``warm()``
+    made; else a new one: the environment's configuration, at most ``MAX_OWN_WORKERS``
+    workers, torch and what a compile imports preloaded in its fork server, and its workers
+    started at once (for a model on a GPU, each compiles a small one there:
+    ``export.warm_up``)."""
+    from aiocompile._torch.installation import STATE
+
+    installation = STATE.current
+    if installation is not None:
+        return installation.current_scheduler(), False
+    shared = _WARMED.current()
+    if shared is not None:
+        shared.port.warm_workers(export.warm_up, (device, form))  # workers that are gone: started again
+        return shared, False
+    return _new_scheduler(device, form), True
+
+
+def _new_scheduler(device: str, form: str) -> Scheduler:
+    from aiocompile._base.config import SchedulerConfig
+    from aiocompile.backends.inductor._worker import PRELOAD
+
+    config = SchedulerConfig.from_env()
+    scheduler = Scheduler(config=config.with_changes(preload=(*config.preload, PRELOAD, export.PRELOAD),
+                                                     workers=min(config.workers, MAX_OWN_WORKERS)))
+    scheduler.port.warm_workers(export.warm_up, (device, form))
+    return scheduler
+
+
+def _shared(device: str, form: str) -> tuple[Scheduler, list[Any]]:
+    """The scheduler background compiles will use, made if need be, and its workers'
+    warm-ups (in a thread: making a scheduler imports the pool's modules)."""
+    from aiocompile._torch.installation import STATE
+
+    installation = STATE.current
+    if installation is not None:
+        scheduler = installation.current_scheduler()
+    else:
+        with _WARMED.lock:
+            found = _WARMED.current()
+            if found is None:
+                found = _new_scheduler(device, form)
+                _WARMED.scheduler, _WARMED.pid = found, os.getpid()
+        scheduler = found
+    return scheduler, scheduler.port.warm_workers(export.warm_up, (device, form))
+
+
+async def warm(device: str = "cpu") -> Scheduler:
+    """Pay a background compile's start-up ahead, for models on ``device`` (``"cpu"`` or
+    ``"cuda"``); returns the scheduler later ``compile_in_background`` calls without a
+    scheduler of their own will use (``install()``'s, if installed).
+
+    It starts that scheduler, its fork server with torch and what a compile needs imported,
+    and its workers (on a GPU, each compiles a small model there, its CUDA context made),
+    and makes here what loading a compiled version needs (for the CPU, Inductor's vector-ISA
+    check; for a GPU, the Python form's modules); it returns once all of that is done.
+    Nothing of it holds the event loop: torch is imported and the scheduler made in a
+    thread, the rest is awaited. Calling it again returns at once once done (idempotent);
+    it works under asyncio and trio.
+
+    The scheduler lives until the process exits (or ``aclose()`` on it); a
+    ``BackgroundCompiled`` that uses it does not close it. Cancelling the await leaves the
+    start-up going on. A worker that cannot start raises the error its warm-up met.
+    """
+    if not isinstance(device, str):
+        raise TypeError(f"device must be 'cpu' or 'cuda', got {device!r} ({type(device).__name__})")
+    if device not in DEVICES:
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    form = "python" if device == "cuda" else "package"
+
+    def start() -> tuple[Scheduler, list[Any]]:
+        import torch  # noqa: F401 - seconds of import, here in a thread rather than the loop
+
+        loading = ahead.for_form(form)
+        loading.start()
+        return _shared(device, form)
+
+    scheduler, warming = await anyio.to_thread.run_sync(start)
+    for future in warming:
+        await bridge.wait(future)
+    loading = ahead.for_form(form)
+    # In short waits, so that a cancelled await does not wait for the end of the work.
+    while not await anyio.to_thread.run_sync(loading.wait, 0.1):
+        pass
+    return scheduler
