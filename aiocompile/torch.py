@@ -23,18 +23,27 @@ the event log. Inductor generates the same kernels and gets the same kernel obje
 ``compile_in_background()`` serves a model eagerly while a worker compiles it. docs/torch.md
 tells both stories whole.
 
-Importing this module does not import torch; ``install()`` does.
+Importing this module does not import torch, nor aiocompile's scheduler, pool or backends:
+each public name is imported at its first use (a server imports this module in its event
+loop, and the scheduler's stack is for the thread that first makes a scheduler).
 """
 
-from aiocompile._torch.background import (
-    BackgroundCompiled,
-    BackgroundStatus,
-    ShapeStatus,
-    compile_in_background,
-)
-from aiocompile._torch.install import install, installed, is_installed, uninstall
-from aiocompile._torch.warming import warm
-from aiocompile.backends.inductor._worker import PRELOAD
+import importlib as _importlib
+import typing as _typing
+
+# Public name -> the module that defines it.
+_EXPORTS = {
+    "BackgroundCompiled": "aiocompile._torch.background",
+    "BackgroundStatus": "aiocompile._torch.states",
+    "PRELOAD": "aiocompile.backends.inductor._worker",
+    "ShapeStatus": "aiocompile._torch.states",
+    "compile_in_background": "aiocompile._torch.background",
+    "install": "aiocompile._torch.install",
+    "installed": "aiocompile._torch.install",
+    "is_installed": "aiocompile._torch.install",
+    "uninstall": "aiocompile._torch.install",
+    "warm": "aiocompile._torch.warming",
+}
 
 __all__ = [
     "PRELOAD",
@@ -48,3 +57,24 @@ __all__ = [
     "uninstall",
     "warm",
 ]
+
+
+def __getattr__(name: str) -> _typing.Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'aiocompile.torch' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+if _typing.TYPE_CHECKING:
+    from aiocompile._torch.background import BackgroundCompiled, compile_in_background
+    from aiocompile._torch.install import install, installed, is_installed, uninstall
+    from aiocompile._torch.states import BackgroundStatus, ShapeStatus
+    from aiocompile._torch.warming import warm
+    from aiocompile.backends.inductor._worker import PRELOAD

@@ -49,6 +49,39 @@ def test_import_is_light():
     assert out.split() == ["False"] * 7
 
 
+# What importing ``aiocompile.torch`` after torch must leave unimported: the scheduler's
+# stack, and torch's compiler.
+TORCH_FACE_HEAVY = ("aiocompile._core", "aiocompile._pool", "aiocompile.backends", "torch._inductor", "torch._dynamo")
+
+
+def test_importing_the_torch_face_after_torch_imports_no_scheduler_and_no_compiler():
+    pytest.importorskip("torch")
+    code = ("import sys, torch; before = set(sys.modules); import aiocompile.torch; "
+            f"print(sorted(m for m in set(sys.modules) - before if m.startswith({TORCH_FACE_HEAVY!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=importlib.import_module("conftest").subprocess_env()).stdout
+    assert out.strip() == "[]"
+
+
+def test_the_torch_face_resolves_each_public_name_at_first_use():
+    import aiocompile.torch as aiotorch
+    from aiocompile._torch import background, install, states, warming
+    from aiocompile.backends.inductor import _worker
+
+    assert dir(aiotorch) == sorted(aiotorch.__all__)
+    homes = {"BackgroundCompiled": background, "BackgroundStatus": states, "PRELOAD": _worker,
+             "ShapeStatus": states, "compile_in_background": background, "install": install,
+             "installed": install, "is_installed": install, "uninstall": install, "warm": warming}
+    assert set(homes) == set(aiotorch.__all__)
+    for name, home in homes.items():
+        assert getattr(aiotorch, name) is getattr(home, name)
+    namespace = {}
+    exec("from aiocompile.torch import *", namespace)
+    assert set(namespace) - {"__builtins__"} == set(aiotorch.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'not_a_thing'"):
+        aiotorch.not_a_thing  # noqa: B018
+
+
 @pytest.mark.parametrize("name", PUBLIC_MODULES)
 def test_each_public_module_exports_what_it_defines_or_re_exports(name):
     module = importlib.import_module(name)
