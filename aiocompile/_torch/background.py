@@ -25,12 +25,11 @@ import os
 import tempfile
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from aiocompile._base import bridge, threads
-from aiocompile._core.scheduler import Scheduler
 from aiocompile._observe import repro as _repro
 from aiocompile._torch import ahead, export, graph, warming
 from aiocompile._torch import parcel as _parcel
@@ -38,6 +37,11 @@ from aiocompile._torch.job import ENV_PREFIXES, ExportJob
 from aiocompile._torch.states import TRANSITIONS, BackgroundStatus, ShapeStatus, _Entry, describe
 from aiocompile.backends import Request
 from aiocompile.errors import CompileError, JobTimeout, SchedulerClosed, WorkerCrashed
+
+if TYPE_CHECKING:
+    # Imported where it is needed: ``aiocompile.torch.compile_in_background`` is looked up
+    # in a server's event loop, and the scheduler's stack is for the thread that makes one.
+    from aiocompile._core.scheduler import Scheduler
 
 __all__ = ["TRANSITIONS", "BackgroundCompiled", "BackgroundStatus", "ShapeStatus", "compile_in_background"]
 
@@ -532,6 +536,9 @@ def compile_in_background(
         raise TypeError(f"options must be a dict of Inductor settings or None, got {type(options).__name__}")
     if options and mode not in (None, "default"):
         raise ValueError("give mode or options, not both (as torch.compile)")
+    if scheduler is not None:
+        from aiocompile._core.scheduler import Scheduler  # imported already by whoever made one
+
     if scheduler is not None and not isinstance(scheduler, Scheduler):
         raise TypeError(f"scheduler must be an aiocompile.Scheduler or None, got {type(scheduler).__name__}")
     if scheduler is not None and scheduler.closed:

@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from aiocompile._base import bridge
-from aiocompile._core.scheduler import Scheduler
 from aiocompile._torch import ahead, export
+
+if TYPE_CHECKING:
+    # Imported where a scheduler is made: ``aiocompile.torch.warm`` is looked up in a
+    # server's event loop, and the scheduler's stack is imported in warm()'s thread.
+    from aiocompile._core.scheduler import Scheduler
 
 __all__ = ["MAX_OWN_WORKERS", "DEVICES", "scheduler_for", "warm"]
 
@@ -72,6 +76,7 @@ def scheduler_for(device: str = "cpu", form: str = "package") -> tuple[Scheduler
 
 def _new_scheduler(device: str, form: str) -> Scheduler:
     from aiocompile._base.config import SchedulerConfig
+    from aiocompile._core.scheduler import Scheduler
     from aiocompile.backends.inductor._worker import PRELOAD
 
     config = SchedulerConfig.from_env()
