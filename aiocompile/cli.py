@@ -63,6 +63,9 @@ def _load_kernel_set(spec: str) -> list[dict[str, Any]]:
         which = f"KERNELS[{index}]" + (f" ({name})" if name else "")
         if missing:
             _usage_error(f"{spec}: {which} has no {' and no '.join(map(repr, missing))}")
+        wrong = _wrong_types(entry)
+        if wrong:
+            _usage_error(f"{spec}: {which}: {wrong}")
         label = entry.get("label")
         if label is not None and (not isinstance(label, str) or label in ("", ".", "..") or "/" in label
                                   or "\\" in label or "\0" in label):
@@ -89,6 +92,25 @@ def _config_from_env() -> SchedulerConfig:
 # What an entry of each kind must hold besides its kernel or source (as compile_many's
 # specs of that kind must).
 _NEEDS = {"triton": ("signature",), "cpp": (), "cuda": (), "": ()}
+
+
+def _wrong_types(entry: Mapping[str, Any]) -> str | None:
+    """What in an entry is of a type no build takes (an entry is checked before anything
+    starts, as its whole kernel set is), or None."""
+    if _kind(entry) == "triton":
+        from triton.runtime.jit import JITFunction
+
+        kernel = entry["kernel"]
+        if not isinstance(kernel, JITFunction):
+            return (f"'kernel' must be a @triton.jit function, got {type(kernel).__name__}"
+                    + (" (an autotuned kernel is tuned with autotune(), not built)"
+                       if isinstance(getattr(kernel, "fn", None), JITFunction) else ""))
+        for name in ("signature", "constexprs"):
+            if name in entry and entry[name] is not None and not isinstance(entry[name], Mapping):
+                return f"{name!r} must be a dict, got {type(entry[name]).__name__}"
+    elif not isinstance(entry["source"], str):
+        return f"'source' must be the source text (a str), got {type(entry['source']).__name__}"
+    return None
 
 
 def _kind(entry: Mapping[str, Any]) -> str | None:

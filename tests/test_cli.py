@@ -136,6 +136,22 @@ def test_a_kernel_set_entry_without_what_it_needs_is_a_message_not_a_traceback(t
     assert proc.stderr == f"aiocompile: {kernel_set}: KERNELS[0] (add_64) has no 'signature'\n"
 
 
+@pytest.mark.parametrize("entry, says", [
+    ("{'label': 'five', 'kernel': 5, 'signature': {}}", "'kernel' must be a @triton.jit function, got int"),
+    ("{'label': 'sig', 'kernel': add_kernel, 'signature': '*fp32'}", "'signature' must be a dict, got str"),
+    ("{'label': 'src', 'kind': 'cpp', 'source': b'int x;'}", "'source' must be the source text (a str), got bytes"),
+])
+def test_a_kernel_set_entry_of_the_wrong_type_is_a_message_and_status_2(tmp_path, entry, says):
+    kernel_set = tmp_path / "wrong_types.py"
+    kernel_set.write_text(f"import sys\nsys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+                          f"from triton_kernels import add_kernel\nKERNELS = [{entry}]\n")
+    out = tmp_path / "out"
+    proc = _aiocompile("build", str(kernel_set), "-t", "cuda:80", "--out", str(out), "--no-progress")
+    assert (proc.returncode, proc.stdout) == (2, ""), proc.stderr
+    assert proc.stderr.startswith(f"aiocompile: {kernel_set}: KERNELS[0] (") and says in proc.stderr
+    assert "Traceback" not in proc.stderr and not out.exists()
+
+
 def test_what_the_command_cannot_use_is_a_line_and_status_2_not_a_traceback(tmp_path):
     broken = tmp_path / "broken_set.py"
     broken.write_text("import os\n\nraise RuntimeError('no such model')\n")
