@@ -68,19 +68,24 @@ SCRIPT = textwrap.dedent('''
     anyio.run(serve, backend=sys.argv[1])
 ''')
 
-
-@pytest.mark.timeout(TIMEOUT)
-@pytest.mark.parametrize("backend", ["asyncio", "trio"])
-def test_the_constructor_and_first_call_import_no_compiler_and_wait_for_no_worker(tmp_path, backend):
+def _serve(tmp_path, script_text: str, backend: str) -> dict:
+    """Run ``script_text`` as a program under ``backend`` (a fresh interpreter, an empty
+    Inductor cache) and return the JSON its last line prints."""
     pytest.importorskip(backend)
     script = tmp_path / "serve.py"
-    script.write_text(SCRIPT)
+    script.write_text(script_text)
     tests = str(__import__("pathlib").Path(__file__).parent)
     run = subprocess.run([sys.executable, str(script), backend], capture_output=True, text=True, timeout=TIMEOUT,
                          env=subprocess_env(PYTHONPATH=f"{subprocess_env()['PYTHONPATH']}:{tests}",
                                             TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor")))
     assert run.returncode == 0, run.stderr[-3000:]
-    answer = json.loads(run.stdout.strip().splitlines()[-1])
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_the_constructor_and_first_call_import_no_compiler_and_wait_for_no_worker(tmp_path, backend):
+    answer = _serve(tmp_path, SCRIPT, backend)
     # Inductor and Dynamo are imported by threads of aiocompile's (what the load will
     # need, made ahead) and by workers, never by the caller's thread.
     assert answer["in_constructor"] == [] and answer["on_the_caller"] == []
@@ -160,15 +165,7 @@ WARM_SCRIPT = textwrap.dedent('''
 @pytest.mark.timeout(TIMEOUT)
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_after_warm_a_background_compile_starts_no_process_and_compiles(tmp_path, backend):
-    pytest.importorskip(backend)
-    script = tmp_path / "serve.py"
-    script.write_text(WARM_SCRIPT)
-    tests = str(__import__("pathlib").Path(__file__).parent)
-    run = subprocess.run([sys.executable, str(script), backend], capture_output=True, text=True, timeout=TIMEOUT,
-                         env=subprocess_env(PYTHONPATH=f"{subprocess_env()['PYTHONPATH']}:{tests}",
-                                            TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor")))
-    assert run.returncode == 0, run.stderr[-3000:]
-    answer = json.loads(run.stdout.strip().splitlines()[-1])
+    answer = _serve(tmp_path, WARM_SCRIPT, backend)
     # warm() returned with every worker started; the compile ran in one of them.
     assert answer["pids"] and answer["started"] == len(answer["pids"])
     assert answer["same"] is True

@@ -191,50 +191,47 @@ def cpp_request(build: Callable[[], Any]) -> Request:
 def cuda_request(source_code: str, dst_file_ext: str, aot_compile: bool) -> Request:
     """The request for ``AsyncCompile.cuda(source_code, dst_file_ext, aot_compile)``'s
     build: ``CUDACodeCache.compile`` in a worker, under this process's CUDA settings."""
-    from torch._inductor import config
-    from torch._inductor.codecache import CUDACodeCache, get_lock_dir
+    from torch._inductor.codecache import CUDACodeCache
 
-    # Inductor's own names for the files (writing the source, as its compile would).
     steps = ("o", dst_file_ext) if dst_file_ext == "so" or aot_compile else (dst_file_ext,)
-    outputs = []
-    inductor_key = ""
-    suffix = len(CUDACodeCache._SOURCE_CODE_SUFFIX)
-    for ext in dict.fromkeys(steps):
-        inductor_key, input_path = CUDACodeCache.write(source_code, ext)
-        outputs.append(input_path[:-suffix] + ext)
-    lock_path = os.path.join(get_lock_dir(), inductor_key + ".lock")
-    save = getattr(config, "save_config_portable", None) or config.get_config_copy
-    settings = {k: v for k, v in save().items() if k.startswith(_CUDA_SETTING_PREFIXES)}
-    env = _environment(_CUDA_ENV_NAMES)
-    key = _key("inductor-cuda", inductor_key, tuple(outputs), aot_compile, _written([input_path]),
-               sorted(settings.items(), key=lambda kv: kv[0]), sorted(env.items()))
-    build = functools.partial(_native_worker.build_cuda, source_code, dst_file_ext, aot_compile, settings)
-    args = (build, lock_path, tuple(outputs), os.getpid(), env, inductor_key, key, "cuda")
-    return _request("inductor-cuda", inductor_key, key, "cuda", _native_worker.build_native, args)
+    return _device_code_request("cuda", CUDACodeCache, _CUDA_SETTING_PREFIXES, _CUDA_ENV_NAMES,
+                                _native_worker.build_cuda, source_code, dst_file_ext, aot_compile, steps)
 
 
 def rocm_request(source_code: str, dst_file_ext: str, aot_compile: bool) -> Request:
     """The request for ``AsyncCompile.rocm(source_code, dst_file_ext, aot_compile)``'s
     build: ``ROCmCodeCache.compile`` in a worker, under this process's ROCm settings."""
-    from torch._inductor import config
-    from torch._inductor.codecache import ROCmCodeCache, get_lock_dir
+    from torch._inductor.codecache import ROCmCodeCache
 
     steps = ("o", dst_file_ext) if aot_compile else (dst_file_ext,)
+    return _device_code_request("rocm", ROCmCodeCache, _ROCM_SETTING_PREFIXES, _ROCM_ENV_NAMES,
+                                _native_worker.build_rocm, source_code, dst_file_ext, aot_compile, steps)
+
+
+def _device_code_request(kind: str, code_cache: Any, setting_prefixes: tuple[str, ...], env_names: Any,
+                         build_fn: Callable[..., Any], source_code: str, dst_file_ext: str, aot_compile: bool,
+                         steps: tuple[str, ...]) -> Request:
+    """A CUDA or ROCm build: Inductor's own names for the files (the source written, as its
+    compile would), keyed by them, the source, the kind's settings and environment."""
+    from torch._inductor import config
+    from torch._inductor.codecache import get_lock_dir
+
     outputs = []
     inductor_key = ""
-    suffix = len(ROCmCodeCache._SOURCE_CODE_SUFFIX)
+    suffix = len(code_cache._SOURCE_CODE_SUFFIX)
     for ext in dict.fromkeys(steps):
-        inductor_key, input_path = ROCmCodeCache.write(source_code, ext)
+        inductor_key, input_path = code_cache.write(source_code, ext)
         outputs.append(input_path[:-suffix] + ext)
     lock_path = os.path.join(get_lock_dir(), inductor_key + ".lock")
     save = getattr(config, "save_config_portable", None) or config.get_config_copy
-    settings = {k: v for k, v in save().items() if k.startswith(_ROCM_SETTING_PREFIXES)}
-    env = _environment(_ROCM_ENV_NAMES)
-    key = _key("inductor-rocm", inductor_key, tuple(outputs), aot_compile, _written([input_path]),
+    settings = {k: v for k, v in save().items() if k.startswith(setting_prefixes)}
+    env = _environment(env_names)
+    backend = f"inductor-{kind}"
+    key = _key(backend, inductor_key, tuple(outputs), aot_compile, _written([input_path]),
                sorted(settings.items(), key=lambda kv: kv[0]), sorted(env.items()))
-    build = functools.partial(_native_worker.build_rocm, source_code, dst_file_ext, aot_compile, settings)
-    args = (build, lock_path, tuple(outputs), os.getpid(), env, inductor_key, key, "rocm")
-    return _request("inductor-rocm", inductor_key, key, "rocm", _native_worker.build_native, args)
+    build = functools.partial(build_fn, source_code, dst_file_ext, aot_compile, settings)
+    args = (build, lock_path, tuple(outputs), os.getpid(), env, inductor_key, key, kind)
+    return _request(backend, inductor_key, key, kind, _native_worker.build_native, args)
 
 
 def halide_request(task: Callable[[], Any], target: str = "cpu") -> Request:
