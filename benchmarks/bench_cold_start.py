@@ -56,6 +56,7 @@ def child(way: str, pause: float) -> dict:
 
     async def main() -> dict:
         gaps: list[float] = []
+        stalls: list[tuple[float, float]] = []  # (length, began at, from the program's start)
         stop = False
 
         async def ticker() -> None:
@@ -64,6 +65,8 @@ def child(way: str, pause: float) -> dict:
                 await asyncio.sleep(0.001)
                 now = time.perf_counter()
                 gaps.append(now - last - 0.001)
+                if now - last - 0.001 > 0.01:
+                    stalls.append((now - last - 0.001, last - T0))
                 last = now
 
         task = asyncio.create_task(ticker())
@@ -139,6 +142,8 @@ def child(way: str, pause: float) -> dict:
         stop = True
         await task
         result["loop_stall_max_ms"] = max(gaps) * 1e3
+        result["stalls_over_10ms"] = [f"{began:.2f} s: {length * 1e3:.0f} ms"
+                                      for length, began in sorted(stalls, reverse=True)[:5]]
         if way != "stock":
             await wrapped.aclose()
             await wrapped.scheduler.aclose()

@@ -28,7 +28,6 @@ torch = pytest.importorskip("torch")
 import background_models  # noqa: E402  (needs torch)
 
 import aiocompile.torch as aiotorch  # noqa: E402
-from aiocompile._torch import ahead  # noqa: E402
 from aiocompile._torch import background as _background  # noqa: E402
 from aiocompile._torch import graph as _graph  # noqa: E402
 from aiocompile._torch.states import TRANSITIONS  # noqa: E402
@@ -161,15 +160,11 @@ exec g++ "$@"
         status = compiled.status()
         assert status.compiling == ("f32[4, 16] cpu",) and status.compiled == ()
         assert status.shapes[0].eager_calls == 21 and status.shapes[0].compiled_calls == 0
-        # What loading the package will need here (Inductor's CPU vector-ISA check) is
-        # made while the worker compiles, not after.
-        assert ahead.VEC_ISA.started
     finally:
         (gate / "release").touch()
 
     shape = asyncio.run(compiled.ready(x))
     assert shape.state == "compiled" and shape.error is None
-    assert ahead.VEC_ISA.wait(0) and ahead.VEC_ISA.seconds is not None
     assert [stage for stage, _ in shape.stages] == ["load", "export", "compile", "trial"]
     assert shape.max_abs_difference is not None and shape.max_abs_difference < 1e-4
     assert shape.seconds is not None and shape.seconds > 0
@@ -372,8 +367,9 @@ def test_a_compile_past_its_timeout_leaves_eager_serving_with_a_bundle(sched, tm
 def test_workers_of_a_background_scheduler_start_with_the_compile_imported_and_no_cpu_check_to_wait_for():
     # The fork server imports what a compile needs, once: a worker forked from it has it
     # all before its first job (each worker importing it in its warm-up made the first
-    # compile queue behind that). Inductor's CPU vector-ISA check is the serving process's
-    # to start (ahead.VEC_ISA); a worker's warm-up does not make the compile wait for it.
+    # compile queue behind that). Inductor's CPU vector-ISA check is the compile's own, its
+    # programs built ahead by a process of their own (isa.start_builds): a worker's warm-up
+    # does not make the compile wait for it.
     from aiocompile._torch import export
 
     config = aiocompile.SchedulerConfig(workers=1, preload=(aiotorch.PRELOAD, export.PRELOAD), repro_dir=None)

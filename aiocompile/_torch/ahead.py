@@ -1,16 +1,16 @@
 """Work the serving process's first load will need, done while the worker compiles.
 
-Loading a compiled version here needs things a process makes once and keeps: for a
-package, Inductor's CPU vector-ISA check (:mod:`._isa`, which can take as long as the
-compile); for the Python form, the modules that load its artifact and Triton's backend
-hash (:mod:`._graph`, seconds of CPU, most of it holding the interpreter lock). Made by the
-load itself, they would add to the time until compiled and hold the lock in pieces long
-enough to be seen in the eager calls' latency.
+Loading a compiled version of the Python form here needs things a process makes once and
+keeps: the modules that load its artifact and Triton's backend hash (:mod:`.graph`,
+seconds of CPU, most of it holding the interpreter lock). Made by the load itself, they
+would add to the time until compiled and hold the lock in pieces long enough to be seen in
+the eager calls' latency. A package needs nothing made ahead: :mod:`.aoti` loads it with
+torch's C++ loader alone.
 
 Each is an :class:`Ahead`: :meth:`~Ahead.start` runs it once per process in a thread of its
 own, from the moment a model is wrapped (``compile_in_background``; again, a no-op, at
 each compile's submission); :meth:`~Ahead.wait` is called by the load, which then finds
-it made.
+it made. :func:`start` and :func:`wait` do so for a form.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from aiocompile._torch import graph, isa
+from aiocompile._torch import graph
 
 _logger = logging.getLogger("aiocompile")
 
@@ -66,16 +66,17 @@ class Ahead:
         return self._done.wait(timeout)
 
 
-def _vec_isa() -> None:
-    if isa.make() is None:
-        raise RuntimeError("the check failed")
-
-
-VEC_ISA = Ahead("vec-isa", _vec_isa)
-"""Inductor's CPU vector-ISA check, which a package's load needs."""
 GRAPH_LOAD = Ahead("graph-load", graph.prepare)
 """The modules a Python-form load imports, and Triton's backend hash."""
 
 
-def for_form(form: str) -> Ahead:
-    return GRAPH_LOAD if form == "python" else VEC_ISA
+def start(form: str) -> None:
+    """Begin what loading ``form`` here needs (``"python"``; a package needs nothing)."""
+    if form == "python":
+        GRAPH_LOAD.start()
+
+
+def wait(form: str, timeout: float | None = None) -> bool:
+    """Wait for what loading ``form`` needs, if begun (at most ``timeout`` seconds); True
+    when there is nothing to wait for or it has ended."""
+    return GRAPH_LOAD.wait(timeout) if form == "python" else True

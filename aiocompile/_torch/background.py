@@ -31,7 +31,7 @@ import anyio
 
 from aiocompile._base import bridge, threads
 from aiocompile._observe import repro as _repro
-from aiocompile._torch import ahead, export, graph, warming
+from aiocompile._torch import ahead, aoti, export, graph, warming
 from aiocompile._torch import parcel as _parcel
 from aiocompile._torch.job import ENV_PREFIXES, ExportJob
 from aiocompile._torch.states import TRANSITIONS, BackgroundStatus, ShapeStatus, _Entry, describe
@@ -63,9 +63,9 @@ class BackgroundCompiled:
     the scheduler it made for itself, if it did.
     """
 
-    def __init__(self, model: Any, *, mode: str | None, options: Mapping[str, Any], scheduler: Scheduler,
-                 owns_scheduler: bool, strict: bool, timeout: float | None, disabled: bool,
-                 max_signatures: int = 8, artifact: str = "auto") -> None:
+    def __init__(self, model: Any, *, mode: str | None, options: Mapping[str, Any],
+                 scheduler: cf.Future[Scheduler], owns_scheduler: bool, strict: bool, timeout: float | None,
+                 disabled: bool, max_signatures: int = 8, artifact: str = "auto") -> None:
         import torch
 
         self._model = model
@@ -97,7 +97,9 @@ class BackgroundCompiled:
 
     @property
     def scheduler(self) -> Scheduler:
-        return self._scheduler
+        """Where the compiles run. One this object makes for itself is made in a thread
+        from the constructor on: this waits for it (a fraction of a second at most, once)."""
+        return self._scheduler.result()
 
     # -- calls -----------------------------------------------------------------------------------
 
@@ -199,6 +201,11 @@ class BackgroundCompiled:
         lane's thread)."""
         torch = self._torch
         try:
+            scheduler = self._scheduler.result()
+        except BaseException as exc:
+            self._fail(entry, exc)
+            return
+        try:
             parcel = self._take_parcel()
         except Exception as exc:
             error = CompileError(f"the model cannot be compiled in a worker: {exc}", kernel_name=self._name)
@@ -214,20 +221,20 @@ class BackgroundCompiled:
                 name=self._name, signature=entry.text, parcel=parcel, inputs=inputs.getvalue(),
                 inductor_configs=self._inductor_configs(), device_index=device_index,
                 env={name: value for name, value in os.environ.items() if name.startswith(ENV_PREFIXES)},
-                repro=_repro.root_of(self._scheduler.config), form=form,
+                repro=_repro.root_of(scheduler.config), form=form,
             )
             request = Request(
                 backend="aoti", key=None, name=f"{self._name}({entry.text})",
                 target="cpu" if device_index < 0 else f"cuda:{device_index}",
                 fn=export.build_package, args=(job,), finish=_identity, details=_details,
             )
-            answer = self._scheduler.port.execute_sync(request, self._timeout)
+            answer = scheduler.port.execute_sync(request, self._timeout)
         except BaseException as exc:
             self._release_parcel()
             self._fail(entry, exc)
             return
         answer.add_done_callback(lambda done: _LANE.submit(lambda: self._finish(entry, job, done)))
-        ahead.for_form(form).start()  # what the load will need here, made while the worker compiles
+        ahead.start(form)  # what the load will need here, made while the worker compiles
 
     def _inductor_configs(self) -> dict[str, Any]:
         """Inductor's settings for the compiles (in a lane's thread: a mode's settings are
@@ -305,7 +312,7 @@ class BackgroundCompiled:
         weights (and the constants made during tracing, which come with it)."""
         torch = self._torch
         form = answer["form"]
-        ahead.for_form(form).wait(self._timeout)
+        ahead.wait(form, self._timeout)
         own = export.model_tensors(self._model)
         extra = torch.load(io.BytesIO(answer["extra_constants"]), weights_only=True)
         device = torch.device("cpu") if device_index < 0 else torch.device("cuda", device_index)
@@ -318,7 +325,7 @@ class BackgroundCompiled:
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(answer["package"])
-            runner = torch._inductor.aoti_load_package(path, device_index=device_index)
+            runner = aoti.load(path, device_index)
         finally:
             os.unlink(path)  # the loader has unpacked what it needs
         constants = {}
@@ -415,17 +422,28 @@ class BackgroundCompiled:
         try:
             bridge.current_library()
         except RuntimeError:  # no event loop here: wait for the exits
-            self._scheduler.close()
+            self._close_scheduler()
             return
         # Not a daemon: the interpreter's exit waits for the workers to be gone.
         with self._lock:
             if self._closing is None:
-                self._closing = threading.Thread(target=self._scheduler.close, name="aiocompile-close")
+                self._closing = threading.Thread(target=self._close_scheduler, name="aiocompile-close")
                 self._closing.start()
+
+    def _close_scheduler(self) -> None:
+        try:
+            scheduler = self._scheduler.result()
+        except BaseException:  # noqa: BLE001 - none was made: nothing to close
+            return
+        scheduler.close()
 
     async def aclose(self) -> None:
         if self._owns_scheduler:
-            await self._scheduler.aclose()
+            try:
+                scheduler = await bridge.wait(self._scheduler)
+            except Exception:  # noqa: BLE001 - none was made: nothing to close
+                return
+            await scheduler.aclose()
             closing = self._closing
             if closing is not None:
                 await anyio.to_thread.run_sync(closing.join)
@@ -558,10 +576,13 @@ def compile_in_background(
     # its model at start-up), not beside the first compile's eager calls: the Python
     # form's imports hold the interpreter lock for seconds.
     if not disable:
-        ahead.for_form(form).start()
+        ahead.start(form)
     if scheduler is None:
-        scheduler, owned = warming.scheduler_for(device, form)
-    return BackgroundCompiled(model, mode=mode, options=dict(options or {}), scheduler=scheduler, owns_scheduler=owned,
+        chosen, owned = warming.scheduler_for(device, form)
+    else:
+        chosen = cf.Future()
+        chosen.set_result(scheduler)
+    return BackgroundCompiled(model, mode=mode, options=dict(options or {}), scheduler=chosen, owns_scheduler=owned,
                               strict=strict, timeout=timeout, disabled=disable, max_signatures=max_signatures,
                               artifact=artifact)
 

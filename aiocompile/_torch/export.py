@@ -38,7 +38,7 @@ import tempfile
 import time
 from typing import Any
 
-from aiocompile._torch import cxx, graph
+from aiocompile._torch import aoti, cxx, graph
 from aiocompile._torch.job import ENV_PREFIXES, PACKAGE_CONFIGS, ExportJob
 from aiocompile._torch.parcel import unpack
 from aiocompile.errors import CompileError
@@ -52,7 +52,6 @@ _MODULES = ("torch", "torch.export", "torch._export", "torch._inductor.compile_f
 PRELOAD = "aiocompile._torch.export:prepare_fork_server"
 """The fork-server preload entry of the schedulers ``compile_in_background`` makes (after
 Inductor's own, ``aiocompile.torch.PRELOAD``)."""
-
 
 def prepare_fork_server() -> None:
     """Preload hook: import what a background compile needs, once, in the fork server, so
@@ -91,11 +90,11 @@ def warm_up(device: str = "cpu", form: str = "package") -> float:
     imported, CUDA and Triton's driver ready: what a first compile would otherwise pay).
     Returns the seconds it took (about 0 when done before).
 
-    Inductor's CPU vector-ISA check, which a package's compile needs, is not made here:
-    the serving process makes it from the moment a model is wrapped (``ahead.VEC_ISA``),
-    and its test programs land in Inductor's cache, under a lock per program, where the
-    compile finds them when its code generation gets there (after the export and the
-    lowering, which it then no longer waits for). ``form`` is kept for the callers."""
+    Inductor's CPU vector-ISA check, which a compile for the CPU needs, is not made here:
+    the compile makes it when its code generation gets there, after the export and the
+    lowering, and finds the test programs built (or being built, under a lock each) by the
+    process the serving process started when the model was wrapped (:mod:`.isa`). ``form``
+    is kept for the callers."""
     import importlib
     import sys
 
@@ -247,8 +246,8 @@ def _try_package(path: str, device_index: int, program: Any, own: dict[str, Any]
     constants it needs, the values of those the model does not hold, and its output."""
     import torch
 
-    runner = torch._inductor.aoti_load_package(path, device_index=device_index)
-    names = list(runner.get_constant_fqns())
+    runner = aoti.load(path, device_index)  # as the serving process will load it
+    names = runner.get_constant_fqns()
     found = {**dict(program.state_dict), **dict(program.constants)}
     extra = {}
     for name in names:

@@ -11,6 +11,7 @@ and this process has made what loading a compiled version needs (``ahead``).
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import os
 import threading
 from typing import TYPE_CHECKING, Any
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from aiocompile._base import bridge
-from aiocompile._torch import ahead, export
+from aiocompile._torch import ahead, export, isa
 
 if TYPE_CHECKING:
     # Imported where a scheduler is made: ``aiocompile.torch.warm`` is looked up in a
@@ -55,23 +56,41 @@ class _Warmed:
 _WARMED = _Warmed()
 
 
-def scheduler_for(device: str = "cpu", form: str = "package") -> tuple[Scheduler, bool]:
-    """The scheduler a background compile without one goes to, and whether the caller owns
-    it (then its ``close()`` closes it): ``install()``'s if installed; the one ``warm()``
-    made; else a new one: the environment's configuration, at most ``MAX_OWN_WORKERS``
-    workers, torch and what a compile imports preloaded in its fork server, and its workers
-    started at once (for a model on a GPU, each compiles a small one there:
-    ``export.warm_up``)."""
+def scheduler_for(device: str = "cpu", form: str = "package") -> tuple[cf.Future[Scheduler], bool]:
+    """The scheduler a background compile without one goes to, as a future, and whether
+    the caller owns it (then its ``close()`` closes it): ``install()``'s if installed; the
+    one ``warm()`` made; else a new one, made in a thread of its own (making one imports
+    the pool's modules, which would hold the caller's event loop): the environment's
+    configuration, at most ``MAX_OWN_WORKERS`` workers, torch and what a compile imports
+    preloaded in its fork server, and its workers started at once (for a model on a GPU,
+    each compiles a small one there: ``export.warm_up``). For a model on the CPU, the
+    vector-ISA check's builds start too (:mod:`.isa`)."""
     from aiocompile._torch.installation import STATE
 
+    found: cf.Future[Scheduler] = cf.Future()
     installation = STATE.current
     if installation is not None:
-        return installation.current_scheduler(), False
+        if device == "cpu":
+            isa.start_builds()  # its workers make the check in their first compile, and find them built
+        found.set_result(installation.current_scheduler())
+        return found, False
     shared = _WARMED.current()
     if shared is not None:
         shared.port.warm_workers(export.warm_up, (device, form))  # workers that are gone: started again
-        return shared, False
-    return _new_scheduler(device, form), True
+        found.set_result(shared)
+        return found, False
+
+    def make() -> None:
+        if not found.set_running_or_notify_cancel():
+            return
+        try:
+            found.set_result(_new_scheduler(device, form))
+        except BaseException as exc:  # noqa: BLE001 - the compiles that need it meet it
+            found.set_exception(exc)
+
+    # Not a daemon: an interpreter that exits meanwhile waits for it (then closes it).
+    threading.Thread(target=make, name="aiocompile-start").start()
+    return found, True
 
 
 def _new_scheduler(device: str, form: str) -> Scheduler:
@@ -79,6 +98,8 @@ def _new_scheduler(device: str, form: str) -> Scheduler:
     from aiocompile._core.scheduler import Scheduler
     from aiocompile.backends.inductor._worker import PRELOAD
 
+    if device == "cpu":
+        isa.start_builds()
     config = SchedulerConfig.from_env()
     scheduler = Scheduler(config=config.with_changes(preload=(*config.preload, PRELOAD, export.PRELOAD),
                                                      workers=min(config.workers, MAX_OWN_WORKERS)))
@@ -130,15 +151,13 @@ async def warm(device: str = "cpu") -> Scheduler:
     def start() -> tuple[Scheduler, list[Any]]:
         import torch  # noqa: F401 - seconds of import, here in a thread rather than the loop
 
-        loading = ahead.for_form(form)
-        loading.start()
+        ahead.start(form)
         return _shared(device, form)
 
     scheduler, warming = await anyio.to_thread.run_sync(start)
     for future in warming:
         await bridge.wait(future)
-    loading = ahead.for_form(form)
     # In short waits, so that a cancelled await does not wait for the end of the work.
-    while not await anyio.to_thread.run_sync(loading.wait, 0.1):
+    while not await anyio.to_thread.run_sync(ahead.wait, form, 0.1):
         pass
     return scheduler
