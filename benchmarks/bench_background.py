@@ -2,30 +2,42 @@
 beside stock ``torch.compile``, on the two transformer blocks of
 ``examples/torch_models.py`` (d=256, 4 heads, batch 4 x 128).
 
-Each measurement is a fresh interpreter with empty Inductor and Triton caches (Inductor's
-caches on, as by default: the Python form is made of their entries), the model already
-run eagerly (CUDA and its libraries initialised before the clock), and the compile pools
-started before the clock, as in a server that starts them at start-up. Calls come one
-after another with a short pause between them (``--pause``), the way requests reach a
-model. Ways:
+Public API only: nothing is prepared before the clock but through calls a program can
+make. Each measurement is a fresh interpreter with empty Inductor and Triton caches
+(Inductor's caches on, as by default: the Python form is made of their entries). The
+program imports torch, builds the model and runs it once eagerly (its expected output;
+CUDA and its libraries initialised), then takes calls one after another with a short pause
+between them (``--pause``), the way requests reach a model. Ways:
 
-- ``stock``: ``torch.compile(model)``; its first call compiles (everything waits);
-- ``subprocess``: the same with ``TORCHINDUCTOR_FX_COMPILE_MODE=subprocess`` (Inductor's
+- ``stock``: ``torch.compile(model)``, nothing prepared; its first call compiles
+  (everything waits);
+- ``stock_pool``: the same after Inductor's own compile pool was started and waited for
+  before the clock (``AsyncCompile.warm_pool()``, ``wait_pool_ready()``: torch's calls, a
+  server's start-up for stock);
+- ``subprocess``: ``stock`` with ``TORCHINDUCTOR_FX_COMPILE_MODE=subprocess`` (Inductor's
   lowering in a subprocess, tracing here);
-- ``background``: ``compile_in_background(model)``: every call answered at once, eagerly
-  until the compiled version is in use;
-- ``background_quiet``: the same with no call between the first and the compiled one (the
+- ``cold``: ``compile_in_background(model)``, nothing prepared: every call answered at once,
+  eagerly until the compiled version is in use;
+- ``server``: ``await aiocompile.torch.warm(device)`` first (its time reported), then the
+  clock, then ``compile_in_background(model)`` as in ``cold``;
+- ``server_quiet``: ``server`` with no call between the first and the compiled one (the
   compile's own time, without traffic competing for the CPUs);
-- ``background_package``: ``compile_in_background(model, artifact="package")``: an
-  AOTInductor package whatever the device (the default on a GPU is the Python form);
+- ``server_package``: ``server`` with ``artifact="package"``: an AOTInductor package
+  whatever the device (the default on a GPU is the Python form);
 - ``export_thread``: ``torch.export`` run in a thread of the serving process while it
   answers eager calls (what exporting here, instead of in a worker, would cost).
 
+Two clocks. "Compiled from start": from the program's start (``time.perf_counter()`` taken
+before ``import torch``) until a call is answered by the compiled version (stock: the end
+of its first call): the ``cold`` ratio is ``cold`` over ``stock``. "To compiled": from the
+first call (the clock of ``stock_pool`` and ``server``, whose start-up came before it):
+the ``server`` ratio is ``server`` over ``stock`` (its first call) and over
+``stock_pool``.
+
 Reported per way: eager latency p50/p99 with nothing compiling (the baseline, measured in
-the same process first), the first call's latency, eager p50/p99/max while compiling (and
-how many calls were answered meanwhile), the time until compiled (stock: its first call;
-background: from the first call until a call is answered by the compiled version), the
-CPU seconds the compile cost the serving process itself over that time (work that
+the same process once the way is done), the first call's latency, eager p50/p99/max while
+compiling (and how many calls were answered meanwhile), both clocks, the CPU seconds the
+compile cost the serving process itself from the first call until compiled (work that
 competes with eager calls for the interpreter lock: for stock, all of its first call; for
 the others, the process's CPU time less the calling thread's), the compiled latency p50,
 and whether compiled outputs equal eager ones (``rtol=atol=1e-3``).
@@ -33,7 +45,7 @@ and whether compiled outputs equal eager ones (``rtol=atol=1e-3``).
 The serving process runs torch with ``--threads`` intra-op threads (default 1, so that
 every eager call's work is the calling thread's and the split above is exact).
 
-    python benchmarks/bench_background.py [--repeat 2] [--ways stock,subprocess,background,export_thread]
+    python benchmarks/bench_background.py [--repeat 2] [--ways stock,cold,server]
         [--device auto|cpu|cuda] [--pause 0.005] [--threads 1] [--json out.json]
 
 Runs on the CPU (Inductor compiles C++ for it) and on a GPU (``--device auto`` picks CUDA
@@ -42,19 +54,23 @@ when torch sees one).
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import resource
-import statistics
-import subprocess
-import sys
-import tempfile
-import threading
 import time
 
+T0 = time.perf_counter()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import resource  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WAYS = ("stock", "subprocess", "background", "background_quiet", "background_package", "export_thread")
+WAYS = ("stock", "stock_pool", "subprocess", "cold", "server", "server_quiet", "server_package", "export_thread")
+DEFAULT_WAYS = ("stock", "stock_pool", "cold", "server", "server_quiet")
 IDLE_CALLS = 200
 COMPILED_CALLS = 50
 
@@ -80,9 +96,7 @@ def child(way: str, device: str, pause: float, timeout: float, threads: int) -> 
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     import torch
     import torch_models  # noqa: F401 - importable by workers, by reference
-    from torch._inductor import config
 
-    config.fx_graph_cache = False
     torch.set_num_threads(threads)
     model, (x,) = torch_models.make("transformer", device=device)
     cuda = device == "cuda"
@@ -99,35 +113,57 @@ def child(way: str, device: str, pause: float, timeout: float, threads: int) -> 
 
     with torch.no_grad():
         expected, _ = timed(model, x)
+    result: dict = {"way": way, "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+                    "pause": pause, "threads": threads, "load": os.getloadavg()[0]}
+    scheduler = None
+    # A server's start-up, before the clock, through public calls only.
+    if way == "stock_pool":
+        began = time.perf_counter()
+        start_inductor_pool()
+        result["start_up"] = time.perf_counter() - began
+    elif way.startswith("server"):
+        import asyncio
+
+        import aiocompile.torch as aiotorch
+
+        began = time.perf_counter()
+        scheduler = asyncio.run(aiotorch.warm(device))
+        result["start_up"] = time.perf_counter() - began
+
+    with torch.no_grad():
+        if way in ("stock", "stock_pool", "subprocess"):
+            from torch._inductor import config
+
+            # This process compiles: no FX graph cache, so that it compiles everything.
+            config.fx_graph_cache = False
+            compiled = torch.compile(model)
+            cpu, started = cpu_seconds(), time.perf_counter()
+            out, first = timed(compiled, x)
+            now = time.perf_counter()
+            result.update(first_call=first, to_compiled=now - started, compiled_from_start=now - T0,
+                          parent_cpu=cpu_seconds() - cpu)
+            calls = [timed(compiled, x)[1] for _ in range(COMPILED_CALLS)]
+            result.update(compiled_p50=percentile(calls, 0.5), matches_eager=close(torch, out, expected))
+        elif way in ("cold", "server", "server_quiet", "server_package"):
+            result.update(background(torch, model, x, expected, timed, pause, timeout, quiet=way == "server_quiet",
+                                     artifact="package" if way == "server_package" else "auto"))
+        else:
+            result.update(export_thread(torch, model, x, timed, pause))
+        # The baseline: eager calls with nothing compiling, in this same process.
         for _ in range(10):
             timed(model, x)
         idle = []
         for _ in range(IDLE_CALLS):
             idle.append(timed(model, x)[1])
             time.sleep(pause)
-    result: dict = {"way": way, "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-                    "pause": pause, "threads": threads, "load": os.getloadavg()[0], "idle_p50": percentile(idle, 0.5),
-                    "idle_p99": percentile(idle, 0.99)}
-
-    with torch.no_grad():
-        if way in ("stock", "subprocess"):
-            start_inductor_pool()
-            compiled = torch.compile(model)
-            cpu, started = cpu_seconds(), time.perf_counter()
-            out, first = timed(compiled, x)
-            result.update(first_call=first, to_compiled=time.perf_counter() - started,
-                          parent_cpu=cpu_seconds() - cpu)
-            calls = [timed(compiled, x)[1] for _ in range(COMPILED_CALLS)]
-            result.update(compiled_p50=percentile(calls, 0.5), matches_eager=close(torch, out, expected))
-        elif way in ("background", "background_quiet", "background_package"):
-            result.update(background(torch, model, x, expected, timed, pause, timeout, quiet=way == "background_quiet",
-                                     artifact="package" if way == "background_package" else "auto"))
-        else:
-            result.update(export_thread(torch, model, x, timed, pause))
+    result.update(idle_p50=percentile(idle, 0.5), idle_p99=percentile(idle, 0.99))
+    if scheduler is not None:
+        scheduler.close()
     print(json.dumps(result), flush=True)
 
 
 def start_inductor_pool() -> None:
+    """Stock's start-up: Inductor's own compile pool, started and waited for."""
     from torch._inductor.async_compile import AsyncCompile
 
     AsyncCompile.warm_pool()
@@ -141,15 +177,10 @@ def close(torch, got, expected) -> bool:  # type: ignore[no-untyped-def]
 
 def background(torch, model, x, expected, timed, pause, timeout, quiet, artifact) -> dict:  # type: ignore[no-untyped-def]
     import aiocompile.torch as aiotorch
-    from aiocompile._torch import export as _export
 
+    began = time.perf_counter()
     compiled = aiotorch.compile_in_background(model, artifact=artifact)
-    sched = compiled.scheduler
-    # The pool started before the clock, its workers ready (warmed for the model's
-    # device, as compile_in_background warms them), as at a server's start-up.
-    form = artifact if artifact != "auto" else ("python" if x.device.type == "cuda" else "package")
-    for future in sched.port.warm_workers(_export.warm_up, (x.device.type, form)):
-        future.result(timeout=300)
+    constructor = time.perf_counter() - began
     cpu, mine, started = cpu_seconds(), time.thread_time(), time.perf_counter()
     _, first = timed(compiled, x)
     during = []
@@ -176,7 +207,8 @@ def background(torch, model, x, expected, timed, pause, timeout, quiet, artifact
     shape = compiled.status().shapes[0]
     compiled.close()
     return {
-        "first_call": first, "to_compiled": answered_compiled_at - started, "parent_cpu": parent_cpu,
+        "constructor": constructor, "first_call": first, "to_compiled": answered_compiled_at - started,
+        "compiled_from_start": answered_compiled_at - T0, "parent_cpu": parent_cpu,
         "calls_while_compiling": len(during), "during_p50": percentile(during, 0.5),
         "during_p99": percentile(during, 0.99), "during_max": max(during) if during else None,
         "compiled_p50": percentile(calls, 0.5), "matches_eager": close(torch, out, expected),
@@ -229,7 +261,8 @@ def measure(way: str, device: str, pause: float, timeout: float, threads: int) -
 def summary(runs: list[dict]) -> dict:
     """Medians per way, and the ratios the targets speak of."""
     fields = ("idle_p50", "idle_p99", "first_call", "during_p50", "during_p99", "during_max", "to_compiled",
-              "parent_cpu", "compiled_p50", "calls_while_compiling", "export_seconds")
+              "compiled_from_start", "start_up", "parent_cpu", "compiled_p50", "calls_while_compiling",
+              "export_seconds")
     out: dict = {}
     for way in WAYS:
         rows = [run for run in runs if run["way"] == way]
@@ -247,16 +280,58 @@ def summary(runs: list[dict]) -> dict:
             entry["failed_calls"] = sum(r.get("failed_calls", 0) for r in rows)
             entry["failed_call_errors"] = failures
         out[way] = entry
-    back, quiet, stock = out.get("background"), out.get("background_quiet"), out.get("stock")
-    if back and stock:
-        out["ratios"] = {
-            "first_call_minus_idle_p50_ms": (back["first_call"] - back["idle_p50"]) * 1e3,
-            "p99_while_compiling_over_idle_p99": back["during_p99"] / back["idle_p99"],
-            "to_compiled_over_stock": back["to_compiled"] / stock["to_compiled"],
-        }
-        if quiet:
-            out["ratios"]["quiet_to_compiled_over_stock"] = quiet["to_compiled"] / stock["to_compiled"]
+    found = ratios(out)
+    if found:
+        out["ratios"] = found
     return out
+
+
+def ratios(by_way: dict) -> dict:
+    """The ratios of one round's runs, or of the medians: ``by_way`` maps a way to its
+    run (or its medians)."""
+    stock, pool = by_way.get("stock"), by_way.get("stock_pool")
+    out: dict = {}
+    cold = by_way.get("cold")
+    if cold and stock:
+        # Both clocks from the program's start, nothing prepared.
+        out["cold_from_start_over_stock"] = cold["compiled_from_start"] / stock["compiled_from_start"]
+    for way in ("server", "server_quiet", "server_package"):
+        row = by_way.get(way)
+        if not row:
+            continue
+        # The clock after the start-up: the first call until compiled answers, against
+        # stock's first call (all of its compile) and stock's after its own pool's start.
+        if stock:
+            out[f"{way}_to_compiled_over_stock"] = row["to_compiled"] / stock["first_call"]
+        if pool:
+            out[f"{way}_to_compiled_over_stock_pool"] = row["to_compiled"] / pool["first_call"]
+    for way in ("server", "cold"):
+        row = by_way.get(way)
+        if row and row.get("idle_p50") is not None:
+            out[f"{way}_first_call_minus_idle_p50_ms"] = (row["first_call"] - row["idle_p50"]) * 1e3
+            if row.get("during_p99") is not None:
+                out[f"{way}_p99_while_compiling_over_idle_p99"] = row["during_p99"] / row["idle_p99"]
+    return out
+
+
+def describe_ratios(found: dict) -> list[str]:
+    lines = []
+    if "cold_from_start_over_stock" in found:
+        lines.append(f"cold: compiled from the program's start / stock's = {found['cold_from_start_over_stock']:.2f}")
+    for way in ("server", "server_quiet", "server_package"):
+        if f"{way}_to_compiled_over_stock" in found or f"{way}_to_compiled_over_stock_pool" in found:
+            parts = [f"{way} (after warm()): to compiled / stock's first call = "
+                     f"{found.get(f'{way}_to_compiled_over_stock', float('nan')):.2f}"
+                     + (" (target <= 1.3)" if way == "server" else "")]
+            if f"{way}_to_compiled_over_stock_pool" in found:
+                parts.append(f"/ stock_pool's = {found[f'{way}_to_compiled_over_stock_pool']:.2f}")
+            lines.append(", ".join(parts))
+    for way in ("server", "cold"):
+        if f"{way}_first_call_minus_idle_p50_ms" in found:
+            lines.append(f"{way}: first call - eager p50 = {found[f'{way}_first_call_minus_idle_p50_ms']:.1f} ms "
+                         f"(target <= 10); eager p99 while compiling / without = "
+                         f"{found.get(f'{way}_p99_while_compiling_over_idle_p99', float('nan')):.2f} (target <= 1.5)")
+    return lines
 
 
 def ms(value: float | None) -> str:
@@ -266,7 +341,7 @@ def ms(value: float | None) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=2)
-    parser.add_argument("--ways", default=",".join(WAYS))
+    parser.add_argument("--ways", default=",".join(DEFAULT_WAYS), help=f"of {','.join(WAYS)}")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--pause", type=float, default=0.005, help="seconds between calls")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds a compile may take")
@@ -289,39 +364,47 @@ def main() -> None:
         parser.error(f"unknown ways: {', '.join(sorted(unknown))}")
     runs = []
     for round_ in range(args.repeat):
+        pair = {}
         for way in (ways if round_ % 2 == 0 else ways[::-1]):
-            run = measure(way, device, args.pause, args.timeout, args.threads)
+            run = pair[way] = measure(way, device, args.pause, args.timeout, args.threads)
+            run["round"] = round_ + 1
             runs.append(run)
-            print(f"round {round_ + 1} {way:13} idle p99 {ms(run['idle_p99'])} ms, first call "
+            start_up = f", start-up {run['start_up']:.2f} s before the clock" if run.get("start_up") else ""
+            from_start = (f", compiled from the program's start {run['compiled_from_start']:.2f} s"
+                          if run.get("compiled_from_start") else "")
+            print(f"round {round_ + 1} {way:14} idle p99 {ms(run['idle_p99'])} ms, first call "
                   f"{ms(run.get('first_call'))} ms, during p99 {ms(run.get('during_p99'))} ms, to compiled "
-                  f"{run.get('to_compiled') or 0:.2f} s, parent cpu {run.get('parent_cpu') or 0:.2f} s"
+                  f"{run.get('to_compiled') or 0:.2f} s{from_start}{start_up}, parent cpu "
+                  f"{run.get('parent_cpu') or 0:.2f} s"
                   + (f", export: {run['export_error']}" if run.get("export_error") else "")
                   + (f", {run['failed_calls']} eager calls failed ({run['first_failed_call']})"
                      if run.get("failed_calls") else ""), flush=True)
+        for line in describe_ratios(ratios(pair)):
+            print(f"round {round_ + 1} {line}", flush=True)
     result = summary(runs)
     loads = ", ".join(f"{run['load']:.1f}" for run in runs)
     print(f"\n{runs[0]['device']}, torch {runs[0]['torch']}, median of {args.repeat}, a call every "
           f"{args.pause * 1e3:.0f} ms, {args.threads} intra-op thread(s); 1-minute load average at each "
           f"start: {loads}")
-    print(f"{'way':14} {'idle p50':>9} {'idle p99':>9} {'first':>9} {'during p50':>11} {'during p99':>11} "
-          f"{'during max':>11} {'calls':>6} {'compiled s':>11} {'parent cpu s':>13} {'compiled p50':>13} {'equal':>6}")
+    print(f"{'way':15} {'idle p50':>9} {'idle p99':>9} {'first':>9} {'during p50':>11} {'during p99':>11} "
+          f"{'during max':>11} {'calls':>6} {'to compiled s':>14} {'from start s':>13} {'start-up s':>11} "
+          f"{'parent cpu s':>13} {'compiled p50':>13} {'equal':>6}")
     for way in WAYS:
         row = result.get(way)
         if row is None:
             continue
         to_compiled = "-" if row["to_compiled"] is None else f"{row['to_compiled']:.2f}"
+        from_start = "-" if row["compiled_from_start"] is None else f"{row['compiled_from_start']:.2f}"
+        start_up = "-" if row["start_up"] is None else f"{row['start_up']:.2f}"
         calls = "-" if row["calls_while_compiling"] is None else f"{row['calls_while_compiling']:.0f}"
-        print(f"{way:14} {ms(row['idle_p50']):>9} {ms(row['idle_p99']):>9} {ms(row['first_call']):>9} "
+        print(f"{way:15} {ms(row['idle_p50']):>9} {ms(row['idle_p99']):>9} {ms(row['first_call']):>9} "
               f"{ms(row['during_p50']):>11} {ms(row['during_p99']):>11} {ms(row['during_max']):>11} {calls:>6} "
-              f"{to_compiled:>11} {row['parent_cpu']:>13.2f} {ms(row['compiled_p50']):>13} "
-              f"{str(row['matches_eager']):>6}")
+              f"{to_compiled:>14} {from_start:>13} {start_up:>11} {row['parent_cpu']:>13.2f} "
+              f"{ms(row['compiled_p50']):>13} {str(row['matches_eager']):>6}")
     if "ratios" in result:
-        r = result["ratios"]
-        print(f"\nbackground: first call - eager p50 = {r['first_call_minus_idle_p50_ms']:.1f} ms (target <= 10); "
-              f"eager p99 while compiling / without = {r['p99_while_compiling_over_idle_p99']:.2f} (target <= 1.5); "
-              f"time to compiled / stock = {r['to_compiled_over_stock']:.2f} (target <= 1.3)"
-              + (f"; without traffic {r['quiet_to_compiled_over_stock']:.2f}"
-                 if "quiet_to_compiled_over_stock" in r else ""))
+        print()
+        for line in describe_ratios(result["ratios"]):
+            print(f"median: {line}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device, "repeat": args.repeat, "pause": args.pause, "threads": args.threads,

@@ -1,48 +1,70 @@
 """torch.compile(mode="max-autotune") wall time: stock Inductor against Inductor with
-aiocompile installed.
+aiocompile installed, public API only.
 
-The model: an fp16 MLP 1024 -> 4096 -> 1024 (GELU), batch 256, on the GPU. Each
-measurement is a fresh interpreter with empty Inductor and Triton caches and no FX graph
-cache: the time from ``torch.compile(model, mode="max-autotune")`` to the first output
-(aiocompile's ``install()`` on the clock too). Stock Inductor precompiles the template
-choices (in its compile pool once that is ready, else in threads of the process) and
-times them in the process; with aiocompile, every choice compiles in the pool's workers
-and is timed in a benchmark process. Stock and aiocompile alternate, their order swapped
-each round; both use as many compile workers as Inductor would. The outputs are checked
-against eager. Each run also reports what Inductor says its autotuning took
-("AUTOTUNE benchmarking takes ... precompiling ...", summed over the matmuls) and, with
-aiocompile, what became of each choice.
+The model: an fp16 MLP 1024 -> 4096 -> 1024 (GELU), batch 256, on the GPU (this benchmark
+needs one, and says so without). Each measurement is a fresh interpreter with empty
+Inductor and Triton caches and no FX graph cache. Stock Inductor precompiles the template
+choices (in its compile pool once that is ready, else in threads of the process) and times
+them in the process; with aiocompile, every choice compiles in the pool's workers and is
+timed in a benchmark process. Four ways:
 
-    python benchmarks/bench_maxautotune.py [--repeat 2] [--json out.json]
+- ``stock``, ``aiocompile`` (cold): the clock starts at the program's start (before
+  ``import torch``) and stops at the first output of ``torch.compile(model,
+  mode="max-autotune")``; the program imports torch (with aiocompile, imports
+  ``aiocompile.torch`` and calls ``install()`` at once, as a program that installs at its
+  start does), builds the model and runs it once eagerly (CUDA and cuBLAS initialised),
+  then compiles;
+- ``stock-server``, ``aiocompile-server``: each way's start-up is paid first, through
+  public calls, as a server pays it before its first request, then the clock runs from
+  ``torch.compile`` to the first output. Stock: Inductor's modules imported and its compile
+  pool started and waited for (``AsyncCompile.warm_pool()``, ``wait_pool_ready()``,
+  torch's own). aiocompile: ``install()``, ``AsyncCompile.warm_pool()`` (which
+  ``install()`` turns into starting and readying its workers), ``await
+  sched.warm(target, benchmark=True)`` for this GPU's architecture (each worker's compiler
+  set up, the benchmark process started), and a wait until ``worker_pids()`` counts every
+  worker and ``statistics()`` none busy.
+
+Stock and aiocompile alternate, their order swapped each round; both use as many compile
+workers as Inductor would. The outputs are checked against eager. Each round prints the
+cold ratio (aiocompile / stock) and the server ratio (aiocompile-server / stock-server).
+Each run also reports what Inductor says its autotuning took ("AUTOTUNE benchmarking takes
+... precompiling ...", summed over the matmuls) and, with aiocompile, what became of each
+choice.
+
+    python benchmarks/bench_maxautotune.py [--repeat 2] [--modes stock,aiocompile,stock-server,aiocompile-server]
+        [--json out.json]
 
 With ``BENCH_MAXAUTOTUNE_TRACE=1`` each run also prints its timeline (see
-``maxautotune_trace.py``): when the choices were submitted and waited for, where they
-compiled, the pool's jobs and workers.
+``maxautotune_trace.py``; from the clock's start): when the choices were submitted and
+waited for, where they compiled, the pool's jobs and workers.
 """
 
 from __future__ import annotations
 
-import argparse
-import collections
-import json
-import os
-import re
-import shutil
-import statistics
-import subprocess
-import sys
-import tempfile
 import time
+
+T0 = time.perf_counter()
+T0_WALL = time.time()
+
+import argparse  # noqa: E402
+import collections  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = ("stock", "aiocompile")
-# "-server": each prepared before the clock as a server would be at its start (stock:
-# Inductor's modules imported and its compile pool ready; aiocompile: installed, its workers
-# started and readied, its benchmark process started).
 SERVER_MODES = ("stock-server", "aiocompile-server")
-_RATIOS = (("aiocompile", "stock"), ("aiocompile-server", "stock-server"), ("aiocompile-server", "stock"))
+_RATIOS = (("cold", "aiocompile", "stock"), ("server", "aiocompile-server", "stock-server"),
+           ("server against cold stock", "aiocompile-server", "stock"))
 _AUTOTUNE_LINE = re.compile(r"AUTOTUNE benchmarking takes ([0-9.]+) seconds and ([0-9.]+) seconds precompiling "
                             r"for (\d+) choices")
+NO_GPU = "bench_maxautotune.py needs a CUDA GPU (max-autotune tunes GPU matmul templates); torch sees none here"
 
 
 def child(mode: str) -> None:
@@ -62,33 +84,15 @@ def measure_in_child(mode: str, inductor_dir: str, triton_dir: str) -> None:
     import torch
     from torch._inductor import config
 
+    if not torch.cuda.is_available():
+        raise SystemExit(NO_GPU)
     config.fx_graph_cache = False
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024))
-    model = model.half().cuda().eval()
-    x = torch.randn(256, 1024, device="cuda", dtype=torch.float16)
-    with torch.no_grad():
-        expected = model(x)  # CUDA and cuBLAS initialised before the clock starts
-    torch.cuda.synchronize()
     workers = config.decide_compile_threads() if config.compile_threads is None else config.compile_threads
+    server = mode.endswith("-server")
+    started = T0
     records: list = []
     sched = None
-    trace = None
-    if os.environ.get("BENCH_MAXAUTOTUNE_TRACE") == "1":
-        from maxautotune_trace import Trace
-
-        trace = Trace(time.time())
-    server = mode.endswith("-server")
-    if server and mode.startswith("stock"):
-        # What a server can do for stock Inductor at its start: import the compile's modules
-        # and start Inductor's own compile pool, waiting until it is ready.
-        import torch._inductor.compile_fx  # noqa: F401
-        import torch._inductor.select_algorithm  # noqa: F401
-        from torch._inductor.async_compile import AsyncCompile
-
-        AsyncCompile.warm_pool()
-        AsyncCompile.wait_pool_ready()
-    started = time.perf_counter()
+    breakdown: list[str] = []
     if mode.startswith("aiocompile"):
         import logging
 
@@ -96,7 +100,6 @@ def measure_in_child(mode: str, inductor_dir: str, triton_dir: str) -> None:
         import aiocompile.torch
 
         # Each choice's breakdown in its benchmark process (see _autotune's debug log).
-        breakdown: list[str] = []
         handler = logging.Handler(logging.DEBUG)
         handler.emit = lambda record: breakdown.append(record.getMessage())  # type: ignore[method-assign]
         logging.getLogger("aiocompile").addHandler(handler)
@@ -104,32 +107,35 @@ def measure_in_child(mode: str, inductor_dir: str, triton_dir: str) -> None:
 
         os.environ["AIOCOMPILE_WORKERS"] = str(workers)
         sched = aiocompile.torch.install()
-        if server:
-            # A server installs at its start: every worker started and readied for Inductor,
-            # and the benchmark process, before the first request.
-            import asyncio
-
-            from torch._inductor.async_compile import AsyncCompile
-
-            AsyncCompile.warm_pool()
-            asyncio.run(sched.warm("cuda:90", benchmark=True))
-            while len(sched.worker_pids()) < workers or sched.statistics().busy_workers:
-                time.sleep(0.05)
-            started = time.perf_counter()
-            if trace is not None:
-                trace.started = time.time()  # the timeline starts with the clock
         sched.subscribe(lambda event: records.append(event) if isinstance(event, aiocompile.records.BenchmarkRecord)
                         else None)
-        if trace is not None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024))
+    model = model.half().cuda().eval()
+    x = torch.randn(256, 1024, device="cuda", dtype=torch.float16)
+    with torch.no_grad():
+        expected = model(x)  # CUDA and cuBLAS initialised (on the clock when cold)
+    torch.cuda.synchronize()
+    start_up = None
+    if server:
+        began = time.perf_counter()
+        start_server(sched, workers)
+        start_up = time.perf_counter() - began
+        started = time.perf_counter()
+    trace = None
+    if os.environ.get("BENCH_MAXAUTOTUNE_TRACE") == "1":
+        from maxautotune_trace import Trace
+
+        trace = Trace(T0_WALL + (started - T0))  # the timeline starts with the clock
+        if sched is not None:
             trace.hook_aiocompile(sched)
-    if trace is not None:
         trace.hook_inductor()
     with torch.no_grad():
         out = torch.compile(model, mode="max-autotune")(x)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - started
     result = {
-        "mode": mode, "seconds": elapsed, "workers": workers,
+        "mode": mode, "seconds": elapsed, "start_up": start_up, "workers": workers,
         "matches_eager": bool(torch.allclose(out, expected, rtol=1e-2, atol=1e-2)),
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "cpus": os.cpu_count(),
     }
@@ -156,6 +162,33 @@ def measure_in_child(mode: str, inductor_dir: str, triton_dir: str) -> None:
     print(json.dumps(result), flush=True)
 
 
+def start_server(sched: object, workers: int) -> None:
+    """A server's start-up before its first request, through public calls only. Stock:
+    Inductor's modules imported and its compile pool started and waited for. aiocompile
+    (``install()`` already called): the same call of torch's, which ``install()`` turns into
+    starting and readying its workers, then ``Scheduler.warm`` for this GPU's architecture
+    with the benchmark process, and a wait until every worker is up and none is busy."""
+    import torch._inductor.compile_fx  # noqa: F401
+    import torch._inductor.select_algorithm  # noqa: F401
+    from torch._inductor.async_compile import AsyncCompile
+
+    AsyncCompile.warm_pool()
+    AsyncCompile.wait_pool_ready()
+    if sched is None:
+        return
+    import asyncio
+
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    asyncio.run(sched.warm(f"cuda:{major}{minor}", benchmark=True))  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 300
+    while len(sched.worker_pids()) < workers or sched.statistics().busy_workers:  # type: ignore[attr-defined]
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"aiocompile's workers not ready within 300 s: {sched.statistics()}")  # type: ignore[attr-defined]
+        time.sleep(0.05)
+
+
 def measure(mode: str, timeout: float) -> dict:
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", mode], capture_output=True,
                           text=True, timeout=timeout,
@@ -176,7 +209,8 @@ def measure(mode: str, timeout: float) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=2)
-    parser.add_argument("--modes", default=",".join(MODES), help="of stock,aiocompile,stock-server,aiocompile-server")
+    parser.add_argument("--modes", default=",".join((*MODES, *SERVER_MODES)),
+                        help="of stock,aiocompile,stock-server,aiocompile-server")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per measurement")
     parser.add_argument("--json", help="write every measurement here")
     parser.add_argument("--child", metavar="MODE", help=argparse.SUPPRESS)
@@ -184,7 +218,15 @@ def main() -> None:
     if args.child:
         child(args.child)
         return
-    modes = tuple(m for m in (*MODES, *SERVER_MODES) if m in args.modes.split(","))
+    asked = [m for m in args.modes.split(",") if m]
+    unknown = set(asked) - {*MODES, *SERVER_MODES}
+    if unknown:
+        parser.error(f"unknown modes: {', '.join(sorted(unknown))}")
+    modes = tuple(m for m in (*MODES, *SERVER_MODES) if m in asked)
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
+                           capture_output=True, text=True)
+    if probe.stdout.strip() != "True":
+        parser.exit(2, f"{NO_GPU}{': ' + probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else ''}\n")
     runs: list[dict] = []
     for round_ in range(args.repeat):
         pair = {}
@@ -200,14 +242,16 @@ def main() -> None:
                          f"{run.get('per_choice_benchmark_call_s')} s; Triton compiled "
                          f"{run.get('triton_compile_s_in_benchmark_processes')} s there, cache hits "
                          f"{run.get('triton_cache_hits')}")
-            print(f"round {round_ + 1} {mode:17} {run['seconds']:7.2f} s (matches eager: {run['matches_eager']}, "
+            start_up = f"after a {run['start_up']:.2f} s start-up, " if run.get("start_up") is not None else ""
+            print(f"round {round_ + 1} {mode:17} {run['seconds']:7.2f} s ({start_up}matches eager: "
+                  f"{run['matches_eager']}, "
                   f"{run['cubins']} cubins, "
                   f"Inductor: {run['inductor_choices']} choices, precompile {run['inductor_precompile_s']} s, "
                   f"benchmark {run['inductor_benchmark_s']} s{extra})", flush=True)
-        for ours, theirs in _RATIOS:
+        for name, ours, theirs in _RATIOS:
             if ours in pair and theirs in pair:
-                print(f"round {round_ + 1} {ours} / {theirs}: {pair[ours]['seconds'] / pair[theirs]['seconds']:.2f}",
-                      flush=True)
+                print(f"round {round_ + 1} {name}: {ours} / {theirs} = "
+                      f"{pair[ours]['seconds'] / pair[theirs]['seconds']:.2f}", flush=True)
         for mode, run in pair.items():
             for failure in run.get("failures", []):
                 print(f"    {mode} failed choice: {failure}")
@@ -217,12 +261,13 @@ def main() -> None:
         return
     first = runs[0]
     print(f"\n{first['device']}, {first['cpus']} CPUs, torch {first['torch']}, {first['workers']} compile workers, "
-          f"fp16 MLP 1024-4096-1024 batch 256, mode=max-autotune, median of {args.repeat}, fresh process and caches")
+          f"fp16 MLP 1024-4096-1024 batch 256, mode=max-autotune, median of {args.repeat}, fresh process and caches; "
+          "cold: from the program's start, server: after each way's public start-up")
     times = {mode: statistics.median(r["seconds"] for r in runs if r["mode"] == mode) for mode in modes}
     print(", ".join(f"{mode} {seconds:.2f} s" for mode, seconds in times.items()))
-    for ours, theirs in _RATIOS:
+    for name, ours, theirs in _RATIOS:
         if ours in times and theirs in times:
-            print(f"{ours} / {theirs}: {times[ours] / times[theirs]:.2f}")
+            print(f"{name}: {ours} / {theirs} = {times[ours] / times[theirs]:.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(runs, f, indent=1)
