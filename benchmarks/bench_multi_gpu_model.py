@@ -65,6 +65,7 @@ class GpuWatch:
 
     def __init__(self) -> None:
         self.indexes: set[int] = set()
+        self.own: set[int] = set()  # those of the program itself
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -84,6 +85,8 @@ class GpuWatch:
                 pid, uuid = (part.strip() for part in line.split(","))
                 if pid.isdigit() and int(pid) in ours and uuid in uuids:
                     self.indexes.add(uuids[uuid])
+                    if int(pid) == os.getpid():
+                        self.own.add(uuids[uuid])
 
     def stop(self) -> list[int]:
         self._stop.set()
@@ -128,6 +131,8 @@ def child(way: str, device: str) -> dict:
                 return (await compiled.ready(x)).state
 
             result["state"] = asyncio.run(ready())
+            if result["state"] != "compiled":
+                result["error"] = (compiled.status().shapes[0].error or "")[-3000:]
             out = compiled(x)
             result["compiled_calls"] = compiled.status().shapes[0].compiled_calls
         else:
@@ -137,6 +142,7 @@ def child(way: str, device: str) -> dict:
     result["equal"] = bool(torch.allclose(out.float(), expected.float(), rtol=3e-2, atol=3e-2))
     time.sleep(0.5)  # a last sample of the GPUs' processes
     result["gpus_used"] = watch.stop()
+    result["gpus_used_by_the_program_itself"] = sorted(watch.own)
     result["gpu"] = torch.cuda.get_device_name(device)
     if way == "background":
         compiled.close()
@@ -183,7 +189,8 @@ def main() -> None:
             print(json.dumps({"round": round_ + 1, **{k: round(v, 2) if isinstance(v, float) else v
                                                       for k, v in run.items()}}))
             print(f"  {way}: compiled output {run['seconds']:.1f} s from the program's start "
-                  f"({run['seconds'] / stock:.2f}x stock), equal {run['equal']}, GPUs used {run['gpus_used']}")
+                  f"({run['seconds'] / stock:.2f}x stock), equal {run['equal']}, GPUs used {run['gpus_used']} "
+                  f"(by the program itself {run['gpus_used_by_the_program_itself']})")
 
 
 if __name__ == "__main__":

@@ -57,3 +57,4 @@ def test_the_programs_built_ahead_are_those_inductors_check_loads(tmp_path, note
     # it found every program built, and only loaded each.
     assert check.stdout.strip() not in ("", "INVALID_VEC_ISA")
     assert not notes.exists(), notes.read_text()
+
