@@ -458,6 +458,42 @@ def test_on_a_gpu_a_model_run_eagerly_first_is_served_compiled(sched, artifact, 
     assert compiled.status().shapes[0].compiled_calls == 1
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.usefixtures("fresh_inductor")
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.parametrize("start", ["own", "warmed"])
+def test_on_a_gpu_the_scheduler_aiocompile_makes_compiles(start):
+    """Without a scheduler given, as a server uses it: the one the constructor makes (in a
+    thread), or the one ``warm("cuda")`` made. Its fork server preloads nothing that makes
+    a CUDA context there (a worker forked from a process with one cannot use the GPU)."""
+    model, x = background_models.make_mlp()
+    model, x = model.cuda(), x.cuda()
+    with torch.no_grad():
+        expected = model(x)
+
+    async def serve() -> aiotorch.ShapeStatus:
+        warmed = await aiotorch.warm("cuda") if start == "warmed" else None
+        compiled = aiotorch.compile_in_background(model)
+        try:
+            with torch.no_grad():
+                torch.testing.assert_close(compiled(x), expected)
+            shape = await compiled.ready(x)
+            assert shape.state == "compiled", shape.error
+            with torch.no_grad():
+                torch.testing.assert_close(compiled(x), expected, rtol=1e-3, atol=1e-3)
+            assert compiled.status().shapes[0].compiled_calls == 1
+            assert warmed is None or compiled.scheduler is warmed
+            return shape
+        finally:
+            compiled.close()
+            await compiled.aclose()
+            if warmed is not None:
+                await warmed.aclose()
+
+    print(start, dict(asyncio.run(serve()).stages))
+
+
 @pytest.mark.timeout(TIMEOUT)
 def test_no_bundle_is_written_when_bundles_are_off():
     config = aiocompile.SchedulerConfig(workers=1, preload=(aiotorch.PRELOAD,), repro_dir=None)

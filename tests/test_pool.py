@@ -319,6 +319,11 @@ def test_workers_run_nicer_than_this_process():
     with WorkerPool(1, preload=(), worker_nice=7) as pool:
         pid = pool.submit(jobs.pid).result(timeout=60)
         assert os.getpriority(os.PRIO_PROCESS, pid) == min(19, mine + 7)
+        # The fork server the worker came from (its parent) too: its start-up and forks
+        # run behind this process's threads.
+        fork_server = pool.submit(os.getppid).result(timeout=60)
+        assert fork_server != os.getpid()
+        assert os.getpriority(os.PRIO_PROCESS, fork_server) == min(19, mine + 7)
     with WorkerPool(1, preload=()) as pool:
         pid = pool.submit(jobs.pid).result(timeout=60)
         assert os.getpriority(os.PRIO_PROCESS, pid) == mine

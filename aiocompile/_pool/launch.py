@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Protocol
 
-from aiocompile._pool.procs import capture_file, child_env, file_tail, kill_group, kill_leftovers
+from aiocompile._pool.procs import capture_file, child_env, file_tail, kill_group, kill_leftovers, lower_priority
 from aiocompile._pool.protocol import (
     CONTROL_MAX,
     Exited,
@@ -174,8 +174,9 @@ class ZygoteLauncher:
 
     name = "forkserver"
 
-    def __init__(self, preload: tuple[str, ...], start_timeout: float = 120.0) -> None:
+    def __init__(self, preload: tuple[str, ...], start_timeout: float = 120.0, nice: int = 0) -> None:
         self._preload = list(preload)
+        self._nice = nice
         self._start_timeout = start_timeout
         self._ctrl: socket.socket | None = None
         self._proc: subprocess.Popen[bytes] | None = None
@@ -210,6 +211,10 @@ class ZygoteLauncher:
             )
         finally:
             child.close()
+        if self._nice:
+            # Its start-up (seconds of imports) and the workers it forks run at the
+            # workers' priority, behind the program's own threads.
+            lower_priority(self._proc.pid, self._nice)
         self._ctrl = parent
         parent.send(encode_control(Init(list(sys.path), os.getcwd(), self._preload)))
         deadline = time.monotonic() + self._start_timeout
@@ -505,10 +510,12 @@ def default_start_method() -> str:
     return "spawn"
 
 
-def make_launcher(start_method: str | None, preload: tuple[str, ...]) -> Launcher:
+def make_launcher(start_method: str | None, preload: tuple[str, ...], nice: int = 0) -> Launcher:
+    """The launcher of a start method; ``nice``: how much nicer than this process a fork
+    server runs (workers are reniced by the supervisor whatever launches them)."""
     method = start_method or default_start_method()
     if method == "forkserver":
-        return ZygoteLauncher(preload)
+        return ZygoteLauncher(preload, nice=nice)
     if method == "spawn":
         return SpawnLauncher(preload)
     if method == "fork":

@@ -234,3 +234,20 @@ def child_env() -> dict[str, str]:
     root = package_root()
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
+
+
+def lower_priority(pid: int, nice: int) -> None:
+    """Make a process of the pool (a worker, a fork server) ``nice`` steps nicer than this
+    process.
+
+    Compiles use every core they get; the event loop of the process that asked for them
+    must still wake up on time. Done while the process is single-threaded (a worker that
+    has just said it is ready: compilers start their threads in the first compile; a fork
+    server just started, which stays so), so its later threads and children inherit it.
+    One that cannot be reniced runs as it is.
+    """
+    try:
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        os.setpriority(os.PRIO_PROCESS, pid, min(19, mine + nice))
+    except (OSError, AttributeError):
+        pass

@@ -21,6 +21,7 @@ import time
 from multiprocessing.connection import wait as wait_for_any
 from typing import Any
 
+from aiocompile._pool import procs
 from aiocompile._pool.handle import Death, Retire, State, Worker
 from aiocompile._pool.job import Job, Stop, death_statuses, emit_event, signal_name
 from aiocompile._pool.launch import Launcher, LauncherError, make_launcher
@@ -283,7 +284,7 @@ class Supervisor:
     def _prepare_launcher(self) -> None:
         try:
             if self._launcher is None:
-                self._launcher = make_launcher(self._start_method, self._preload)
+                self._launcher = make_launcher(self._start_method, self._preload, self.worker_nice)
             self._launcher.prepare()
         except (LauncherError, OSError) as exc:
             # Not fatal here: the first launch tries again and reports.
@@ -292,7 +293,7 @@ class Supervisor:
     def _launch_worker(self) -> bool:
         try:
             if self._launcher is None:
-                self._launcher = make_launcher(self._start_method, self._preload)
+                self._launcher = make_launcher(self._start_method, self._preload, self.worker_nice)
             proc = self._launcher.launch()
             for problem in getattr(self._launcher, "problems", ()):
                 if problem not in self._reported_problems:
@@ -330,7 +331,7 @@ class Supervisor:
         message = read_answer(data)
         if isinstance(message, Ready):
             if self.worker_nice:
-                _lower_priority(worker.proc.pid, self.worker_nice)
+                procs.lower_priority(worker.proc.pid, self.worker_nice)
             with roster.lock:
                 worker.ready()
             self._start_failures = 0
@@ -524,18 +525,3 @@ def _any(worker: Worker) -> bool:
 
 def _unwarmed(worker: Worker) -> bool:
     return not worker.warmed
-
-
-def _lower_priority(pid: int, nice: int) -> None:
-    """Make a worker ``nice`` steps nicer than this process.
-
-    Compiles use every core they get; the event loop of the process that asked for them
-    must still wake up on time. Done while the worker is single-threaded (it has just said
-    it is ready, and compilers start their threads in the first compile), so its later
-    threads inherit it. A worker that cannot be reniced runs as it is.
-    """
-    try:
-        mine = os.getpriority(os.PRIO_PROCESS, 0)
-        os.setpriority(os.PRIO_PROCESS, pid, min(19, mine + nice))
-    except (OSError, AttributeError):
-        pass

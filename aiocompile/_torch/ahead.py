@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from aiocompile._base import collector
 from aiocompile._torch import graph
 
 _logger = logging.getLogger("aiocompile")
@@ -49,7 +50,8 @@ class Ahead:
     def _run(self) -> None:
         began = time.perf_counter()
         try:
-            self._work()
+            with collector.imports_settled():
+                self._work()
             self.seconds = time.perf_counter() - began
             _logger.debug("%s, made for loads here, took %.2f s", self.name, self.seconds)
         except Exception as exc:  # noqa: BLE001 - whoever needs it next meets the failure and reports it

@@ -29,19 +29,19 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from aiocompile._base import bridge, threads
-from aiocompile._observe import repro as _repro
-from aiocompile._torch import ahead, aoti, export, graph, warming
-from aiocompile._torch import parcel as _parcel
-from aiocompile._torch.job import ENV_PREFIXES, ExportJob
+from aiocompile._base import bridge, collector, threads
+from aiocompile._torch import ahead, warming
 from aiocompile._torch.states import TRANSITIONS, BackgroundStatus, ShapeStatus, _Entry, describe
-from aiocompile.backends import Request
 from aiocompile.errors import CompileError, JobTimeout, SchedulerClosed, WorkerCrashed
 
 if TYPE_CHECKING:
-    # Imported where it is needed: ``aiocompile.torch.compile_in_background`` is looked up
-    # in a server's event loop, and the scheduler's stack is for the thread that makes one.
+    # Imported where they are needed: ``aiocompile.torch.compile_in_background`` is looked
+    # up in a server's event loop, where what the constructor needs is imported; the
+    # scheduler's stack is for the thread that makes one, what a compile's submission and
+    # load need for the lane's threads that do them.
     from aiocompile._core.scheduler import Scheduler
+    from aiocompile._torch.job import ExportJob
+    from aiocompile._torch.parcel import Parcel
 
 __all__ = ["TRANSITIONS", "BackgroundCompiled", "BackgroundStatus", "ShapeStatus", "compile_in_background"]
 
@@ -86,7 +86,7 @@ class BackgroundCompiled:
         self._entries: dict[Any, _Entry] = {}
         self._unkeyed_calls = 0
         self._needs_grad: bool | None = None
-        self._parcel: _parcel.Parcel | None = None
+        self._parcel: Parcel | None = None
         self._packing_users = 0
         self._closing: threading.Thread | None = None
 
@@ -199,6 +199,11 @@ class BackgroundCompiled:
     def _submit(self, entry: _Entry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Pack the model and the inputs and hand the compile to the scheduler (in a
         lane's thread)."""
+        from aiocompile._observe import repro as _repro
+        from aiocompile._torch import export
+        from aiocompile._torch.job import ENV_PREFIXES, ExportJob
+        from aiocompile.backends import Request
+
         torch = self._torch
         try:
             scheduler = self._scheduler.result()
@@ -240,16 +245,19 @@ class BackgroundCompiled:
         """Inductor's settings for the compiles (in a lane's thread: a mode's settings are
         Inductor's to say, and importing Inductor takes seconds)."""
         if self._configs is None:
-            self._configs = _inductor_configs(self._torch, self._mode, self._options)
+            with collector.imports_settled():
+                self._configs = _inductor_configs(self._torch, self._mode, self._options)
         return dict(self._configs)
 
-    def _take_parcel(self) -> _parcel.Parcel:
+    def _take_parcel(self) -> Parcel:
         """The model packed, shared by the compiles under way (packed again once none is:
         its bytes are a copy of every weight)."""
         with self._lock:
             parcel = self._parcel
             self._packing_users += 1
         if parcel is None:
+            from aiocompile._torch import parcel as _parcel
+
             try:
                 parcel = _parcel.pack(self._model)
             except BaseException:
@@ -299,7 +307,8 @@ class BackgroundCompiled:
         entry.form = answer["form"]
         entry.form_reason = answer.get("form_reason")
         try:
-            runner, constants = self._load(answer, job.device_index)
+            with collector.imports_settled():
+                runner, constants = self._load(answer, job.device_index)
         except Exception as load_error:
             self._fail(entry, self._load_failure(job, load_error))
             return
@@ -310,6 +319,8 @@ class BackgroundCompiled:
     def _load(self, answer: Mapping[str, Any], device_index: int) -> tuple[Any, dict[str, Any]]:
         """The compiled version the worker built, loaded here and bound to this process's own
         weights (and the constants made during tracing, which come with it)."""
+        from aiocompile._torch import aoti, export, graph
+
         torch = self._torch
         form = answer["form"]
         ahead.wait(form, self._timeout)

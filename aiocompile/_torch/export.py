@@ -82,7 +82,7 @@ def _threads() -> int | None:
         return None
 
 
-def warm_up(device: str = "cpu", form: str = "package") -> float:
+def warm_up(device: str = "cpu", form: str = "package", cpu_check: bool = False) -> float:
     """Import what a background compile needs in this worker (nothing, when the fork
     server preloaded it: ``prepare_fork_server``); for ``device="cuda"``, start Inductor's
     compile pool (without it, a graph's Triton kernels compile one after another) and
@@ -90,11 +90,12 @@ def warm_up(device: str = "cpu", form: str = "package") -> float:
     imported, CUDA and Triton's driver ready: what a first compile would otherwise pay).
     Returns the seconds it took (about 0 when done before).
 
-    Inductor's CPU vector-ISA check, which a compile for the CPU needs, is not made here:
+    Inductor's CPU vector-ISA check, which a compile for the CPU needs, is made here only
+    with ``cpu_check`` (``warm("cpu")``: a server paying its start-up ahead): otherwise
     the compile makes it when its code generation gets there, after the export and the
-    lowering, and finds the test programs built (or being built, under a lock each) by the
-    process the serving process started when the model was wrapped (:mod:`.isa`). ``form``
-    is kept for the callers."""
+    lowering, rather than queue behind it. Either way it finds the test programs built (or
+    being built, under a lock each) by the process the serving process started
+    (:mod:`.isa`). ``form`` is kept for the callers."""
     import importlib
     import sys
 
@@ -106,6 +107,11 @@ def warm_up(device: str = "cpu", form: str = "package") -> float:
     if device == "cuda" and device not in _warmed:
         _warm_cuda()
         _warmed.add(device)
+    if cpu_check and "cpu-check" not in _warmed:
+        from torch._inductor import cpu_vec_isa
+
+        cpu_vec_isa.pick_vec_isa()
+        _warmed.add("cpu-check")
     return time.perf_counter() - started
 
 

@@ -83,5 +83,9 @@ def build_candidates() -> int:
     return len(passed)
 
 
+BUILD_NICE = 10
+"""How much nicer than the serving process the builds run: behind its own threads."""
+
 if __name__ == "__main__":
+    os.nice(BUILD_NICE)  # the compilers it starts inherit it
     build_candidates()

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from aiocompile._base import bridge
-from aiocompile._torch import ahead, export, isa
+from aiocompile._base import bridge, collector
+from aiocompile._torch import ahead, isa
 
 if TYPE_CHECKING:
     # Imported where a scheduler is made: ``aiocompile.torch.warm`` is looked up in a
@@ -76,6 +76,8 @@ def scheduler_for(device: str = "cpu", form: str = "package") -> tuple[cf.Future
         return found, False
     shared = _WARMED.current()
     if shared is not None:
+        from aiocompile._torch import export  # imported by warm()'s thread already
+
         shared.port.warm_workers(export.warm_up, (device, form))  # workers that are gone: started again
         found.set_result(shared)
         return found, False
@@ -84,7 +86,9 @@ def scheduler_for(device: str = "cpu", form: str = "package") -> tuple[cf.Future
         if not found.set_running_or_notify_cancel():
             return
         try:
-            found.set_result(_new_scheduler(device, form))
+            with collector.imports_settled():
+                made, _ = _new_scheduler(device, form)
+            found.set_result(made)
         except BaseException as exc:  # noqa: BLE001 - the compiles that need it meet it
             found.set_exception(exc)
 
@@ -93,23 +97,31 @@ def scheduler_for(device: str = "cpu", form: str = "package") -> tuple[cf.Future
     return found, True
 
 
-def _new_scheduler(device: str, form: str) -> Scheduler:
+def _new_scheduler(device: str, form: str, cpu_check: bool = False) -> tuple[Scheduler, list[cf.Future[Any]]]:
+    """A scheduler of aiocompile's for background compiles, and its workers' warm-ups
+    (``export.warm_up``; with ``cpu_check``, Inductor's CPU check made in each too)."""
     from aiocompile._base.config import SchedulerConfig
     from aiocompile._core.scheduler import Scheduler
+    from aiocompile._torch import export
     from aiocompile.backends.inductor._worker import PRELOAD
 
     if device == "cpu":
         isa.start_builds()
     config = SchedulerConfig.from_env()
-    scheduler = Scheduler(config=config.with_changes(preload=(*config.preload, PRELOAD, export.PRELOAD),
+    # Modules beyond Inductor's own preload only for models on the CPU: on a machine with a
+    # GPU, importing them may make a CUDA context in the fork server, and a worker forked
+    # from a process with one cannot use the GPU (workers for a GPU import them in their
+    # warm-up).
+    ours = (PRELOAD, export.PRELOAD) if device == "cpu" else (PRELOAD,)
+    scheduler = Scheduler(config=config.with_changes(preload=(*config.preload, *ours),
                                                      workers=min(config.workers, MAX_OWN_WORKERS)))
-    scheduler.port.warm_workers(export.warm_up, (device, form))
-    return scheduler
+    return scheduler, scheduler.port.warm_workers(export.warm_up, (device, form, cpu_check))
 
 
 def _shared(device: str, form: str) -> tuple[Scheduler, list[Any]]:
     """The scheduler background compiles will use, made if need be, and its workers'
     warm-ups (in a thread: making a scheduler imports the pool's modules)."""
+    from aiocompile._torch import export
     from aiocompile._torch.installation import STATE
 
     installation = STATE.current
@@ -119,10 +131,12 @@ def _shared(device: str, form: str) -> tuple[Scheduler, list[Any]]:
         with _WARMED.lock:
             found = _WARMED.current()
             if found is None:
-                found = _new_scheduler(device, form)
+                # A server pays the start-up ahead: for the CPU, each worker's check too.
+                found, warming = _new_scheduler(device, form, cpu_check=device == "cpu")
                 _WARMED.scheduler, _WARMED.pid = found, os.getpid()
+                return found, warming
         scheduler = found
-    return scheduler, scheduler.port.warm_workers(export.warm_up, (device, form))
+    return scheduler, scheduler.port.warm_workers(export.warm_up, (device, form, device == "cpu"))
 
 
 async def warm(device: str = "cpu") -> Scheduler:
@@ -149,10 +163,11 @@ async def warm(device: str = "cpu") -> Scheduler:
     form = "python" if device == "cuda" else "package"
 
     def start() -> tuple[Scheduler, list[Any]]:
-        import torch  # noqa: F401 - seconds of import, here in a thread rather than the loop
+        with collector.imports_settled():
+            import torch  # noqa: F401 - seconds of import, here in a thread rather than the loop
 
-        ahead.start(form)
-        return _shared(device, form)
+            ahead.start(form)
+            return _shared(device, form)
 
     scheduler, warming = await anyio.to_thread.run_sync(start)
     for future in warming:
