@@ -82,19 +82,20 @@ def _threads() -> int | None:
         return None
 
 
-def warm_up(device: str = "cpu", form: str = "package", cpu_check: bool = False) -> float:
+def warm_up(device: str = "cpu", form: str = "package", ahead: bool = False) -> float:
     """Import what a background compile needs in this worker (nothing, when the fork
     server preloaded it: ``prepare_fork_server``); for ``device="cuda"``, start Inductor's
-    compile pool (without it, a graph's Triton kernels compile one after another) and
-    compile a one-layer model there in the Python form (Inductor's code generators
-    imported, CUDA and Triton's driver ready: what a first compile would otherwise pay).
-    Returns the seconds it took (about 0 when done before).
+    compile pool (without it, a graph's Triton kernels compile one after another in the
+    worker; until it is ready they do, as in ``torch.compile``). Returns the seconds it
+    took (about 0 when done before).
 
-    Inductor's CPU vector-ISA check, which a compile for the CPU needs, is made here only
-    with ``cpu_check`` (``warm("cpu")``: a server paying its start-up ahead): otherwise
-    the compile makes it when its code generation gets there, after the export and the
-    lowering, rather than queue behind it. Either way it finds the test programs built (or
-    being built, under a lock each) by the process the serving process started
+    With ``ahead`` (``warm()``: a server paying its start-up before it takes traffic), the
+    rest of a first compile's start-up too: for a GPU, the pool waited for and a
+    one-layer model compiled there in the Python form (Inductor's code generators imported,
+    CUDA and Triton's driver ready); for the CPU, Inductor's vector-ISA check. Without it
+    (a wrapper that made its own scheduler: its first compile is waiting), the compile
+    makes them as it goes rather than queue behind them; the CPU check finds its test
+    programs built, or being built, by the process the serving process started
     (:mod:`.isa`). ``form`` is kept for the callers."""
     import importlib
     import sys
@@ -104,10 +105,18 @@ def warm_up(device: str = "cpu", form: str = "package", cpu_check: bool = False)
     for name in _MODULES:
         if name not in sys.modules:
             importlib.import_module(name)
-    if device == "cuda" and device not in _warmed:
+    if device == "cuda" and "cuda-pool" not in _warmed:
+        from torch._inductor.async_compile import AsyncCompile
+
+        # Inductor compiles a graph's Triton kernels in its process pool only once the pool
+        # is ready, and one by one in this process until then; torch.compile starts it when
+        # Dynamo hands a GPU graph over, standalone_compile and AOTInductor never do.
+        AsyncCompile.warm_pool()
+        _warmed.add("cuda-pool")
+    if ahead and device == "cuda" and device not in _warmed:
         _warm_cuda()
         _warmed.add(device)
-    if cpu_check and "cpu-check" not in _warmed:
+    if ahead and device == "cpu" and "cpu-check" not in _warmed:
         from torch._inductor import cpu_vec_isa
 
         cpu_vec_isa.pick_vec_isa()
@@ -124,10 +133,6 @@ def _warm_cuda() -> None:
 
     if not torch.cuda.is_available():
         return
-    # Inductor compiles a graph's Triton kernels in its process pool only once the pool is
-    # ready, and one by one in this process until then; torch.compile starts it when
-    # Dynamo hands a GPU graph over, standalone_compile and AOTInductor never do.
-    AsyncCompile.warm_pool()
     AsyncCompile.wait_pool_ready(timeout=300)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).cuda().eval()
     example = torch.randn(4, 8, device="cuda")

@@ -63,7 +63,7 @@ def scheduler_for(device: str = "cpu", form: str = "package") -> tuple[cf.Future
     the pool's modules, which would hold the caller's event loop): the environment's
     configuration, at most ``MAX_OWN_WORKERS`` workers, torch and what a compile imports
     preloaded in its fork server, and its workers started at once (for a model on a GPU,
-    each compiles a small one there: ``export.warm_up``). For a model on the CPU, the
+    each starts Inductor's compile pool: ``export.warm_up``). For a model on the CPU, the
     vector-ISA check's builds start too (:mod:`.isa`)."""
     from aiocompile._torch.installation import STATE
 
@@ -97,9 +97,9 @@ def scheduler_for(device: str = "cpu", form: str = "package") -> tuple[cf.Future
     return found, True
 
 
-def _new_scheduler(device: str, form: str, cpu_check: bool = False) -> tuple[Scheduler, list[cf.Future[Any]]]:
+def _new_scheduler(device: str, form: str, ahead: bool = False) -> tuple[Scheduler, list[cf.Future[Any]]]:
     """A scheduler of aiocompile's for background compiles, and its workers' warm-ups
-    (``export.warm_up``; with ``cpu_check``, Inductor's CPU check made in each too)."""
+    (``export.warm_up``; with ``ahead``, the rest of a first compile's start-up too)."""
     from aiocompile._base.config import SchedulerConfig
     from aiocompile._core.scheduler import Scheduler
     from aiocompile._torch import export
@@ -109,13 +109,13 @@ def _new_scheduler(device: str, form: str, cpu_check: bool = False) -> tuple[Sch
         isa.start_builds()
     config = SchedulerConfig.from_env()
     # Modules beyond Inductor's own preload only for models on the CPU: on a machine with a
-    # GPU, importing them may make a CUDA context in the fork server, and a worker forked
-    # from a process with one cannot use the GPU (workers for a GPU import them in their
-    # warm-up).
+    # GPU, a fork server that preloaded them forked workers that could not use it ("Cannot
+    # re-initialize CUDA in forked subprocess": torch marks the children of a process that
+    # asked the CUDA driver); workers for a GPU import them in their warm-up.
     ours = (PRELOAD, export.PRELOAD) if device == "cpu" else (PRELOAD,)
     scheduler = Scheduler(config=config.with_changes(preload=(*config.preload, *ours),
                                                      workers=min(config.workers, MAX_OWN_WORKERS)))
-    return scheduler, scheduler.port.warm_workers(export.warm_up, (device, form, cpu_check))
+    return scheduler, scheduler.port.warm_workers(export.warm_up, (device, form, ahead))
 
 
 def _shared(device: str, form: str) -> tuple[Scheduler, list[Any]]:
@@ -131,12 +131,12 @@ def _shared(device: str, form: str) -> tuple[Scheduler, list[Any]]:
         with _WARMED.lock:
             found = _WARMED.current()
             if found is None:
-                # A server pays the start-up ahead: for the CPU, each worker's check too.
-                found, warming = _new_scheduler(device, form, cpu_check=device == "cpu")
+                # A server pays the start-up ahead, the first compile's included.
+                found, warming = _new_scheduler(device, form, ahead=True)
                 _WARMED.scheduler, _WARMED.pid = found, os.getpid()
                 return found, warming
         scheduler = found
-    return scheduler, scheduler.port.warm_workers(export.warm_up, (device, form, device == "cpu"))
+    return scheduler, scheduler.port.warm_workers(export.warm_up, (device, form, True))
 
 
 async def warm(device: str = "cpu") -> Scheduler:
