@@ -183,14 +183,16 @@ def main() -> None:
     if "stock" not in ways or set(ways) - set(WAYS):
         raise SystemExit(f"--ways takes stock and any of {', '.join(WAYS[1:])}; got {args.ways!r}")
     for round_ in range(args.repeat):
-        runs = {way: measure(way, args.device, args.timeout) for way in ways}
-        stock = runs["stock"]["seconds"]
-        for way, run in runs.items():
+        stock = None
+        for way in ["stock", *(way for way in ways if way != "stock")]:
+            run = measure(way, args.device, args.timeout)
+            stock = stock or run["seconds"]
+            # Each way as it ends: a run cut short still shows what it measured.
             print(json.dumps({"round": round_ + 1, **{k: round(v, 2) if isinstance(v, float) else v
-                                                      for k, v in run.items()}}))
+                                                      for k, v in run.items()}}), flush=True)
             print(f"  {way}: compiled output {run['seconds']:.1f} s from the program's start "
                   f"({run['seconds'] / stock:.2f}x stock), equal {run['equal']}, GPUs used {run['gpus_used']} "
-                  f"(by the program itself {run['gpus_used_by_the_program_itself']})")
+                  f"(by the program itself {run['gpus_used_by_the_program_itself']})", flush=True)
 
 
 if __name__ == "__main__":
