@@ -10,7 +10,8 @@ The compile never runs here: tracing and lowering hold the interpreter lock for 
 and ``torch.export`` beside eager calls trips over the fake-tensor mode's state. Here, in a
 lane's thread, the model is packed (``parcel``); in a worker, ``export.build_package``
 exports, compiles (``graph`` for the Python form, or a package) and tries it; here again,
-in a thread, the result is loaded and bound to this process's own weights, without a copy.
+in a thread, the result is loaded and bound to this process's own weights, without a copy
+(``loading``).
 
 Each signature's life is a small state machine (``states.TRANSITIONS``): ``compiling``,
 then ``compiled`` or ``failed``; ``compiled`` becomes ``failed`` if the compiled version
@@ -22,7 +23,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import io
 import os
-import tempfile
 import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from aiocompile._base import bridge, collector, threads
-from aiocompile._torch import ahead, warming
+from aiocompile._torch import ahead, loading, warming
 from aiocompile._torch.states import TRANSITIONS, BackgroundStatus, ShapeStatus, _Entry, describe
 from aiocompile.errors import CompileError, JobTimeout, SchedulerClosed, WorkerCrashed
 
@@ -308,45 +308,13 @@ class BackgroundCompiled:
         entry.form_reason = answer.get("form_reason")
         try:
             with collector.imports_settled():
-                runner, constants = self._load(answer, job.device_index)
+                runner, constants = loading.load(self._model, answer, job.device_index, self._timeout)
         except Exception as load_error:
             self._fail(entry, self._load_failure(job, load_error))
             return
         with self._lock:
             entry.runner, entry.constants = runner, constants
             entry.move("compiled")
-
-    def _load(self, answer: Mapping[str, Any], device_index: int) -> tuple[Any, dict[str, Any]]:
-        """The compiled version the worker built, loaded here and bound to this process's own
-        weights (and the constants made during tracing, which come with it)."""
-        from aiocompile._torch import aoti, export, graph
-
-        torch = self._torch
-        form = answer["form"]
-        ahead.wait(form, self._timeout)
-        own = export.model_tensors(self._model)
-        extra = torch.load(io.BytesIO(answer["extra_constants"]), weights_only=True)
-        device = torch.device("cpu") if device_index < 0 else torch.device("cuda", device_index)
-        if form == "python":
-            plan = answer["plan"]
-            constants = {name: own[name].detach() if kind == "weight" else extra[name].to(device)
-                         for kind, name in plan.inputs if kind != "input"}
-            return graph.load(answer["artifact"], plan, constants), constants
-        fd, path = tempfile.mkstemp(prefix="aiocompile-", suffix=".pt2")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(answer["package"])
-            runner = aoti.load(path, device_index)
-        finally:
-            os.unlink(path)  # the loader has unpacked what it needs
-        constants = {}
-        for name in answer["constants"]:
-            if name in own:
-                constants[name] = own[name].detach()
-            else:
-                constants[name] = extra[name].to(device)
-        runner.load_constants(constants, check_full_update=True, user_managed=True)
-        return runner, constants
 
     def _load_failure(self, job: ExportJob, exc: Exception) -> CompileError:
         error = CompileError(f"loading the compiled package here failed: {type(exc).__name__}: {exc}",
