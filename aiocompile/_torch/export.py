@@ -50,8 +50,10 @@ STAGES = ("load", "export", "compile", "trial")
 _MODULES = ("torch", "torch.export", "torch._export", "torch._inductor.compile_fx", "torch._inductor.package")
 
 PRELOAD = "aiocompile._torch.export:prepare_fork_server"
-"""The fork-server preload entry of the schedulers ``compile_in_background`` makes (after
-Inductor's own, ``aiocompile.torch.PRELOAD``)."""
+"""The fork-server preload entry of the schedulers ``compile_in_background`` makes for
+models on the CPU (after Inductor's own, ``aiocompile.torch.PRELOAD``; ``warming`` says why
+not for a GPU)."""
+
 
 def prepare_fork_server() -> None:
     """Preload hook: import what a background compile needs, once, in the fork server, so
