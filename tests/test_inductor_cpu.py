@@ -115,6 +115,25 @@ def gxx_in_front(tmp_path, monkeypatch, what, action):
     return state
 
 
+def kill_the_building_worker(state, sched):
+    """Start a thread that, once ``gxx_in_front``'s ``STALL_ONCE`` compiler has stalled,
+    SIGKILLs the worker it runs in (the worker alone, as the OOM killer would): what it
+    killed, noted in the dict returned with the thread. Never this process: a build run
+    here rather than in a worker only loses its compiler (``was_a_worker`` says which)."""
+    killed = {}
+
+    def kill() -> None:
+        if not wait_until(lambda: (state / "stalled").exists(), timeout=300):
+            return
+        worker, compiler = (int(pid) for pid in (state / "stalled").read_text().split())
+        killed.update(worker=worker, compiler=compiler, was_a_worker=worker in sched.worker_pids())
+        os.kill(worker if killed["was_a_worker"] else compiler, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill, daemon=True)
+    killer.start()
+    return killed, killer
+
+
 # -- torch.compile ---------------------------------------------------------------------------------------
 
 
@@ -156,17 +175,7 @@ def test_a_worker_killed_in_the_middle_of_a_cpp_build_costs_torch_compile_nothin
 
     state = gxx_in_front(tmp_path, monkeypatch, "stalled once, half written", STALL_ONCE)
     sched = torch_scheduler()
-    killed = {}
-
-    def kill_the_building_worker():
-        if not wait_until(lambda: (state / "stalled").exists(), timeout=300):
-            return
-        worker, compiler = (int(pid) for pid in (state / "stalled").read_text().split())
-        killed.update(worker=worker, compiler=compiler, was_a_worker=worker in sched.worker_pids())
-        os.kill(worker, signal.SIGKILL)  # the worker alone, as the OOM killer would
-
-    killer = threading.Thread(target=kill_the_building_worker, daemon=True)
-    killer.start()
+    killed, killer = kill_the_building_worker(state, sched)
     try:
         with aiotorch.installed(sched):
             compile_and_compare("mlp")

@@ -14,14 +14,12 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-import signal
 import subprocess
 import sys
-import threading
 
 import pytest
 from conftest import alive, clear_inductor_caches, wait_until
-from test_inductor_cpu import STALL_ONCE, gxx_in_front, needs_gxx, torch_scheduler
+from test_inductor_cpu import STALL_ONCE, gxx_in_front, kill_the_building_worker, needs_gxx, torch_scheduler
 
 import aiocompile
 
@@ -98,18 +96,7 @@ def test_a_worker_killed_in_the_middle_of_a_halide_build_costs_torch_compile_not
 
     state = gxx_in_front(tmp_path, monkeypatch, "stalled once, half written", STALL_ONCE)
     sched = torch_scheduler()
-    killed = {}
-
-    def kill_the_building_worker():
-        if not wait_until(lambda: (state / "stalled").exists(), timeout=300):
-            return
-        worker, compiler = (int(pid) for pid in (state / "stalled").read_text().split())
-        killed.update(worker=worker, compiler=compiler, was_a_worker=worker in sched.worker_pids())
-        # Never this process: a build run here (not in a worker) only loses its compiler.
-        os.kill(worker if killed["was_a_worker"] else compiler, signal.SIGKILL)
-
-    killer = threading.Thread(target=kill_the_building_worker, daemon=True)
-    killer.start()
+    killed, killer = kill_the_building_worker(state, sched)
     try:
         with aiotorch.installed(sched):
             compile_and_compare()
