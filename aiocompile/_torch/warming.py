@@ -97,9 +97,9 @@ def scheduler_for(device: str = "cpu", form: str = "package") -> tuple[cf.Future
     return found, True
 
 
-def _new_scheduler(device: str, form: str, ahead: bool = False) -> tuple[Scheduler, list[cf.Future[Any]]]:
+def _new_scheduler(device: str, form: str, pay_ahead: bool = False) -> tuple[Scheduler, list[cf.Future[Any]]]:
     """A scheduler of aiocompile's for background compiles, and its workers' warm-ups
-    (``export.warm_up``; with ``ahead``, the rest of a first compile's start-up too)."""
+    (``export.warm_up``; with ``pay_ahead``, the rest of a first compile's start-up too)."""
     from aiocompile._base.config import SchedulerConfig
     from aiocompile._core.scheduler import Scheduler
     from aiocompile._torch import export
@@ -110,12 +110,13 @@ def _new_scheduler(device: str, form: str, ahead: bool = False) -> tuple[Schedul
     config = SchedulerConfig.from_env()
     # Modules beyond Inductor's own preload only for models on the CPU: on a machine with a
     # GPU, a fork server that preloaded them forked workers that could not use it ("Cannot
-    # re-initialize CUDA in forked subprocess": torch marks the children of a process that
-    # asked the CUDA driver); workers for a GPU import them in their warm-up.
+    # re-initialize CUDA in forked subprocess"; importing them alone leaves CUDA
+    # uninitialised, so what marks the forks is not known); workers for a GPU import them in
+    # their warm-up.
     ours = (PRELOAD, export.PRELOAD) if device == "cpu" else (PRELOAD,)
     scheduler = Scheduler(config=config.with_changes(preload=(*config.preload, *ours),
                                                      workers=min(config.workers, MAX_OWN_WORKERS)))
-    return scheduler, scheduler.port.warm_workers(export.warm_up, (device, form, ahead))
+    return scheduler, scheduler.port.warm_workers(export.warm_up, (device, form, pay_ahead))
 
 
 def _shared(device: str, form: str) -> tuple[Scheduler, list[Any]]:
@@ -132,7 +133,7 @@ def _shared(device: str, form: str) -> tuple[Scheduler, list[Any]]:
             found = _WARMED.current()
             if found is None:
                 # A server pays the start-up ahead, the first compile's included.
-                found, warming = _new_scheduler(device, form, ahead=True)
+                found, warming = _new_scheduler(device, form, pay_ahead=True)
                 _WARMED.scheduler, _WARMED.pid = found, os.getpid()
                 return found, warming
         scheduler = found
