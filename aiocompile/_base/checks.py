@@ -19,6 +19,10 @@ The rules are the same everywhere:
 A rule is a small frozen value: ``rule.check(setting, value)`` returns the value in the
 form the rest of the code reads (a path as ``str``, an integer as ``int``) or raises;
 ``rule.parse(setting, text)`` does the same for the text of an environment variable.
+
+Rules are plain slotted classes, not dataclasses: this module is imported by
+``compile_in_background``'s first call, in a server's event loop, and making a dozen
+dataclasses costs that loop milliseconds.
 """
 
 from __future__ import annotations
@@ -27,7 +31,6 @@ import numbers
 import os
 import re
 import urllib.parse
-from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
@@ -49,10 +52,36 @@ _TRUE_WORDS = ("1", "true", "yes", "on")
 
 
 class Rule:
-    """What a setting takes; see the module docstring."""
+    """What a setting takes; see the module docstring. Frozen: its settings are set once,
+    by its constructor; rules of one kind with the same settings are equal."""
+
+    __slots__ = ()
 
     none: str | None = None
     """What ``None`` means for this setting, or None where ``None`` is refused."""
+
+    def _settings(self) -> tuple[tuple[str, Any], ...]:
+        names = [name for cls in reversed(type(self).__mro__) for name in getattr(cls, "__slots__", ())]
+        return tuple((name, getattr(self, name)) for name in names)
+
+    def _set(self, **settings: Any) -> None:
+        for name, value in settings.items():
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"a {type(self).__name__} rule cannot be changed")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"a {type(self).__name__} rule cannot be changed")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{name}={value!r}' for name, value in self._settings())})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Rule) and type(other) is type(self) and self._settings() == other._settings()
+
+    def __hash__(self) -> int:
+        return hash((type(self), self._settings()))
 
     def what(self) -> str:
         raise NotImplementedError
@@ -95,17 +124,20 @@ def _number_text(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else repr(x)
 
 
-@dataclass(frozen=True)
 class Number(Rule):
-    """A finite real number (or an integer), within bounds."""
+    """A finite real number (or an integer), within bounds; ``above`` is an exclusive
+    lower bound."""
 
-    integer: bool = False
-    above: float | None = None
-    """Exclusive lower bound."""
-    at_least: float | None = None
-    at_most: float | None = None
-    unit: str = ""
-    none: str | None = None
+    __slots__ = ("integer", "above", "at_least", "at_most", "unit", "none")
+    integer: bool
+    above: float | None
+    at_least: float | None
+    at_most: float | None
+    unit: str
+
+    def __init__(self, *, integer: bool = False, above: float | None = None, at_least: float | None = None,
+                 at_most: float | None = None, unit: str = "", none: str | None = None) -> None:
+        self._set(integer=integer, above=above, at_least=at_least, at_most=at_most, unit=unit, none=none)
 
     def what(self) -> str:
         noun = ("an integer number" if self.unit else "an integer") if self.integer else "a number"
@@ -154,10 +186,11 @@ def _switched_off(text: str) -> bool:
     return text.lower() in (*_FALSE_WORDS, "none")
 
 
-@dataclass(frozen=True)
 class SwitchableNumber(Number):
     """A number that may be switched off: ``None`` as a value; in the environment, see
     ``_switched_off``."""
+
+    __slots__ = ()
 
     def parse(self, setting: str, text: str) -> Any:
         return None if _switched_off(text) else super().parse(setting, text)
@@ -166,12 +199,14 @@ class SwitchableNumber(Number):
         return super().describe("set it to off" if unset == "leave it unset" else unset)
 
 
-@dataclass(frozen=True)
 class Choice(Rule):
     """One of a few values, all of one type (names, or warp sizes)."""
 
+    __slots__ = ("values", "none")
     values: tuple[Any, ...]
-    none: str | None = None
+
+    def __init__(self, values: tuple[Any, ...], *, none: str | None = None) -> None:
+        self._set(values=values, none=none)
 
     def what(self) -> str:
         shown = [repr(v) for v in self.values]
@@ -186,9 +221,10 @@ class Choice(Rule):
         return value
 
 
-@dataclass(frozen=True)
 class Flag(Rule):
     """True or False; in the environment, 0/1, true/false, yes/no, on/off."""
+
+    __slots__ = ()
 
     def what(self) -> str:
         return "True or False"
@@ -205,11 +241,13 @@ class Flag(Rule):
         return word in _TRUE_WORDS
 
 
-@dataclass(frozen=True)
 class FilePath(Rule):
     """A file or directory name: a non-empty ``str`` or ``os.PathLike``, kept as ``str``."""
 
-    none: str | None = None
+    __slots__ = ("none",)
+
+    def __init__(self, *, none: str | None = None) -> None:
+        self._set(none=none)
 
     def what(self) -> str:
         return "a non-empty path"
@@ -225,10 +263,11 @@ class FilePath(Rule):
         return text
 
 
-@dataclass(frozen=True)
 class SwitchablePath(FilePath):
     """A path that may be switched off: ``None`` as a value; in the environment, one of
     the false words (``0``, ``false``, ``no``, ``off``) or ``none``."""
+
+    __slots__ = ()
 
     def parse(self, setting: str, text: str) -> Any:
         return None if _switched_off(text) else self.check(setting, text, unset="set it to off")
@@ -237,9 +276,10 @@ class SwitchablePath(FilePath):
 _ENTRY = re.compile(r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*(?::[A-Za-z_]\w*)?$")
 
 
-@dataclass(frozen=True)
 class Modules(Rule):
     """A tuple of preload entries, ``"module"`` or ``"module:function"``."""
+
+    __slots__ = ()
 
     def what(self) -> str:
         return "a tuple of 'module' or 'module:function' names"
@@ -254,11 +294,13 @@ class Modules(Rule):
         return tuple(value)
 
 
-@dataclass(frozen=True)
 class Secret(Rule):
     """A secret: non-empty ``bytes`` or ``str``. Messages never show its value."""
 
-    none: str | None = None
+    __slots__ = ("none",)
+
+    def __init__(self, *, none: str | None = None) -> None:
+        self._set(none=none)
 
     def what(self) -> str:
         return "non-empty bytes or str"
@@ -271,12 +313,14 @@ class Secret(Rule):
         return value
 
 
-@dataclass(frozen=True)
 class Devices(Rule):
     """Device indices: a non-empty tuple of distinct integers >= 0; in the environment,
     comma-separated (``0,1``)."""
 
-    none: str | None = None
+    __slots__ = ("none",)
+
+    def __init__(self, *, none: str | None = None) -> None:
+        self._set(none=none)
 
     def what(self) -> str:
         return "a non-empty tuple of distinct device indices (integers >= 0)"
@@ -298,15 +342,18 @@ class Devices(Rule):
             raise self.bad_value(setting, text, "leave it unset") from None
 
 
-@dataclass(frozen=True)
 class Text(Rule):
     """A ``str`` without NUL characters (a compiler would stop reading it there): not empty
     unless ``empty``, and matching ``pattern`` where there is one."""
 
-    noun: str = "a non-empty string"
-    pattern: str | None = None
-    empty: bool = False
-    none: str | None = None
+    __slots__ = ("noun", "pattern", "empty", "none")
+    noun: str
+    pattern: str | None
+    empty: bool
+
+    def __init__(self, noun: str = "a non-empty string", *, pattern: str | None = None, empty: bool = False,
+                 none: str | None = None) -> None:
+        self._set(noun=noun, pattern=pattern, empty=empty, none=none)
 
     def what(self) -> str:
         return self.noun
@@ -321,16 +368,19 @@ class Text(Rule):
         return value
 
 
-@dataclass(frozen=True)
 class Each(Rule):
     """A tuple (a list is taken too) whose items ``item`` checks; kept as a tuple. A lone
     item stands for a tuple of one only where ``one`` says so: elsewhere a lone string
     would be taken apart letter by letter, and is refused."""
 
+    __slots__ = ("item", "noun", "one", "at_least_one")
     item: Rule
     noun: str
-    one: bool = False
-    at_least_one: bool = False
+    one: bool
+    at_least_one: bool
+
+    def __init__(self, item: Rule, noun: str, *, one: bool = False, at_least_one: bool = False) -> None:
+        self._set(item=item, noun=noun, one=one, at_least_one=at_least_one)
 
     def what(self) -> str:
         text = f"a tuple of {self.noun}" + (" (or a single one)" if self.one else "")
@@ -346,13 +396,15 @@ class Each(Rule):
         return tuple(self.item.check(f"{setting}[{index}]", entry) for index, entry in enumerate(value))
 
 
-@dataclass(frozen=True)
 class Url(Rule):
     """A URL of one of ``schemes`` naming a server (a host, or for ``unix`` a socket path).
     Messages never show a password it carries."""
 
+    __slots__ = ("schemes", "none")
     schemes: tuple[str, ...]
-    none: str | None = None
+
+    def __init__(self, schemes: tuple[str, ...], *, none: str | None = None) -> None:
+        self._set(schemes=schemes, none=none)
 
     def what(self) -> str:
         return "a URL such as " + " or ".join(f"{scheme}://..." for scheme in self.schemes)
