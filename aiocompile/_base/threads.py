@@ -9,6 +9,10 @@ launcher) gives up only at the interpreter's switch interval. The loop sat throu
 waits one after the other, one per request of the burst. A lane is a few long-lived
 threads, started once per process; work waits in its queue instead.
 
+A new thread, a lane's or one of :func:`start`'s, first lets go of the GIL: otherwise
+the starting thread, which ``start()`` makes wait until the new one runs, waits again
+for the lock until the switch interval runs out (the new thread runs Python at once).
+
 A lane's executor belongs to the process that made it: after ``fork()`` the child gets a
 fresh one (the parent's threads do not exist there, but its executor would believe they
 do and never start one).
@@ -53,10 +57,28 @@ class Lane:
         if executor is None or self._pid != pid:
             with self._lock:
                 if self._executor is None or self._pid != pid:
-                    self._executor = cf.ThreadPoolExecutor(self.threads, thread_name_prefix=self.name)
+                    self._executor = cf.ThreadPoolExecutor(self.threads, thread_name_prefix=self.name,
+                                                           initializer=_let_the_starter_go)
                     self._pid = pid
                 executor = self._executor
         return executor
+
+
+def start(target: Callable[[], object], name: str, *, daemon: bool = False) -> threading.Thread:
+    """A thread of its own for ``target``, started; ``start()`` returns without waiting
+    for the GIL that the new thread would otherwise hold for a switch interval."""
+
+    def run() -> None:
+        _let_the_starter_go()
+        target()
+
+    thread = threading.Thread(target=run, name=name, daemon=daemon)
+    thread.start()
+    return thread
+
+
+def _let_the_starter_go() -> None:
+    time.sleep(0)  # the GIL let go: the thread that started this one takes it on
 
 
 def _then_yield(fn: Callable[[], T]) -> T:

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from aiocompile._base import collector
+from aiocompile._base import collector, threads
 from aiocompile._torch import graph
 
 _logger = logging.getLogger("aiocompile")
@@ -45,7 +45,7 @@ class Ahead:
             if self.started:
                 return
             self.started = True
-        threading.Thread(target=self._run, name=f"aiocompile-{self.name}", daemon=True).start()
+        threads.start(self._run, f"aiocompile-{self.name}", daemon=True)
 
     def _run(self) -> None:
         began = time.perf_counter()
