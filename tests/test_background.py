@@ -364,12 +364,13 @@ def test_a_compile_past_its_timeout_leaves_eager_serving_with_a_bundle(sched, tm
 
 
 @pytest.mark.timeout(TIMEOUT)
-def test_workers_of_a_background_scheduler_start_with_the_compile_imported_and_no_cpu_check_to_wait_for():
-    # The fork server imports what a compile needs, once: a worker forked from it has it
-    # all before its first job (each worker importing it in its warm-up made the first
-    # compile queue behind that). Inductor's CPU vector-ISA check is the compile's own, its
-    # programs built ahead by a process of their own (isa.start_builds): a worker's warm-up
-    # does not make the compile wait for it.
+def test_workers_of_a_background_scheduler_start_with_the_compile_imported_and_the_cpu_check_made():
+    # The fork server imports what a compile needs, once, and makes Inductor's CPU
+    # vector-ISA check meanwhile: a worker forked from it has all of it before its first
+    # job (each worker importing it in its warm-up, and making the check in its compile,
+    # made the first compile queue behind that).
+    from torch._inductor import cpu_vec_isa
+
     from aiocompile._torch import export
 
     config = aiocompile.SchedulerConfig(workers=1, preload=(aiotorch.PRELOAD, export.PRELOAD), repro_dir=None)
@@ -377,7 +378,9 @@ def test_workers_of_a_background_scheduler_start_with_the_compile_imported_and_n
     try:
         assert asyncio.run(own.run(background_models.compile_modules_loaded)) == list(export._MODULES)
         assert asyncio.run(own.run(export.warm_up)) < 0.5
-        assert asyncio.run(own.run(background_models.vec_isa_known)) == (0, "")
+        known, picked = asyncio.run(own.run(background_models.vec_isa_known))
+        assert known == 1
+        assert picked == str(cpu_vec_isa.pick_vec_isa())  # the answer this process's own check gives
     finally:
         own.close(grace=0)
 

@@ -1,6 +1,7 @@
-"""Inductor's CPU vector-ISA check, its test programs built ahead (``aiocompile._torch.isa``):
-the builds are Inductor's own, found by its check in another process, which then builds
-nothing."""
+"""Inductor's CPU vector-ISA check made ahead (``aiocompile._torch.isa``): by a process of
+its own, whose builds are Inductor's own, found by the check in another process, which then
+builds nothing; and by a background scheduler's fork server, whose workers then build and
+load no test program at all."""
 
 from __future__ import annotations
 
@@ -58,3 +59,63 @@ def test_the_programs_built_ahead_are_those_inductors_check_loads(tmp_path, note
     assert check.stdout.strip() not in ("", "INVALID_VEC_ISA")
     assert not notes.exists(), notes.read_text()
 
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.skipif(sys.platform != "linux", reason="Inductor's x86 check reads Linux's CPU flags")
+def test_the_workers_of_a_background_scheduler_build_and_load_no_test_program(tmp_path, noted_gxx):
+    # The fork server of a background scheduler for the CPU makes the check in its
+    # preload (its programs built then), before it forks: a worker starts with the answer
+    # in memory, so its compile's check builds no test program and loads none (each load
+    # is a fresh interpreter), and it picks the instruction set a fresh check picks.
+    bin_dir, notes = noted_gxx
+    env = subprocess_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+                         TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    env.pop("TORCHINDUCTOR_VEC_ISA_OK", None)
+    run = subprocess.run([sys.executable, "-c", WORKER_CHECK], env=env, capture_output=True, text=True,
+                         timeout=TIMEOUT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    claimed, built_before, known_in_worker, picked_in_worker, built_by_worker = run.stdout.strip().splitlines()[-5:]
+    if claimed == "0":
+        pytest.skip("this CPU claims no vector instruction set Inductor builds a test program for")
+    assert int(built_before) > 0  # by the fork server, before any job
+    assert known_in_worker == "1"  # the answer, there before the worker's first check: nothing to load
+    assert built_by_worker == "0"  # and the check in the worker built nothing
+
+    fresh = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    assert picked_in_worker == fresh.stdout.strip() != "INVALID_VEC_ISA"
+
+
+WORKER_CHECK = """
+import asyncio, os
+import aiocompile
+from aiocompile.torch import PRELOAD
+from aiocompile._torch import export
+
+def builds():
+    notes = os.path.join(os.path.dirname(os.environ["PATH"].split(os.pathsep)[0]), "builds.txt")
+    return len(open(notes).read().splitlines()) if os.path.exists(notes) else 0
+
+def pick_in_worker():
+    before = builds()
+    from torch._inductor import cpu_vec_isa
+    known = cpu_vec_isa.valid_vec_isa_list.cache_info().currsize
+    return known, str(cpu_vec_isa.pick_vec_isa()), builds() - before
+
+config = aiocompile.SchedulerConfig(workers=1, preload=(PRELOAD, export.PRELOAD), repro_dir=None)
+sched = aiocompile.Scheduler(config=config)
+try:
+    asyncio.run(sched.warm())
+    built = builds()
+    from torch._inductor import cpu_vec_isa
+    claimed = cpu_vec_isa.x86_isa_checker()
+    print(sum(all(flag in claimed for flag in str(isa).split()) for isa in cpu_vec_isa.supported_vec_isa_list))
+    print(built)
+    known, picked, built = asyncio.run(sched.run(pick_in_worker))
+    print(known)
+    print(picked)
+    print(built)
+finally:
+    sched.close(grace=0)
+"""

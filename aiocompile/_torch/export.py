@@ -35,10 +35,11 @@ import io
 import os
 import shutil
 import tempfile
+import threading
 import time
 from typing import Any
 
-from aiocompile._torch import aoti, cxx, graph
+from aiocompile._torch import aoti, cxx, graph, isa
 from aiocompile._torch.job import ENV_PREFIXES, PACKAGE_CONFIGS, ExportJob
 from aiocompile._torch.parcel import unpack
 from aiocompile.errors import CompileError
@@ -58,30 +59,40 @@ not for a GPU)."""
 def prepare_fork_server() -> None:
     """Preload hook: import what a background compile needs, once, in the fork server, so
     that every worker forked from it starts with it (each worker importing it itself made
-    the first compile wait for its worker's imports, two workers competing for the CPUs).
+    the first compile wait for its worker's imports, two workers competing for the CPUs);
+    and make Inductor's CPU vector-ISA check meanwhile (:class:`.isa.Check`: its test
+    programs built while the rest is imported), so that no worker makes it.
 
-    The fork server must stay single-threaded to fork safely: an import that starts a
-    thread stops the imports there, reported as a preload problem (workers import the rest
-    in their warm-up)."""
+    The fork server must be single-threaded when it forks: the check's threads are joined
+    before this returns, and an import that starts a thread of its own stops the imports
+    there, reported as a preload problem (workers import the rest in their warm-up)."""
     import importlib
     import sys
 
-    for name in _MODULES:
-        if name in sys.modules:
-            continue
-        before = _threads()
-        importlib.import_module(name)
-        after = _threads()
-        if before is not None and after is not None and after > before:
-            raise RuntimeError(f"importing {name} started {after - before} thread(s) in the fork server; "
-                               "workers import the rest themselves")
-
-
-def _threads() -> int | None:
+    check = isa.Check() if os.environ.get("TORCHINDUCTOR_VEC_ISA_OK") is None else None
+    ours = check.threads if check is not None else []
     try:
-        return len(os.listdir("/proc/self/task"))
+        for name in _MODULES:
+            if name in sys.modules:
+                continue
+            before = _threads(ours)
+            importlib.import_module(name)
+            after = _threads(ours)
+            if before is not None and after is not None and after > before:
+                raise RuntimeError(f"importing {name} started {after - before} thread(s) in the fork server; "
+                                   "workers import the rest themselves")
+    finally:
+        if check is not None:
+            check.finish()
+
+
+def _threads(ours: list[threading.Thread]) -> int | None:
+    """This process's threads but ``ours`` (the check's, which come and go meanwhile)."""
+    try:
+        tasks = set(os.listdir("/proc/self/task"))
     except OSError:
         return None
+    return len(tasks - {str(thread.native_id) for thread in ours})
 
 
 def warm_up(device: str = "cpu", form: str = "package", ahead: bool = False) -> float:
@@ -96,9 +107,9 @@ def warm_up(device: str = "cpu", form: str = "package", ahead: bool = False) -> 
     one-layer model compiled there in the Python form (Inductor's code generators imported,
     CUDA and Triton's driver ready); for the CPU, Inductor's vector-ISA check. Without it
     (a wrapper that made its own scheduler: its first compile is waiting), the compile
-    makes them as it goes rather than queue behind them; the CPU check finds its test
-    programs built, or being built, by the process the serving process started
-    (:mod:`.isa`). ``form`` is kept for the callers."""
+    makes them as it goes rather than queue behind them; a worker forked from a fork
+    server that made the CPU check (``prepare_fork_server``) has its answer already.
+    ``form`` is kept for the callers."""
     import importlib
     import sys
 

@@ -2,22 +2,27 @@
 
 Inductor's C++ code generation asks ``pick_vec_isa()``: for each vector instruction set
 the CPU claims, it builds a test program with the C++ compiler and loads it in a fresh
-interpreter that imports torch, one after another. The answer is kept for the life of the
-process, and the built programs in Inductor's cache directory (keyed by the compiler and
-its flags, built under a file lock each); so a process pays the loads once, and the builds
-are paid once per cache. But every worker is a process of its own, and a check in each,
-on a machine of few CPUs, made the first compiles wait for it several times over.
+interpreter, one after another. The answer is kept for the life of the process, and the
+built programs in Inductor's cache directory (keyed by the compiler and its flags, built
+under a file lock each); so a process pays the loads once, and the builds are paid once
+per cache. But every worker is a process of its own, and a check in each, on a machine of
+few CPUs, made the first compiles wait for it several times over.
 
-So, for a model on the CPU, from the moment it is wrapped (or ``warm("cpu")`` is called),
-:func:`start_builds` starts a process (``python -m aiocompile._torch.isa``) that builds
-every candidate's test program at once, one thread each, while the fork server imports
-torch and the compile's modules and the worker exports and lowers the model; the
-compile's own check, when its code generation gets there, waits on the builds' locks,
-finds the programs built and only loads each. The answer is Inductor's own; only the
-builds moved earlier, out of the compile's way.
+Two ways ahead of it, the check's own code throughout (the answer is Inductor's):
 
-The serving process never needs the answer, and imports nothing for it: it loads
-packages with torch's C++ loader (:mod:`.aoti`).
+- :class:`Check` makes the whole check in the calling process, each candidate in a thread
+  of its own, the test programs built at once. The fork server of a scheduler
+  ``compile_in_background`` makes for a model on the CPU makes it in its preload, beside
+  the imports that follow (``export.prepare_fork_server``), and joins its threads before it
+  forks: every worker starts with the answer in memory, and its compile neither builds nor
+  loads a test program.
+- :func:`start_builds` starts a process (``python -m aiocompile._torch.isa``) that makes
+  the same check: for ``install()``, whose compiles make their check in the serving
+  process and in its scheduler's workers, which then find the programs built (waiting on
+  the builds' locks) and only load each.
+
+The serving process of a background compile never needs the answer, and imports nothing
+for it: it loads packages with torch's C++ loader (:mod:`.aoti`).
 """
 
 from __future__ import annotations
@@ -58,29 +63,43 @@ def _reap(builds: subprocess.Popen[bytes]) -> None:
         builds.wait()
 
 
+class Check:
+    """Inductor's check, started by the constructor: each instruction set this CPU claims
+    in a thread of its own (its test programs built at once, by Inductor's own test of
+    each); :meth:`finish` waits for them and makes the check itself, which then finds
+    every answer made."""
+
+    def __init__(self) -> None:
+        from torch._inductor import cpu_vec_isa
+
+        self._cpu_vec_isa = cpu_vec_isa
+        claimed = cpu_vec_isa.x86_isa_checker() if hasattr(cpu_vec_isa, "x86_isa_checker") else []
+        candidates = [isa for isa in cpu_vec_isa.supported_vec_isa_list
+                      if all(flag in claimed for flag in str(isa).split())]
+        self.threads = [threading.Thread(target=self._test, args=(isa,), name=f"aiocompile-isa-{isa}", daemon=True)
+                        for isa in candidates]
+        for thread in self.threads:
+            thread.start()
+
+    @staticmethod
+    def _test(isa: object) -> None:
+        try:
+            bool(isa)  # Inductor's own test of it: the build and the load its check makes; kept
+        except Exception as exc:  # noqa: BLE001 - the check meets it again, and answers
+            _logger.debug("testing the %s instruction set failed: %s", isa, exc)
+
+    def finish(self) -> int:
+        """Wait for the threads, then make the check (kept in this process for its life,
+        and in every process forked from it); returns how many instruction sets passed."""
+        for thread in self.threads:
+            thread.join()
+        return len(self._cpu_vec_isa.valid_vec_isa_list())
+
+
 def build_candidates() -> int:
     """Build (and load once) the test program of every instruction set this CPU claims,
-    all at once, one thread each, into Inductor's cache; returns how many passed."""
-    from torch._inductor import cpu_vec_isa
-
-    claimed = cpu_vec_isa.x86_isa_checker() if hasattr(cpu_vec_isa, "x86_isa_checker") else []
-    candidates = [isa for isa in cpu_vec_isa.supported_vec_isa_list
-                  if all(flag in claimed for flag in str(isa).split())]
-    passed: list[object] = []
-
-    def build(isa: object) -> None:
-        try:
-            if isa:  # Inductor's own test of it: the builds (and loads) its check makes
-                passed.append(isa)
-        except Exception as exc:  # noqa: BLE001 - the fork server's own check meets it again
-            _logger.debug("building the %s test program failed: %s", isa, exc)
-
-    threads = [threading.Thread(target=build, args=(isa,)) for isa in candidates]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return len(passed)
+    all at once, into Inductor's cache; returns how many passed."""
+    return Check().finish()
 
 
 BUILD_NICE = 10

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from aiocompile._base import bridge, collector
+from aiocompile._base import bridge, collector, threads
 from aiocompile._torch import ahead, isa
 
 if TYPE_CHECKING:
@@ -63,8 +63,8 @@ def scheduler_for(device: str = "cpu", form: str = "package") -> tuple[cf.Future
     the pool's modules, which would hold the caller's event loop): the environment's
     configuration, at most ``MAX_OWN_WORKERS`` workers, torch and what a compile imports
     preloaded in its fork server, and its workers started at once (for a model on a GPU,
-    each starts Inductor's compile pool: ``export.warm_up``). For a model on the CPU, the
-    vector-ISA check's builds start too (:mod:`.isa`)."""
+    each starts Inductor's compile pool: ``export.warm_up``; for a model on the CPU, the
+    fork server makes Inductor's vector-ISA check before it forks them: :mod:`.isa`)."""
     from aiocompile._torch.installation import STATE
 
     found: cf.Future[Scheduler] = cf.Future()
@@ -93,7 +93,7 @@ def scheduler_for(device: str = "cpu", form: str = "package") -> tuple[cf.Future
             found.set_exception(exc)
 
     # Not a daemon: an interpreter that exits meanwhile waits for it (then closes it).
-    threading.Thread(target=make, name="aiocompile-start").start()
+    threads.start(make, "aiocompile-start")
     return found, True
 
 
@@ -105,8 +105,8 @@ def _new_scheduler(device: str, form: str, pay_ahead: bool = False) -> tuple[Sch
     from aiocompile._torch import export
     from aiocompile.backends.inductor._worker import PRELOAD
 
-    if device == "cpu":
-        isa.start_builds()
+    # For a model on the CPU, the fork server makes Inductor's vector-ISA check itself
+    # (``export.prepare_fork_server``): no process of its own builds the test programs.
     config = SchedulerConfig.from_env()
     # Modules beyond Inductor's own preload only for models on the CPU: on a machine with a
     # GPU, a fork server that preloaded them forked workers that could not use it ("Cannot
