@@ -21,10 +21,13 @@ do and never start one).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import os
+import sys
 import threading
 import time
-from typing import Callable, TypeVar
+from collections.abc import Iterator, Sequence
+from typing import Any, Callable, TypeVar
 
 from aiocompile._base import bridge
 
@@ -79,6 +82,48 @@ def start(target: Callable[[], object], name: str, *, daemon: bool = False) -> t
 
 def _let_the_starter_go() -> None:
     time.sleep(0)  # the GIL let go: the thread that started this one takes it on
+
+
+class _YieldingFinder:
+    """A finder first on ``sys.meta_path`` that finds nothing: for the threads inside
+    :func:`imports_yielding`, it lets go of the GIL before each module they import."""
+
+    def __init__(self) -> None:
+        self.inside: dict[int, int] = {}  # thread ident -> how deep inside
+
+    def find_spec(self, name: str, path: Sequence[str] | None, target: Any = None) -> None:
+        if threading.get_ident() in self.inside:
+            time.sleep(0)
+        return None
+
+
+_FINDER = _YieldingFinder()
+_finder_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def imports_yielding() -> Iterator[None]:
+    """Imports made by this thread inside the block let go of the GIL before each module.
+
+    A thread that imports a package's worth of modules (a scheduler's stack) runs Python
+    for tens of milliseconds; a loop's thread that wants the GIL meanwhile gets it only
+    when the switch interval (5 ms) runs out, each time, and a third thread's turn can
+    double that. Let go at every module, the loop waits at most for one module's import.
+
+    The finder stays on ``sys.meta_path`` once put there: taking it off could make an
+    import running meanwhile in another thread skip the finder after it."""
+    ident = threading.get_ident()
+    with _finder_lock:
+        if _FINDER not in sys.meta_path:
+            sys.meta_path.insert(0, _FINDER)
+        _FINDER.inside[ident] = _FINDER.inside.get(ident, 0) + 1
+    try:
+        yield
+    finally:
+        with _finder_lock:
+            depth = _FINDER.inside.pop(ident) - 1
+            if depth:
+                _FINDER.inside[ident] = depth
 
 
 def _then_yield(fn: Callable[[], T]) -> T:

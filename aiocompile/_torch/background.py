@@ -245,7 +245,7 @@ class BackgroundCompiled:
         """Inductor's settings for the compiles (in a lane's thread: a mode's settings are
         Inductor's to say, and importing Inductor takes seconds)."""
         if self._configs is None:
-            with collector.imports_settled():
+            with collector.imports_settled(), threads.imports_yielding():
                 self._configs = _inductor_configs(self._torch, self._mode, self._options)
         return dict(self._configs)
 
@@ -307,7 +307,7 @@ class BackgroundCompiled:
         entry.form = answer["form"]
         entry.form_reason = answer.get("form_reason")
         try:
-            with collector.imports_settled():
+            with collector.imports_settled(), threads.imports_yielding():
                 runner, constants = loading.load(self._model, answer, job.device_index, self._timeout)
         except Exception as load_error:
             self._fail(entry, self._load_failure(job, load_error))

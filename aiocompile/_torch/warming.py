@@ -86,7 +86,7 @@ def scheduler_for(device: str = "cpu", form: str = "package") -> tuple[cf.Future
         if not found.set_running_or_notify_cancel():
             return
         try:
-            with collector.imports_settled():
+            with collector.imports_settled(), threads.imports_yielding():
                 made, _ = _new_scheduler(device, form)
             found.set_result(made)
         except BaseException as exc:  # noqa: BLE001 - the compiles that need it meet it
@@ -164,7 +164,7 @@ async def warm(device: str = "cpu") -> Scheduler:
     form = "python" if device == "cuda" else "package"
 
     def start() -> tuple[Scheduler, list[Any]]:
-        with collector.imports_settled():
+        with collector.imports_settled(), threads.imports_yielding():
             import torch  # noqa: F401 - seconds of import, here in a thread rather than the loop
 
             ahead.start(form)

@@ -1,0 +1,97 @@
+"""``_base.threads``: lanes, threads of their own, and imports that let the loop's thread
+have the GIL between modules."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import pytest
+
+from aiocompile._base import threads
+
+
+@pytest.fixture
+def fresh_modules(tmp_path, monkeypatch):
+    """Three importable modules no test has imported, the second importing the third."""
+    names = [f"fresh_module_{id(tmp_path)}_{n}" for n in range(3)]
+    (tmp_path / f"{names[0]}.py").write_text("VALUE = 0\n")
+    (tmp_path / f"{names[1]}.py").write_text(f"import {names[2]}\nVALUE = 1\n")
+    (tmp_path / f"{names[2]}.py").write_text("VALUE = 2\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield names
+    for name in names:
+        sys.modules.pop(name, None)
+
+
+@pytest.fixture
+def yields(monkeypatch):
+    """The threads that let go of the GIL through the finder, one entry per module."""
+    seen: list[str] = []
+    real_sleep = threads.time.sleep
+
+    class Clock:
+        @staticmethod
+        def sleep(seconds: float) -> None:
+            seen.append(threading.current_thread().name)
+            real_sleep(seconds)
+
+    monkeypatch.setattr(threads, "time", Clock)
+    return seen
+
+
+def test_imports_inside_the_block_let_go_before_each_module_and_still_import(fresh_modules, yields):
+    import importlib
+
+    first, second, third = fresh_modules
+    with threads.imports_yielding():
+        assert importlib.import_module(first).VALUE == 0
+        assert importlib.import_module(second).VALUE == 1  # and, through it, the third
+        assert importlib.import_module(first).VALUE == 0  # imported already: nothing to find
+    assert yields == [threading.current_thread().name] * 3
+    assert sys.modules[third].VALUE == 2
+
+
+def test_imports_outside_the_block_and_in_other_threads_do_not(fresh_modules, yields):
+    import importlib
+
+    first, second, _ = fresh_modules
+    inside, leave = threading.Event(), threading.Event()
+
+    def other() -> None:
+        with threads.imports_yielding():
+            inside.set()
+            leave.wait(30)
+
+    helper = threading.Thread(target=other, name="inside-the-block")
+    helper.start()
+    try:
+        assert inside.wait(30)
+        importlib.import_module(first)  # this thread is not inside
+    finally:
+        leave.set()
+        helper.join(30)
+    importlib.import_module(second)  # nobody is inside now
+    assert yields == []
+    assert threads._FINDER in sys.meta_path  # it stays: taking it off could disturb an import elsewhere
+
+
+def test_the_block_nests():
+    with threads.imports_yielding():
+        with threads.imports_yielding():
+            assert threads._FINDER.inside[threading.get_ident()] == 2
+        assert threads._FINDER.inside[threading.get_ident()] == 1
+    assert threading.get_ident() not in threads._FINDER.inside
+
+
+def test_a_thread_of_its_own_runs_its_target_under_its_name():
+    ran: list[str] = []
+    thread = threads.start(lambda: ran.append(threading.current_thread().name), "aiocompile-test")
+    thread.join(30)
+    assert ran == ["aiocompile-test"] and not thread.daemon
+
+
+def test_a_lane_runs_work_in_its_own_threads():
+    lane = threads.Lane("aiocompile-test-lane", 2)
+    names = {lane.submit(lambda: threading.current_thread().name).result(30) for _ in range(4)}
+    assert names and all(name.startswith("aiocompile-test-lane") for name in names)
