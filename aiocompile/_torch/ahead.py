@@ -22,7 +22,6 @@ from collections.abc import Callable
 from typing import Any
 
 from aiocompile._base import collector, threads
-from aiocompile._torch import graph
 
 _logger = logging.getLogger("aiocompile")
 
@@ -50,7 +49,7 @@ class Ahead:
     def _run(self) -> None:
         began = time.perf_counter()
         try:
-            with collector.imports_settled():
+            with collector.imports_settled(), threads.imports_yielding():
                 self._work()
             self.seconds = time.perf_counter() - began
             _logger.debug("%s, made for loads here, took %.2f s", self.name, self.seconds)
@@ -68,7 +67,13 @@ class Ahead:
         return self._done.wait(timeout)
 
 
-GRAPH_LOAD = Ahead("graph-load", graph.prepare)
+def _prepare_graph_load() -> None:
+    from aiocompile._torch import graph  # imported here: the constructor imports this module
+
+    graph.prepare()
+
+
+GRAPH_LOAD = Ahead("graph-load", _prepare_graph_load)
 """The modules a Python-form load imports, and Triton's backend hash."""
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["STATES", "TRANSITIONS", "BackgroundStatus", "ShapeStatus"]
@@ -92,27 +92,31 @@ class BackgroundStatus:
                 "shapes": [shape.to_dict() for shape in self.shapes]}
 
 
-@dataclass(eq=False)
 class _Entry:
-    """One signature's life (see the module docstring)."""
+    """One signature's life (see the module docstring). A plain class, not a dataclass:
+    this module is imported by the first ``compile_in_background``, in the serving loop."""
 
-    text: str
-    state: str = "compiling"
-    error: BaseException | None = None
-    runner: Any = None
-    constants: Mapping[str, Any] | None = None
-    """What the loaded package reads its weights from: kept alive here."""
-    started: float = field(default_factory=time.monotonic)
-    seconds: float | None = None
-    stages: tuple[tuple[str, float], ...] = ()
-    difference: float | None = None
-    compiler: str | None = None
-    form: str | None = None
-    form_reason: str | None = None
-    eager_calls: int = 0
-    compiled_calls: int = 0
-    done: cf.Future[None] = field(default_factory=cf.Future)
-    """Resolved when the entry leaves ``compiling``."""
+    __slots__ = ("text", "state", "error", "runner", "constants", "started", "seconds", "stages", "difference",
+                 "compiler", "form", "form_reason", "eager_calls", "compiled_calls", "done")
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.state = "compiling"
+        self.error: BaseException | None = None
+        self.runner: Any = None
+        self.constants: Mapping[str, Any] | None = None
+        """What the loaded package reads its weights from: kept alive here."""
+        self.started = time.monotonic()
+        self.seconds: float | None = None
+        self.stages: tuple[tuple[str, float], ...] = ()
+        self.difference: float | None = None
+        self.compiler: str | None = None
+        self.form: str | None = None
+        self.form_reason: str | None = None
+        self.eager_calls = 0
+        self.compiled_calls = 0
+        self.done: cf.Future[None] = cf.Future()
+        """Resolved when the entry leaves ``compiling``."""
 
     def move(self, state: str, error: BaseException | None = None) -> bool:
         """Go to ``state`` if that is a transition there is; returns whether it moved."""
