@@ -37,13 +37,22 @@ def noted_gxx(tmp_path):
     return bin_dir, notes
 
 
-@pytest.mark.timeout(TIMEOUT)
-@pytest.mark.skipif(sys.platform != "linux", reason="Inductor's x86 check reads Linux's CPU flags")
-def test_the_programs_built_ahead_are_those_inductors_check_loads(tmp_path, noted_gxx):
+@pytest.fixture
+def check_env(tmp_path, noted_gxx):
+    """The environment of a process that makes the check: that ``g++`` first on PATH, a
+    fresh Inductor cache, the check on (not answered by ``TORCHINDUCTOR_VEC_ISA_OK``); and
+    the notes file."""
     bin_dir, notes = noted_gxx
     env = subprocess_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
                          TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
     env.pop("TORCHINDUCTOR_VEC_ISA_OK", None)
+    return env, notes
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.skipif(sys.platform != "linux", reason="Inductor's x86 check reads Linux's CPU flags")
+def test_the_programs_built_ahead_are_those_inductors_check_loads(check_env):
+    env, notes = check_env
     built = subprocess.run([sys.executable, "-m", "aiocompile._torch.isa"], env=env, capture_output=True,
                            text=True, timeout=TIMEOUT)
     assert built.returncode == 0, built.stderr[-3000:]
@@ -60,18 +69,14 @@ def test_the_programs_built_ahead_are_those_inductors_check_loads(tmp_path, note
     assert not notes.exists(), notes.read_text()
 
 
-
 @pytest.mark.timeout(TIMEOUT)
 @pytest.mark.skipif(sys.platform != "linux", reason="Inductor's x86 check reads Linux's CPU flags")
-def test_the_workers_of_a_background_scheduler_build_and_load_no_test_program(tmp_path, noted_gxx):
+def test_the_workers_of_a_background_scheduler_build_and_load_no_test_program(check_env):
     # The fork server of a background scheduler for the CPU makes the check in its
     # preload (its programs built then), before it forks: a worker starts with the answer
     # in memory, so its compile's check builds no test program and loads none (each load
     # is a fresh interpreter), and it picks the instruction set a fresh check picks.
-    bin_dir, notes = noted_gxx
-    env = subprocess_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-                         TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
-    env.pop("TORCHINDUCTOR_VEC_ISA_OK", None)
+    env, _ = check_env
     run = subprocess.run([sys.executable, "-c", WORKER_CHECK], env=env, capture_output=True, text=True,
                          timeout=TIMEOUT)
     assert run.returncode == 0, run.stderr[-3000:]
