@@ -9,9 +9,10 @@ launcher) gives up only at the interpreter's switch interval. The loop sat throu
 waits one after the other, one per request of the burst. A lane is a few long-lived
 threads, started once per process; work waits in its queue instead.
 
-A new thread, a lane's or one of :func:`start`'s, first lets go of the GIL: otherwise
-the starting thread, which ``start()`` makes wait until the new one runs, waits again
-for the lock until the switch interval runs out (the new thread runs Python at once).
+A new thread, a lane's or one of :func:`start`'s, first goes without the GIL for a
+moment: otherwise the starting thread, which ``start()`` makes wait until the new one
+runs, waits again for the lock until the switch interval runs out (the new thread runs
+Python at once).
 
 A lane's executor belongs to the process that made it: after ``fork()`` the child gets a
 fresh one (the parent's threads do not exist there, but its executor would believe they
@@ -81,7 +82,11 @@ def start(target: Callable[[], object], name: str, *, daemon: bool = False) -> t
 
 
 def _let_the_starter_go() -> None:
-    time.sleep(0)  # the GIL let go: the thread that started this one takes it on
+    # A moment without the GIL, not just a release: a thread that only lets go (sleep(0))
+    # can take the lock back before the starter, woken by the kernel, gets to it; the
+    # starter then waits out a switch interval after all. In a millisecond it has taken
+    # the lock, finished what it was doing and, in a loop's thread, gone back to the loop.
+    time.sleep(0.001)
 
 
 class _YieldingFinder:
