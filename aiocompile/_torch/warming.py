@@ -170,10 +170,22 @@ async def warm(device: str = "cpu") -> Scheduler:
             ahead.start(form)
             return _shared(device, form)
 
-    scheduler, warming = await anyio.to_thread.run_sync(start)
+    # A thread of aiocompile's rather than anyio's: its first moment is without the GIL,
+    # so the loop's thread is not kept waiting for it (threads.start).
+    started: cf.Future[tuple[Scheduler, list[Any]]] = cf.Future()
+
+    def run() -> None:
+        try:
+            started.set_result(start())
+        except BaseException as exc:  # noqa: BLE001 - raised to the awaiting caller
+            started.set_exception(exc)
+
+    threads.start(run, "aiocompile-warm", daemon=True)
+    scheduler, warming = await bridge.wait(started)
     for future in warming:
         await bridge.wait(future)
-    # In short waits, so that a cancelled await does not wait for the end of the work.
-    while not await anyio.to_thread.run_sync(ahead.wait, form, 0.1):
-        pass
+    # In short waits, so that a cancelled await does not wait for the end of the work;
+    # none at all (no thread) when there is nothing to wait for.
+    while not ahead.wait(form, 0):
+        await anyio.to_thread.run_sync(ahead.wait, form, 0.1)
     return scheduler
