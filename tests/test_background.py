@@ -379,8 +379,11 @@ def test_workers_of_a_background_scheduler_start_with_the_compile_imported_and_t
         assert asyncio.run(own.run(background_models.compile_modules_loaded)) == list(export._MODULES)
         assert asyncio.run(own.run(export.warm_up)) < 0.5
         known, picked = asyncio.run(own.run(background_models.vec_isa_known))
-        assert known == 1
-        assert picked == str(cpu_vec_isa.pick_vec_isa())  # the answer this process's own check gives
+        if os.environ.get("TORCHINDUCTOR_VEC_ISA_OK") is not None:
+            assert known == 0  # the environment answers the check: nothing made ahead
+        else:
+            assert known == 1
+            assert picked == str(cpu_vec_isa.pick_vec_isa())  # the answer this process's own check gives
     finally:
         own.close(grace=0)
 
