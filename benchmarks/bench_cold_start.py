@@ -25,7 +25,7 @@ small configs with random weights: 4 layers, width 256, batch 4 x 128 tokens, th
 as output; ``pip install transformers``).
 
     python benchmarks/bench_cold_start.py [--model conv1d] [--device cpu|cuda] [--repeat 1]
-        [--pause 0.005] [--ways stock,background,server]
+        [--pause 0.005] [--ways stock,background,server] [--artifact auto|package|python]
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def build(name: str, device: str) -> tuple:
     return LogitsOf(inner).eval().to(device), torch.randint(0, 8192, (4, 128), device=device)
 
 
-def child(way: str, pause: float, model_name: str, device: str) -> dict:
+def child(way: str, pause: float, model_name: str, device: str, artifact: str) -> dict:
     import asyncio
     import gc
 
@@ -175,7 +175,7 @@ def child(way: str, pause: float, model_name: str, device: str) -> dict:
             if way == "stock":
                 wrapped = torch.compile(model)
             else:
-                wrapped = aiotorch.compile_in_background(model)
+                wrapped = aiotorch.compile_in_background(model, artifact=artifact)
             result["constructor_ms"] = (time.perf_counter() - began) * 1e3
             timeline: list[tuple[float, str]] = []
             if way != "stock":
@@ -242,11 +242,12 @@ def child(way: str, pause: float, model_name: str, device: str) -> dict:
     return asyncio.run(main())
 
 
-def measure(way: str, pause: float, model: str, device: str) -> dict:
+def measure(way: str, pause: float, model: str, device: str, artifact: str) -> dict:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="bench-inductor-"),
                TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="bench-triton-"))
     run = subprocess.run([sys.executable, __file__, "--child", way, "--pause", str(pause), "--model", model,
-                          "--device", device], capture_output=True, text=True, env=env, timeout=900)
+                          "--device", device, "--artifact", artifact],
+                         capture_output=True, text=True, env=env, timeout=900)
     if run.returncode != 0:
         raise RuntimeError(f"{way} failed:\n{run.stderr[-3000:]}")
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -259,10 +260,12 @@ def main() -> None:
     parser.add_argument("--model", default="conv1d", choices=("conv1d", "convnet", "gpt2", "llama"))
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--ways", default=",".join(WAYS))
+    parser.add_argument("--artifact", default="auto", choices=("auto", "package", "python"),
+                        help="compile_in_background's artifact= (auto: a package on the CPU, the Python form on a GPU)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.pause, args.model, args.device)))
+        print(json.dumps(child(args.child, args.pause, args.model, args.device, args.artifact)))
         return
     # As an installed package has it: aiocompile's modules compiled to bytecode (where
     # PYTHONDONTWRITEBYTECODE is set, each import would compile the source, holding the
@@ -276,9 +279,9 @@ def main() -> None:
     unknown = sorted(set(ways) - set(WAYS))
     if unknown or "stock" not in ways:
         raise SystemExit(f"--ways takes stock and any of {', '.join(WAYS[1:])}; got {args.ways!r}")
-    print(f"model {args.model} on {args.device}")
+    print(f"model {args.model} on {args.device}, artifact={args.artifact}")
     for _ in range(args.repeat):
-        runs = {way: measure(way, args.pause, args.model, args.device) for way in ways}
+        runs = {way: measure(way, args.pause, args.model, args.device, args.artifact) for way in ways}
         for result in runs.values():
             timeline = result.pop("timeline", ())
             print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in result.items()}))
