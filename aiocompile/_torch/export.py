@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import logging
 import os
 import shutil
 import tempfile
@@ -43,6 +44,8 @@ from aiocompile._torch import aoti, cxx, graph, isa
 from aiocompile._torch.job import ENV_PREFIXES, PACKAGE_CONFIGS, ExportJob
 from aiocompile._torch.parcel import unpack
 from aiocompile.errors import CompileError
+
+_logger = logging.getLogger("aiocompile")
 
 STAGES = ("load", "export", "compile", "trial")
 
@@ -69,7 +72,12 @@ def prepare_fork_server() -> None:
     import importlib
     import sys
 
-    check = isa.Check() if os.environ.get("TORCHINDUCTOR_VEC_ISA_OK") is None else None
+    check: isa.Check | None = None
+    if os.environ.get("TORCHINDUCTOR_VEC_ISA_OK") is None:
+        try:
+            check = isa.Check()
+        except Exception as exc:  # noqa: BLE001 - the compiles make the check themselves, as without this
+            _logger.debug("Inductor's vector-ISA check could not be started ahead: %s: %s", type(exc).__name__, exc)
     ours = check.threads if check is not None else []
     try:
         for name in _MODULES:
