@@ -52,6 +52,17 @@ def vec_isa_known() -> tuple[int, str]:
     return known, str(cpu_vec_isa.pick_vec_isa()) if known else ""
 
 
+def first_compile_paid() -> dict[str, int]:
+    """Run in a worker: what a first compile for the CPU sets up once per process, as far
+    as Inductor's own caches tell it: the vector-ISA check's answer, and the pattern passes
+    (each 1 once made)."""
+    from torch._inductor import cpu_vec_isa
+    from torch._inductor.fx_passes import joint_graph
+
+    return {"vec_isa": cpu_vec_isa.valid_vec_isa_list.cache_info().currsize,
+            "patterns": joint_graph.lazy_init.cache_info().currsize}
+
+
 def compile_modules_loaded() -> list[str]:
     """Run in a worker: which of the modules a background compile imports are loaded."""
     import sys

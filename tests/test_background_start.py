@@ -153,6 +153,7 @@ WARM_SCRIPT = textwrap.dedent('''
         scheduler = await aiotorch.warm()
         pids = sorted(scheduler.worker_pids())
         started = scheduler.statistics().workers_started
+        paid = [await scheduler.run(background_models.first_compile_paid) for _ in pids]
         again = await aiotorch.warm()  # idempotent: the same scheduler, nothing started
         compiled = aiotorch.compile_in_background(model)
         with torch.no_grad():
@@ -162,6 +163,7 @@ WARM_SCRIPT = textwrap.dedent('''
         compiled.close()  # not its scheduler to close
         print(json.dumps({
             "same": again is scheduler and compiled.scheduler is scheduler, "pids": pids, "started": started,
+            "paid": paid,
             "pids_after": sorted(scheduler.worker_pids()), "started_after": scheduler.statistics().workers_started,
             "state": shape.state, "error": shape.error, "compiled_calls": compiled.status().shapes[0].compiled_calls,
             "equal": bool(torch.allclose(out, expected, rtol=1e-4, atol=1e-4)), "open": not scheduler.closed}))
@@ -178,6 +180,9 @@ def test_after_warm_a_background_compile_starts_no_process_and_compiles(tmp_path
     answer = _serve(tmp_path, WARM_SCRIPT, backend)
     # warm() returned with every worker started; the compile ran in one of them.
     assert answer["pids"] and answer["started"] == len(answer["pids"])
+    # ... and had paid what a first compile for the CPU sets up once per process (each
+    # worker asked answered so).
+    assert answer["paid"] == [{"vec_isa": 1, "patterns": 1}] * len(answer["pids"])
     assert answer["same"] is True
     assert answer["pids_after"] == answer["pids"] and answer["started_after"] == answer["started"]
     assert answer["state"] == "compiled", answer["error"]

@@ -113,7 +113,10 @@ def warm_up(device: str = "cpu", form: str = "package", ahead: bool = False) -> 
     With ``ahead`` (``warm()``: a server paying its start-up before it takes traffic), the
     rest of a first compile's start-up too: for a GPU, the pool waited for and a
     one-layer model compiled there in the Python form (Inductor's code generators imported,
-    CUDA and Triton's driver ready); for the CPU, Inductor's vector-ISA check. Without it
+    CUDA and Triton's driver ready); for the CPU, Inductor's vector-ISA check and a
+    one-layer model's package generated, its sources only (what a first compile alone
+    pays, about a second: Inductor's pattern passes set up, its code generators
+    imported). Without it
     (a wrapper that made its own scheduler: its first compile is waiting), the compile
     makes them as it goes rather than queue behind them; a worker forked from a fork
     server that made the CPU check (``prepare_fork_server``) has its answer already.
@@ -137,11 +140,9 @@ def warm_up(device: str = "cpu", form: str = "package", ahead: bool = False) -> 
     if ahead and device == "cuda" and device not in _warmed:
         _warm_cuda()
         _warmed.add(device)
-    if ahead and device == "cpu" and "cpu-check" not in _warmed:
-        from torch._inductor import cpu_vec_isa
-
-        cpu_vec_isa.pick_vec_isa()
-        _warmed.add("cpu-check")
+    if ahead and device == "cpu" and device not in _warmed:
+        _warm_cpu()
+        _warmed.add(device)
     return time.perf_counter() - started
 
 
@@ -162,6 +163,23 @@ def _warm_cuda() -> None:
     plan = graph.plan_of(program)
     if plan is not None:
         graph.build(program, plan, (example,), {}, {})
+
+
+def _warm_cpu() -> None:
+    import torch
+    from torch._inductor import cpu_vec_isa
+
+    cpu_vec_isa.pick_vec_isa()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).eval()
+    with torch.no_grad():
+        program = torch.export.export(model, (torch.randn(4, 8),))
+    workdir = tempfile.mkdtemp(prefix="aiocompile-warm-")
+    try:
+        # Its sources only (no C++ build, 1 s rather than 5 s): what a first compile pays
+        # once per process is all on the way there.
+        _compile_package({"aot_inductor.package_cpp_only": True}, program, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _apply_env(env: dict[str, str]) -> None:
@@ -205,7 +223,7 @@ def build_package(job: ExportJob) -> dict[str, Any]:
                                    "the Python form does not bind")
         if plan is None:
             form = "package"
-            compiler, path = _compile_package(job, program, workdir)
+            compiler, path = _compile_package(job.inductor_configs, program, workdir)
         else:
             artifact, compiled, extra = graph.build(program, plan, tuple(args), kwargs, job.inductor_configs)
         times[stage] = time.perf_counter() - clock
@@ -254,13 +272,13 @@ def build_package(job: ExportJob) -> dict[str, Any]:
     }
 
 
-def _compile_package(job: ExportJob, program: Any, workdir: str) -> tuple[str, str]:
+def _compile_package(inductor_configs: dict[str, Any], program: Any, workdir: str) -> tuple[str, str]:
     """AOTInductor's package of the program, built with a C++ compiler whose library loads
     beside torch's (:mod:`._cxx`); returns the compiler, described, and the package's path."""
     import torch
 
     path = os.path.join(workdir, "model.pt2")
-    configs = {**job.inductor_configs, **PACKAGE_CONFIGS}
+    configs = {**inductor_configs, **PACKAGE_CONFIGS}
     if "cpp.cxx" in configs:
         compiler = repr(configs["cpp.cxx"])
     else:  # Inductor's default, unless its C++ library cannot be loaded beside torch's
