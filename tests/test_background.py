@@ -61,6 +61,13 @@ def fresh_inductor(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
 
 
+# For a package built by a compiler at a test's temporary path: Inductor keeps the headers
+# it precompiles for the wrapper and the kernels outside its cache directory (in
+# /tmp/torchinductor_$USER, keyed by the compiler's command line), so each run would add
+# a new pair of 140-155 MB and spend seconds building them.
+NO_HEADERS = {"aot_inductor.precompile_headers": False, "cpp_cache_precompile_headers": False}
+
+
 def compiler(tmp_path: Path, name: str, body: str) -> str:
     """A C++ compiler for Inductor's ``cpp.cxx``: a shell script named like g++ (Inductor
     picks its flags by the name)."""
@@ -143,7 +150,7 @@ exec g++ "$@"
     model, x = background_models.make_mlp()
     with torch.no_grad():
         expected = model(x)
-    compiled = aiotorch.compile_in_background(model, options={"cpp.cxx": (None, cxx)}, scheduler=sched)
+    compiled = aiotorch.compile_in_background(model, options={"cpp.cxx": (None, cxx), **NO_HEADERS}, scheduler=sched)
     try:
         with torch.no_grad():
             first = compiled(x)
@@ -408,7 +415,8 @@ def test_a_package_built_by_a_compiler_without_a_shared_cxx_library_does_not_loa
     # trial load (std::bad_cast in AOTInductor's constructor here; SIGSEGV on the H100
     # host), and eager keeps serving.
     model, x = background_models.make_mlp()
-    compiled = aiotorch.compile_in_background(model, options={"cpp.cxx": (None, static_gxx)}, scheduler=sched)
+    compiled = aiotorch.compile_in_background(model, options={"cpp.cxx": (None, static_gxx), **NO_HEADERS},
+                                              scheduler=sched)
     shape = asyncio.run(compiled.ready(x))
     assert shape.state == "failed", shape
     assert "trial failed" in shape.error or shape.error.startswith("WorkerCrashed"), shape.error
