@@ -89,10 +89,17 @@ def test_the_block_nests():
 
 
 def test_a_thread_of_its_own_runs_its_target_under_its_name():
-    ran: list[str] = []
-    thread = threads.start(lambda: ran.append(threading.current_thread().name), "aiocompile-test")
-    thread.join(30)
-    assert ran == ["aiocompile-test"] and not thread.daemon
+    future = threads.start(lambda: (threading.current_thread().name, threading.current_thread().daemon),
+                           "aiocompile-test")
+    assert future.result(30) == ("aiocompile-test", False)
+
+
+def test_a_thread_of_its_own_hands_its_error_to_the_future():
+    def fails() -> None:
+        raise ValueError("in the thread")
+
+    with pytest.raises(ValueError, match="in the thread"):
+        threads.start(fails, "aiocompile-test", daemon=True).result(30)
 
 
 def test_a_lane_runs_work_in_its_own_threads():

@@ -68,17 +68,23 @@ class Lane:
         return executor
 
 
-def start(target: Callable[[], object], name: str, *, daemon: bool = False) -> threading.Thread:
-    """A thread of its own for ``target``, started; ``start()`` returns without waiting
-    for the GIL that the new thread would otherwise hold for a switch interval."""
+def start(fn: Callable[[], T], name: str, *, daemon: bool = False) -> cf.Future[T]:
+    """``fn()`` in a thread of its own, started; its result (or exception) in the future
+    returned. ``start()`` returns without waiting for the GIL that the new thread would
+    otherwise hold for a switch interval."""
+    future: cf.Future[T] = cf.Future()
 
     def run() -> None:
         _let_the_starter_go()
-        target()
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - the future's waiter meets it
+            future.set_exception(exc)
 
-    thread = threading.Thread(target=run, name=name, daemon=daemon)
-    thread.start()
-    return thread
+    threading.Thread(target=run, name=name, daemon=daemon).start()
+    return future
 
 
 def _let_the_starter_go() -> None:

@@ -167,16 +167,14 @@ def _warm_cuda() -> None:
 
 def _warm_cpu() -> None:
     import torch
-    from torch._inductor import cpu_vec_isa
 
-    cpu_vec_isa.pick_vec_isa()
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).eval()
     with torch.no_grad():
         program = torch.export.export(model, (torch.randn(4, 8),))
     workdir = tempfile.mkdtemp(prefix="aiocompile-warm-")
     try:
         # Its sources only (no C++ build, 1 s rather than 5 s): what a first compile pays
-        # once per process is all on the way there.
+        # once per process, the vector-ISA check's answer included, is all on the way there.
         _compile_package({"aot_inductor.package_cpp_only": True}, program, workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -82,19 +82,13 @@ def scheduler_for(device: str = "cpu", form: str = "package") -> tuple[cf.Future
         found.set_result(shared)
         return found, False
 
-    def make() -> None:
-        if not found.set_running_or_notify_cancel():
-            return
-        try:
-            with collector.imports_settled(), threads.imports_yielding():
-                made, _ = _new_scheduler(device, form)
-            found.set_result(made)
-        except BaseException as exc:  # noqa: BLE001 - the compiles that need it meet it
-            found.set_exception(exc)
+    def make() -> Scheduler:
+        with collector.imports_settled(), threads.imports_yielding():
+            return _new_scheduler(device, form)[0]
 
-    # Not a daemon: an interpreter that exits meanwhile waits for it (then closes it).
-    threads.start(make, "aiocompile-start")
-    return found, True
+    # Not a daemon: an interpreter that exits meanwhile waits for it (then closes it). A
+    # scheduler that cannot be made fails the compiles that need it.
+    return threads.start(make, "aiocompile-start"), True
 
 
 def _new_scheduler(device: str, form: str, pay_ahead: bool = False) -> tuple[Scheduler, list[cf.Future[Any]]]:
@@ -172,16 +166,7 @@ async def warm(device: str = "cpu") -> Scheduler:
 
     # A thread of aiocompile's rather than anyio's: its first moment is without the GIL,
     # so the loop's thread is not kept waiting for it (threads.start).
-    started: cf.Future[tuple[Scheduler, list[Any]]] = cf.Future()
-
-    def run() -> None:
-        try:
-            started.set_result(start())
-        except BaseException as exc:  # noqa: BLE001 - raised to the awaiting caller
-            started.set_exception(exc)
-
-    threads.start(run, "aiocompile-warm", daemon=True)
-    scheduler, warming = await bridge.wait(started)
+    scheduler, warming = await bridge.wait(threads.start(start, "aiocompile-warm", daemon=True))
     for future in warming:
         await bridge.wait(future)
     # In short waits, so that a cancelled await does not wait for the end of the work;
