@@ -112,6 +112,44 @@ def test_a_main_function_is_loaded_once_per_worker_and_sent_again_when_rebound()
         assert pool.counters.workers_started == 1
 
 
+def test_a_main_function_goes_to_each_worker_once_and_again_to_a_new_worker(monkeypatch):
+    pytest.importorskip("cloudpickle")
+    from aiocompile._pool import roster
+
+    namespace = {"__name__": "__main__"}
+    exec(
+        "import os\n"
+        "def answer(x):\n"
+        "    if x == 'die':\n"
+        "        os._exit(7)\n"
+        "    return x * 2, os.getpid()\n",
+        namespace,
+    )
+    answer = namespace["answer"]
+    written: list[bytes] = []
+    write_all = roster._write_all
+
+    def noted(fd: int, data: bytes) -> None:
+        written.append(bytes(data))
+        write_all(fd, data)
+
+    monkeypatch.setattr(roster, "_write_all", noted)
+    definition = b"__main__"  # what the by-value pickle holds, and no job's payload does
+    with WorkerPool(1, preload=(), max_crashes=1) as pool:
+        answers = [pool.submit(answer, n).result(timeout=60) for n in range(4)]
+        assert [value for value, _ in answers] == [0, 2, 4, 6]
+        assert len({pid for _, pid in answers}) == 1
+        # The function went with the first job only; the next three named it by digest.
+        assert [definition in frame for frame in written] == [True, False, False, False]
+        with pytest.raises(aiocompile.WorkerCrashed):
+            pool.submit(answer, "die").result(timeout=60)
+        written.clear()
+        value, pid = pool.submit(answer, 5).result(timeout=60)
+        # Its replacement was sent the function with its first job.
+        assert value == 10 and pid != answers[0][1]
+        assert [definition in frame for frame in written] == [True]
+
+
 def _function_from_main():
     namespace = {"__name__": "__main__"}
     exec("def plus_one(x):\n    return x + 1\n", namespace)

@@ -30,6 +30,7 @@ from aiocompile._pool.protocol import (
     encode_done,
     encode_ready,
 )
+from aiocompile._pool.serialize import define
 
 
 class JobState:
@@ -169,6 +170,8 @@ def serve(conn: Connection, jobs_fd: int) -> NoReturn:
         job = decode_job(message)
         if state.output_written:
             _truncate_output()
+        if job.definition is not None:
+            define(*job.definition)
         ok, data, run_time = run_one(state, job.env, job.sys_path, job.payload)
         for std in (sys.stdout, sys.stderr):
             try:

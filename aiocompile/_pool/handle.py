@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from aiocompile._pool.job import Stop
+from aiocompile._pool.serialize import Definitions
 from aiocompile._pool.state import InvalidTransition, Label, Transitions, from_every
 
 if TYPE_CHECKING:
@@ -103,6 +104,8 @@ class Worker:
     # same objects sends None instead (see ``protocol``).
     sent_env: dict[str, str] | None = None
     sent_path: list[str] | None = None
+    definitions: Definitions = field(default_factory=Definitions)
+    """The __main__ functions this worker was sent (``serialize``)."""
     deadline: float | None = None
     warmed: bool = False
     jobs_run: int = 0

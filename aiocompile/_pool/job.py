@@ -52,6 +52,9 @@ class Job:
     env: dict[str, str]
     sys_path: list[str]
     warm_only: bool = False
+    definition: serialize.Definition | None = None
+    """The definition of a __main__ function the payload names by digest (sent to a worker
+    only once; see ``serialize``)."""
     submitted_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
     attempt_started_at: float | None = None
@@ -170,12 +173,20 @@ class Job:
         name: str | None,
         key: str | None,
         warm_only: bool = False,
+        apart: bool = False,
     ) -> Job:
         """A job for ``fn(*args, **kwargs)``, pickled now (``TypeError`` if it cannot be),
-        carrying this process's job environment and import path as they are now."""
+        carrying this process's job environment and import path as they are now.
+        ``apart``: a function from __main__ goes as a definition beside the payload (for
+        the pool's own workers, which are sent each definition once)."""
+        if apart:
+            payload, definition = serialize.dumps_apart((fn, args, kwargs or {}))
+        else:
+            payload, definition = serialize.dumps((fn, args, kwargs or {})), None
         return cls(
             id=job_id,
-            payload=serialize.dumps((fn, args, kwargs or {})),
+            payload=payload,
+            definition=definition,
             future=cf.Future(),
             timeout=timeout,
             max_crashes=max_crashes,

@@ -134,7 +134,8 @@ class WorkerPool(cf.Executor):
         if max_crashes is not None:
             checks.CRASHES.check("max_crashes", max_crashes)
         job = Job.create(next(self._ids), fn, args, kwargs, timeout=timeout,
-                         max_crashes=max_crashes or self.max_crashes, name=name, key=key, warm_only=warm_only)
+                         max_crashes=max_crashes or self.max_crashes, name=name, key=key, warm_only=warm_only,
+                         apart=True)
         loop = running_loop() if direct and not warm_only else None
         worker = None
         if not warm_only:

@@ -63,11 +63,13 @@ def frame(size: int) -> bytes:
 JOB_HEADER = struct.Struct("!QI")
 
 
-def encode_job(job_id: int, env: dict[str, str] | None, sys_path: list[str] | None, payload: bytes) -> bytes:
+def encode_job(job_id: int, env: dict[str, str] | None, sys_path: list[str] | None, payload: bytes,
+               definition: tuple[bytes, bytes] | None = None) -> bytes:
     """A job as one framed message, to be written whole. ``env`` and ``sys_path`` are None
-    when the worker has them already (``WorkerHandle.sent_env``, ``sent_path``)."""
-    extra = b"" if env is None and sys_path is None else pickle.dumps((env, sys_path),
-                                                                      protocol=pickle.HIGHEST_PROTOCOL)
+    when the worker has them already (``Worker.sent_env``, ``sent_path``); ``definition``
+    is a __main__ function's, for a worker not yet sent it (``serialize``)."""
+    extra = b"" if env is None and sys_path is None and definition is None else \
+        pickle.dumps((env, sys_path, definition), protocol=pickle.HIGHEST_PROTOCOL)
     size = JOB_HEADER.size + len(extra) + len(payload)
     return b"".join((frame(size), JOB_HEADER.pack(job_id, len(extra)), extra, payload))
 
@@ -81,13 +83,15 @@ class JobMessage(NamedTuple):
     sys_path: list[str] | None
     payload: memoryview
     """The pickled ``(fn, args, kwargs)``."""
+    definition: tuple[bytes, bytes] | None
+    """A __main__ function's digest and pickle, to keep before the payload is loaded."""
 
 
 def decode_job(message: memoryview) -> JobMessage:
     job_id, extra = JOB_HEADER.unpack_from(message)
     start = JOB_HEADER.size + extra
-    env, sys_path = pickle.loads(message[JOB_HEADER.size:start]) if extra else (None, None)
-    return _make(JobMessage, (job_id, env, sys_path, message[start:]))
+    env, sys_path, definition = pickle.loads(message[JOB_HEADER.size:start]) if extra else (None, None, None)
+    return _make(JobMessage, (job_id, env, sys_path, message[start:], definition))
 
 
 _FIRST_READ = 4096

@@ -148,7 +148,8 @@ class Roster:
         path = None if job.sys_path is worker.sent_path else job.sys_path
         worker.sent_env, worker.sent_path = job.env, job.sys_path
         try:
-            _write_all(worker.proc.jobs_w, encode_job(job.id, env, path, job.payload))
+            _write_all(worker.proc.jobs_w, encode_job(job.id, env, path, job.payload,
+                                                      worker.definitions.to_send(job.definition)))
         except OSError:
             # The worker died before it could take the job: the job never ran, so this
             # is no crash of its. Its socket's end is seen by the supervisor's wait.

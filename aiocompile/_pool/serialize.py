@@ -8,7 +8,10 @@ installed, and otherwise refused here, at submit time, with an error that says w
 A job whose function is itself defined in ``__main__`` (``run(f, x)`` from a script or a
 notebook) is the common case of those, and the same function is sent again and again. Its
 by-value pickle is made once and kept beside the function (weakly); a worker keeps the
-function it loaded from those bytes, under their digest. The kept pickle is made again when
+function it loaded from those bytes, under their digest. For the pool's own workers the
+bytes go apart from the job (``dumps_apart``): the job names the function by digest, and the
+pool sends each worker a definition once, as it sends the environment (``Definitions``).
+For any other executor the job carries the bytes itself (``dumps``). The kept pickle is made again when
 the function no longer matches it: another code object, defaults or closure cells, or a
 global it refers to bound to another object (a notebook cell that sets ``scale = 3``). A
 global object changed in place (an item added to a dict) after the first send is not seen:
@@ -38,12 +41,33 @@ class _StrictPickler(pickle.Pickler):
         return NotImplemented
 
 
+Definition = tuple[bytes, bytes]
+"""A __main__ function's digest and by-value pickle, sent once to each worker that runs it."""
+
+
 def dumps(obj: object) -> bytes:
     """Pickle ``obj`` for a worker. Raises ``TypeError`` if that cannot be done."""
     if type(obj) is tuple and len(obj) == 3 and type(obj[0]) is types.FunctionType \
             and obj[0].__module__ == "__main__":
-        shipped = _with_main_function_kept(obj)
-        return shipped if shipped is not None else _dumps_carefully(obj)
+        shipped = _with_main_function_kept(obj, _ByDigest)
+        return shipped[0] if shipped is not None else _dumps_carefully(obj)
+    return _dumps_plain(obj)
+
+
+def dumps_apart(obj: object) -> tuple[bytes, Definition | None]:
+    """``dumps`` for the pool's own workers: a job whose function is from __main__ names it
+    by digest, and its definition comes back apart, for the pool to send each worker once
+    (``Definitions``); None for every other job."""
+    if type(obj) is tuple and len(obj) == 3 and type(obj[0]) is types.FunctionType \
+            and obj[0].__module__ == "__main__":
+        shipped = _with_main_function_kept(obj, _DigestOnly)
+        if shipped is not None:
+            return shipped
+        return _dumps_carefully(obj), None
+    return _dumps_plain(obj), None
+
+
+def _dumps_plain(obj: object) -> bytes:
     # The C pickler alone first: the Python-level hook below costs a call per pickled
     # object, and most jobs refer to nothing in __main__. A reference to __main__ would
     # show in the bytes as its name; such bytes (or any failure) take the careful way.
@@ -121,12 +145,22 @@ class _ByDigest:
         return load_main_function, (self.kept.digest, self.kept.blob)
 
 
+class _DigestOnly(_ByDigest):
+    """Pickles as a call that finds the function among the worker's definitions."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:  # type: ignore[override]
+        return defined_function, (self.kept.digest,)
+
+
 _kept: weakref.WeakKeyDictionary[types.FunctionType, _Kept] = weakref.WeakKeyDictionary()
 
 
-def _with_main_function_kept(obj: object) -> bytes | None:
-    """``obj`` pickled with its __main__ function sent through the kept pickle, or None
-    where ``obj`` is not a job of that kind (or refers to __main__ elsewhere too)."""
+def _with_main_function_kept(obj: object, by: type[_ByDigest]) -> tuple[bytes, Definition] | None:
+    """``obj`` pickled with its __main__ function sent through the kept pickle (``by`` says
+    how the job refers to it), and the function's definition; None where ``obj`` is not a
+    job of that kind (or refers to __main__ elsewhere too)."""
     if not (isinstance(obj, tuple) and len(obj) == 3):
         return None
     fn, args, kwargs = obj
@@ -156,7 +190,7 @@ def _with_main_function_kept(obj: object) -> bytes | None:
                      tuple((name, namespace[name]) for name in names),
                      hashlib.blake2b(blob, digest_size=16).digest(), blob)
         _kept[fn] = kept
-    return pickle.dumps((_ByDigest(kept), args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+    return pickle.dumps((by(kept), args, kwargs), protocol=pickle.HIGHEST_PROTOCOL), (kept.digest, kept.blob)
 
 
 def _cells(fn: types.FunctionType) -> tuple[Any, ...]:
@@ -191,3 +225,59 @@ def load_main_function(digest: bytes, blob: bytes) -> Any:
         if len(_loaded) > _LOADED_MAX:
             _loaded.popitem(last=False)
     return fn
+
+
+# In a worker of the pool: the definitions it was sent, by digest, in the order they came.
+# The pool keeps the same list for it (``Definitions``), so neither side needs to ask.
+DEFINED_MAX = 256
+_defined: collections.OrderedDict[bytes, Any] = collections.OrderedDict()
+
+
+class _Undefinable:
+    """A definition that could not be loaded: each job that names it fails with why."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def define(digest: bytes, blob: bytes) -> None:
+    """Keep the function that ``blob`` holds under ``digest`` (in a worker, before the job
+    that came with it), forgetting the oldest beyond ``DEFINED_MAX`` as the pool does."""
+    try:
+        _defined[digest] = pickle.loads(blob)
+    except Exception as exc:  # noqa: BLE001 - the jobs that name it fail with it
+        _defined[digest] = _Undefinable(exc)
+    while len(_defined) > DEFINED_MAX:
+        _defined.popitem(last=False)
+
+
+def defined_function(digest: bytes) -> Any:
+    """The function defined under ``digest`` (``define``)."""
+    fn = _defined.get(digest)
+    if fn is None:  # pragma: no cover - the pool sends each definition before its first job
+        raise RuntimeError("the job's function was not sent to this worker")
+    if isinstance(fn, _Undefinable):
+        raise fn.error
+    return fn
+
+
+class Definitions:
+    """What one worker has been sent, in the parent: the digests, oldest first, bounded
+    as the worker bounds them, so that both sides forget the same ones."""
+
+    __slots__ = ("_digests",)
+
+    def __init__(self) -> None:
+        self._digests: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+
+    def to_send(self, definition: Definition | None) -> Definition | None:
+        """``definition`` if the worker has yet to be sent it (noting that it will be),
+        else None."""
+        if definition is None or (definition[0] in self._digests):
+            return None
+        self._digests[definition[0]] = None
+        while len(self._digests) > DEFINED_MAX:
+            self._digests.popitem(last=False)
+        return definition
