@@ -101,8 +101,9 @@ def build(name: str, device: str) -> tuple:
     return LogitsOf(inner).eval().to(device), torch.randint(0, 8192, (4, 128), device=device)
 
 
-def child(way: str, pause: float, model_name: str, device: str, artifact: str) -> dict:
+def child(way: str, pause: float, model_name: str, device: str, artifact: str, stall_stacks: float) -> dict:
     import asyncio
+    import faulthandler
     import gc
 
     import torch
@@ -132,7 +133,14 @@ def child(way: str, pause: float, model_name: str, device: str, artifact: str) -
 
         async def ticker() -> None:
             last = time.perf_counter()
+            armed = 0.0
             while not stop:
+                if stacks is not None and last - armed > 0.01:
+                    # Rearmed every 10 ms (each arming starts a thread): a tick later than
+                    # this makes faulthandler's own thread, which needs no interpreter
+                    # lock, write every thread's stack.
+                    faulthandler.dump_traceback_later(stall_stacks / 1e3 + 0.01, file=stacks)
+                    armed = last
                 await asyncio.sleep(0.001)
                 now = time.perf_counter()
                 gaps.append(now - last - 0.001)
@@ -140,6 +148,7 @@ def child(way: str, pause: float, model_name: str, device: str, artifact: str) -
                     stalls.append((now - last - 0.001, last - T0))
                 last = now
 
+        stacks = None
         task = asyncio.create_task(ticker())
         await asyncio.sleep(0.02)
         result: dict = {"way": way}
@@ -157,6 +166,8 @@ def child(way: str, pause: float, model_name: str, device: str, artifact: str) -
             gaps.clear()
             stalls.clear()
             collections.clear()
+            if stall_stacks:
+                stacks = tempfile.TemporaryFile("w+")
             clock = T0
             if way != "stock":
                 began = time.perf_counter()
@@ -229,6 +240,10 @@ def child(way: str, pause: float, model_name: str, device: str, artifact: str) -
                 await asyncio.sleep(0.05)
         stop = True
         await task
+        if stacks is not None:
+            faulthandler.cancel_dump_traceback_later()
+            stacks.seek(0)
+            result["stall_stacks"] = stacks.read()[-60000:]
         result["loop_stall_max_ms"] = max(gaps) * 1e3
         result["stalls_over_10ms"] = [f"{began:.2f} s: {length * 1e3:.0f} ms"
                                       for length, began in sorted(stalls, reverse=True)[:5]]
@@ -242,11 +257,11 @@ def child(way: str, pause: float, model_name: str, device: str, artifact: str) -
     return asyncio.run(main())
 
 
-def measure(way: str, pause: float, model: str, device: str, artifact: str) -> dict:
+def measure(way: str, pause: float, model: str, device: str, artifact: str, stall_stacks: float) -> dict:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="bench-inductor-"),
                TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="bench-triton-"))
     run = subprocess.run([sys.executable, __file__, "--child", way, "--pause", str(pause), "--model", model,
-                          "--device", device, "--artifact", artifact],
+                          "--device", device, "--artifact", artifact, "--stall-stacks", str(stall_stacks)],
                          capture_output=True, text=True, env=env, timeout=900)
     if run.returncode != 0:
         raise RuntimeError(f"{way} failed:\n{run.stderr[-3000:]}")
@@ -262,10 +277,13 @@ def main() -> None:
     parser.add_argument("--ways", default=",".join(WAYS))
     parser.add_argument("--artifact", default="auto", choices=("auto", "package", "python"),
                         help="compile_in_background's artifact= (auto: a package on the CPU, the Python form on a GPU)")
+    parser.add_argument("--stall-stacks", type=float, default=0.0, metavar="MS",
+                        help="print every thread's stack whenever the loop's ticker is this many ms (and up to 10 more) late "
+                             "(written by faulthandler's own thread, which needs no interpreter lock)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.pause, args.model, args.device, args.artifact)))
+        print(json.dumps(child(args.child, args.pause, args.model, args.device, args.artifact, args.stall_stacks)))
         return
     # As an installed package has it: aiocompile's modules compiled to bytecode (where
     # PYTHONDONTWRITEBYTECODE is set, each import would compile the source, holding the
@@ -281,12 +299,17 @@ def main() -> None:
         raise SystemExit(f"--ways takes stock and any of {', '.join(WAYS[1:])}; got {args.ways!r}")
     print(f"model {args.model} on {args.device}, artifact={args.artifact}")
     for _ in range(args.repeat):
-        runs = {way: measure(way, args.pause, args.model, args.device, args.artifact) for way in ways}
+        runs = {way: measure(way, args.pause, args.model, args.device, args.artifact, args.stall_stacks)
+                for way in ways}
         for result in runs.values():
             timeline = result.pop("timeline", ())
+            stall_stacks = result.pop("stall_stacks", "")
             print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in result.items()}))
             for line in timeline:
                 print(f"  {result['way']}: {line}")
+            if stall_stacks:
+                print(f"  {result['way']}: stacks when the loop stalled:")
+                print(stall_stacks)
         stock = runs["stock"]
         stock_first = stock["first_call_ms"] / 1e3
         if "background" in runs:

@@ -26,6 +26,7 @@ aiocompile's metrics and sinks add to this.
 from __future__ import annotations
 
 import argparse
+import ast
 import asyncio
 import concurrent.futures as cf
 import json
@@ -51,14 +52,14 @@ def summary(samples: list[float]) -> dict[str, float]:
             "max_us": ordered[-1] * 1e6, "n": len(ordered)}
 
 
-async def measure(calls: int, rounds: int) -> dict[str, Any]:
+async def measure(calls: int, rounds: int, config: dict[str, Any]) -> dict[str, Any]:
     import anyio
     import anyio.to_process
 
     import aiocompile
 
     loop = asyncio.get_running_loop()
-    sched = aiocompile.Scheduler(workers=1)
+    sched = aiocompile.Scheduler(workers=1, config=aiocompile.SchedulerConfig(**config) if config else None)
     stdlib = cf.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("forkserver"))
     limiter = anyio.CapacityLimiter(1)
     ways = {
@@ -105,8 +106,14 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=500, help="calls per way and round")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--json", help="write the results here too")
+    parser.add_argument("--config", default="", metavar="NAME=VALUE,...",
+                        help="aiocompile's SchedulerConfig fields, e.g. worker_nice=0,metrics=False")
     args = parser.parse_args()
-    report = asyncio.run(measure(args.calls, args.rounds))
+    config = {}
+    for item in filter(None, args.config.split(",")):
+        name, _, value = item.partition("=")
+        config[name.strip()] = ast.literal_eval(value.strip())
+    report = asyncio.run(measure(args.calls, args.rounds, config))
     print(f"round trip of a trivial job, {report['calls_per_way']} calls each, one worker, {report['cpus']} CPUs, "
           f"Python {report['python']}")
     print(f"{'':22}{'p50 µs':>9}{'p99 µs':>9}{'mean µs':>9}{'p50 / fastest':>15}{'p50 / aiocompile':>18}")

@@ -66,6 +66,7 @@ class GpuWatch:
     def __init__(self) -> None:
         self.indexes: set[int] = set()
         self.own: set[int] = set()  # those of the program itself
+        self.others: set[int] = set()  # those of the processes it started (workers, benchmark processes)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -85,8 +86,7 @@ class GpuWatch:
                 pid, uuid = (part.strip() for part in line.split(","))
                 if pid.isdigit() and int(pid) in ours and uuid in uuids:
                     self.indexes.add(uuids[uuid])
-                    if int(pid) == os.getpid():
-                        self.own.add(uuids[uuid])
+                    (self.own if int(pid) == os.getpid() else self.others).add(uuids[uuid])
 
     def stop(self) -> list[int]:
         self._stop.set()
@@ -134,7 +134,9 @@ def child(way: str, device: str) -> dict:
             if result["state"] != "compiled":
                 result["error"] = (compiled.status().shapes[0].error or "")[-3000:]
             out = compiled(x)
-            result["compiled_calls"] = compiled.status().shapes[0].compiled_calls
+            shape = compiled.status().shapes[0]
+            result["compiled_calls"] = shape.compiled_calls
+            result["stages"] = {stage: round(seconds, 2) for stage, seconds in shape.stages}
         else:
             out = torch.compile(model, mode="max-autotune")(x)
         torch.cuda.synchronize(device)
@@ -143,6 +145,7 @@ def child(way: str, device: str) -> dict:
     time.sleep(0.5)  # a last sample of the GPUs' processes
     result["gpus_used"] = watch.stop()
     result["gpus_used_by_the_program_itself"] = sorted(watch.own)
+    result["gpus_used_by_its_workers"] = sorted(watch.others)
     result["gpu"] = torch.cuda.get_device_name(device)
     if way == "background":
         compiled.close()
@@ -192,7 +195,8 @@ def main() -> None:
                                                       for k, v in run.items()}}), flush=True)
             print(f"  {way}: compiled output {run['seconds']:.1f} s from the program's start "
                   f"({run['seconds'] / stock:.2f}x stock), equal {run['equal']}, GPUs used {run['gpus_used']} "
-                  f"(by the program itself {run['gpus_used_by_the_program_itself']})", flush=True)
+                  f"(by the program itself {run['gpus_used_by_the_program_itself']}, by the processes it started "
+                  f"{run['gpus_used_by_its_workers']})", flush=True)
 
 
 if __name__ == "__main__":
