@@ -164,3 +164,33 @@ def test_a_model_on_the_second_gpu_is_compiled_and_timed_there(fresh_inductor):
     assert timed and {r.device for r in timed} == {1}
     # Our processes hold contexts on the second GPU only (seen there: the check can fail).
     assert gpus.get(1) and not gpus.get(0), dict(gpus)
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is None, reason="needs nvidia-smi to see which GPU a process uses")
+def test_a_background_compile_under_max_autotune_of_a_model_on_the_second_gpu_stays_there(fresh_inductor):
+    """The scheduler compile_in_background makes itself: its workers export, tune, compile
+    and try the model on cuda:1, and none of them holds a context on cuda:0."""
+    import aiocompile.torch as aiotorch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
+    model = model.half().to("cuda:1").eval()
+    x = torch.randn(64, 256, device="cuda:1", dtype=torch.float16)
+
+    async def compile_it():
+        with torch.no_grad():
+            expected = model(x)
+            compiled = aiotorch.compile_in_background(model, mode="max-autotune")
+            status = await compiled.ready(x)
+            out = compiled(x)
+        pids = set(compiled.scheduler.worker_pids())
+        gpus = _gpus_of(pids)
+        await compiled.aclose()
+        await compiled.scheduler.aclose()
+        return expected, status, out, pids, gpus
+
+    expected, status, out, pids, gpus = asyncio.run(compile_it())
+    assert status.state == "compiled", status
+    torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2)
+    assert out.device == torch.device("cuda:1")
+    assert pids and gpus.get(1) and not gpus.get(0), dict(gpus)

@@ -105,13 +105,12 @@ def _threads(ours: list[threading.Thread]) -> int | None:
 
 def warm_up(device: str = "cpu", form: str = "package", ahead: bool = False) -> float:
     """Import what a background compile needs in this worker (nothing, when the fork
-    server preloaded it: ``prepare_fork_server``); for ``device="cuda"``, start Inductor's
-    compile pool (without it, a graph's Triton kernels compile one after another in the
-    worker; until it is ready they do, as in ``torch.compile``). Returns the seconds it
-    took (about 0 when done before).
+    server preloaded it: ``prepare_fork_server``). Returns the seconds it took (about 0
+    when done before).
 
     With ``ahead`` (``warm()``: a server paying its start-up before it takes traffic), the
-    rest of a first compile's start-up too: for a GPU, the pool waited for and a
+    rest of a first compile's start-up too: for a GPU, Inductor's compile pool started
+    (``_start_inductor_pool``; without ``ahead``, a GPU compile's job starts it) and waited for, and a
     one-layer model compiled there in the Python form (Inductor's code generators imported,
     CUDA and Triton's driver ready); for the CPU, Inductor's vector-ISA check and a
     one-layer model's package generated, its sources only (what a first compile alone
@@ -129,14 +128,8 @@ def warm_up(device: str = "cpu", form: str = "package", ahead: bool = False) -> 
     for name in _MODULES:
         if name not in sys.modules:
             importlib.import_module(name)
-    if device == "cuda" and "cuda-pool" not in _warmed:
-        from torch._inductor.async_compile import AsyncCompile
-
-        # Inductor compiles a graph's Triton kernels in its process pool only once the pool
-        # is ready, and one by one in this process until then; torch.compile starts it when
-        # Dynamo hands a GPU graph over, standalone_compile and AOTInductor never do.
-        AsyncCompile.warm_pool()
-        _warmed.add("cuda-pool")
+    if ahead and device == "cuda":
+        _start_inductor_pool()
     if ahead and device == "cuda" and device not in _warmed:
         _warm_cuda()
         _warmed.add(device)
@@ -147,6 +140,22 @@ def warm_up(device: str = "cpu", form: str = "package", ahead: bool = False) -> 
 
 
 _warmed: set[str] = set()
+
+
+def _start_inductor_pool() -> None:
+    """Start Inductor's compile pool in this worker, once. Inductor compiles a graph's
+    Triton kernels in its process pool only once the pool is ready, and one by one in this
+    process until then; torch.compile starts it when Dynamo hands a GPU graph over,
+    standalone_compile and AOTInductor never do. Started by a GPU compile's job (or by
+    ``warm()``'s warm-up), not by every worker's warm-up: a pool is as many processes as
+    the machine has CPUs, and four of them starting at once, in workers that had no job
+    yet, left the one compile that did a fraction of the CPUs."""
+    if "cuda-pool" in _warmed:
+        return
+    from torch._inductor.async_compile import AsyncCompile
+
+    AsyncCompile.warm_pool()
+    _warmed.add("cuda-pool")
 
 
 def _warm_cuda() -> None:
@@ -191,6 +200,12 @@ def build_package(job: ExportJob) -> dict[str, Any]:
     _apply_env(job.env)
     import torch
 
+    if job.device_index >= 0:
+        # The model's GPU is this worker's current one for the whole job: what Inductor
+        # does on "the current device" (its autotuning's timings, a synchronize, Triton's
+        # driver) then happens there, and no other GPU gets a context of this worker's.
+        torch.cuda.set_device(job.device_index)
+        _start_inductor_pool()
     stage = STAGES[0]
     times: dict[str, float] = {}
     model: Any = None
