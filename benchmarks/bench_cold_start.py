@@ -279,7 +279,8 @@ def main() -> None:
                         help="compile_in_background's artifact= (auto: a package on the CPU, the Python form on a GPU)")
     parser.add_argument("--stall-stacks", type=float, default=0.0, metavar="MS",
                         help="print every thread's stack whenever the loop's ticker is this many ms (and up to "
-                             "10 more) late (written by faulthandler's own thread, which needs no interpreter lock)")
+                             "10 more) late (written by faulthandler's own thread, which needs no interpreter lock; "
+                             "on a GPU host the background way's process died with it on, without a word)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
