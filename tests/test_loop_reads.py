@@ -241,3 +241,63 @@ def test_runs_under_uvloop_are_read_in_the_loop(monkeypatch):
             assert await sched.run(echo, "after") == "after"
 
     uvloop.run(main())
+
+
+def test_the_loop_looks_for_an_answer_no_longer_than_its_linger_and_stops_when_it_is_there(monkeypatch):
+    """``LoopReads.linger``, the loop's look at a worker's socket right after a job is sent:
+    it returns as soon as the answer is readable, at once when the answer is no longer the
+    loop's to read, and after ``LINGER`` seconds when nothing comes."""
+    import socket
+    import types
+
+    from aiocompile._pool import loop_reads
+    from aiocompile._pool.handle import LoopReader
+
+    ours, workers_end = socket.socketpair()
+    try:
+        reader = LoopReader(None, os.dup(ours.fileno()))
+        worker = types.SimpleNamespace(reader=reader)
+        monkeypatch.setattr(loop_reads, "LINGER", 0.2)
+        began = time.perf_counter()
+        loop_reads.LoopReads.linger(worker, reader)  # nothing comes: the whole linger
+        assert 0.2 <= time.perf_counter() - began < 2.0
+
+        monkeypatch.setattr(loop_reads, "LINGER", 30.0)
+        worker.reader = None  # read by someone else meanwhile: no look at all
+        began = time.perf_counter()
+        loop_reads.LoopReads.linger(worker, reader)
+        assert time.perf_counter() - began < 1.0
+
+        worker.reader = reader
+        workers_end.send(b"answer")  # the answer is there: the look ends at once
+        began = time.perf_counter()
+        loop_reads.LoopReads.linger(worker, reader)
+        assert time.perf_counter() - began < 1.0
+        reader.close()
+    finally:
+        ours.close()
+        workers_end.close()
+
+
+async def test_a_run_that_takes_long_holds_the_loop_no_longer_than_the_linger():
+    """A job's answer that takes long to come is not waited for in the loop: the loop's
+    longest tick while it runs stays far under the job's time."""
+    gaps: list[float] = []
+    done = anyio.Event()
+
+    async def ticker() -> None:
+        last = time.perf_counter()
+        while not done.is_set():
+            await anyio.sleep(0.001)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    async with aiocompile.Scheduler(workers=1) as sched:
+        await sched.run(echo, 0)  # the worker started and, under asyncio, the loop's reader registered
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(ticker)
+            await anyio.sleep(0.01)
+            assert await sched.run(sleep_then, 0.3, "late") == "late"
+            done.set()
+    assert max(gaps) < 0.1, max(gaps)

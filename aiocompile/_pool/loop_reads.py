@@ -8,6 +8,11 @@ deadline, kills on timeout, and takes back the socket the moment the loop sees a
 but one whole, small answer (the worker's end, a partial or large message), or when the
 loop does not read a waiting answer within ``LOOP_GRACE`` seconds (a loop that is
 blocked, stopped or closed).
+
+Right after such a job is sent, the loop looks at the socket for up to ``LINGER`` seconds
+before it goes to sleep in its selector (``linger``): a trivial job's answer comes back in
+a few tens of microseconds, and a loop that was already asleep then waits for the kernel
+to wake its thread as well. Jobs that take longer cost the loop ``LINGER`` once each.
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ LOOP_GRACE = 1.0
 AUDIT_PERIOD = 0.25
 # Larger answers are never read in an event loop: unpickling them is the supervisor's work.
 LOOP_READ_MAX = 64 * 1024
+# How long a loop looks for an answer it is to read, right after the job is sent, before it
+# sleeps in its selector (a trivial job's worker answers in 25 to 45 microseconds).
+LINGER = 50e-6
 
 
 class Answers(Protocol):
@@ -81,6 +89,24 @@ class LoopReads:
             return None
         worker.registration = reader
         return reader
+
+    @staticmethod
+    def linger(worker: Worker, reader: LoopReader) -> None:
+        """A loop callback, scheduled as a job this loop is to read is sent: look at the
+        worker's socket until the answer is there, for ``LINGER`` seconds at most. Then the
+        selector finds it readable at once, rather than the loop sleeping in it and being
+        woken (which, on the machines measured, cost more than the whole look)."""
+        if worker.reader is not reader:
+            return  # answered already, or taken back by the supervisor
+        try:
+            poller = select.poll()
+            poller.register(reader.fd, select.POLLIN)
+        except (OSError, ValueError):  # pragma: no cover - a closed descriptor
+            return
+        poll, clock = poller.poll, time.perf_counter
+        end = clock() + LINGER
+        while not poll(0) and clock() < end:
+            pass
 
     def on_readable(self, worker: Worker, reader: LoopReader) -> None:
         """The loop's callback: the worker's socket is readable. Reads one whole, small

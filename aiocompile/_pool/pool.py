@@ -26,6 +26,7 @@ from typing import Any, Callable
 from aiocompile._base import checks
 from aiocompile._base.bridge import running_loop
 from aiocompile._pool.job import Job, PoolCounters, Stop
+from aiocompile._pool.loop_reads import LoopReads
 from aiocompile._pool.roster import KillJob, Prepare, Shutdown, Submit
 from aiocompile._pool.supervisor import Supervisor
 from aiocompile.errors import SchedulerClosed
@@ -149,8 +150,12 @@ class WorkerPool(cf.Executor):
         # exactly when no loop reads it: it stops for a loop that reads now, and starts
         # again for a worker that a loop or an answers thread read for last.
         wake = job.timeout is not None or worker.watched != (worker.reader is None)
-        if self._roster.start_job(worker, job) and wake:
-            self._supervisor.wake()
+        reader = worker.reader
+        if self._roster.start_job(worker, job):
+            if wake:
+                self._supervisor.wake()
+            if loop is not None and reader is not None:
+                loop.call_soon(LoopReads.linger, worker, reader)
         return job
 
     def kill(self, job: Job, stop: Stop = Stop.CANCELLED) -> None:
