@@ -1,6 +1,10 @@
 """Where a trivial ``run()``'s round trip goes, step by step, beside anyio's round trip and a
 bare asyncio ping-pong (no pool, no supervision: the floor for two processes and a loop).
 
+Also the same ``run()`` with the scheduler's metrics off (no request records), and the
+pool alone (the job submitted to ``WorkerPool`` and its future awaited: no admission, no
+cache, no record), which split aiocompile's round trip by layer.
+
 For aiocompile, three steps, from timestamps taken in this process: ``call -> written``
 (the parent's work before the job's write, the write included), ``written -> readable``
 (the worker's wake-up, its work and answer, the parent's wake-up) and ``readable ->
@@ -82,11 +86,24 @@ async def measure(calls: int, rounds: int) -> dict[str, list[float]]:
         os.write(jobs_w, pickle.dumps((abs, (-1,))))
         return await answered
 
+    # The same round trip with the scheduler's request records off, and the pool's own
+    # (the job submitted to the pool and its future awaited: no admission, cache, record).
+    quiet = aiocompile.Scheduler(workers=1, config=aiocompile.SchedulerConfig(metrics=False))
+    pool = sched.port._pool  # a diagnostic, as the wrapped functions above are
+
+    async def pool_alone() -> object:
+        from aiocompile._base import bridge
+
+        return await bridge.wait(pool.submit_job(abs, (-1,), direct=True).future)
+
     steps: dict[str, list[float]] = {name: [] for name in (
-        "call -> written", "written -> readable", "readable -> resumed", "aiocompile", "anyio to_process", "bare")}
+        "call -> written", "written -> readable", "readable -> resumed", "aiocompile", "aiocompile, metrics off",
+        "the pool alone", "anyio to_process", "bare")}
     try:
         for _ in range(200):
             await sched.run(abs, -1)
+            await quiet.run(abs, -1)
+            await pool_alone()
             await anyio.to_process.run_sync(abs, -1, limiter=limiter)
             await bare()
         for _ in range(rounds):
@@ -98,7 +115,9 @@ async def measure(calls: int, rounds: int) -> dict[str, list[float]]:
                 steps["written -> readable"].append(marks["readable"] - marks["written"])
                 steps["readable -> resumed"].append(resumed - marks["readable"])
                 steps["aiocompile"].append(resumed - started)
-            for name, call in (("anyio to_process", lambda: anyio.to_process.run_sync(abs, -1, limiter=limiter)),
+            for name, call in (("aiocompile, metrics off", lambda: quiet.run(abs, -1)),
+                               ("the pool alone", pool_alone),
+                               ("anyio to_process", lambda: anyio.to_process.run_sync(abs, -1, limiter=limiter)),
                                ("bare", bare)):
                 for _ in range(calls):
                     started = time.perf_counter()
@@ -108,6 +127,7 @@ async def measure(calls: int, rounds: int) -> dict[str, list[float]]:
         os.close(jobs_w)
         os.waitpid(pid, 0)
         await sched.aclose()
+        await quiet.aclose()
         roster._write_all = write_all
         loop_reads.LoopReads.on_readable = on_readable  # type: ignore[method-assign]
     return steps
@@ -123,7 +143,7 @@ def main() -> None:
     for name, values in steps.items():
         values.sort()
         pick = lambda p: values[int(p * (len(values) - 1))] * 1e6  # noqa: B023, E731
-        print(f"{name:22} p50 {pick(0.5):7.1f} µs   p10 {pick(0.1):7.1f}   p90 {pick(0.9):7.1f}")
+        print(f"{name:25} p50 {pick(0.5):7.1f} µs   p10 {pick(0.1):7.1f}   p90 {pick(0.9):7.1f}")
 
 
 if __name__ == "__main__":
