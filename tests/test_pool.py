@@ -417,26 +417,3 @@ def test_a_bad_timeout_is_refused_at_submit_and_the_pool_carries_on(timeout, exc
         assert pool.submit_job(abs, (-3,), timeout=30).future.result(timeout=60) == 3
     finally:
         pool.shutdown(wait=True)
-
-
-def test_a_worker_looks_for_its_next_job_no_longer_than_its_linger(monkeypatch):
-    """Having answered, a worker looks at its job pipe before it sleeps in the read
-    (``child._Look``): a job already there ends the look at once, and with none it ends
-    after ``LINGER`` seconds."""
-    from aiocompile._pool import child
-
-    read_end, write_end = os.pipe()
-    try:
-        look = child._Look(read_end)
-        monkeypatch.setattr(child, "LINGER", 0.2)
-        began = time.perf_counter()
-        look()
-        assert 0.2 <= time.perf_counter() - began < 2.0
-        monkeypatch.setattr(child, "LINGER", 30.0)
-        os.write(write_end, b"job")
-        began = time.perf_counter()
-        look()
-        assert time.perf_counter() - began < 1.0
-    finally:
-        os.close(read_end)
-        os.close(write_end)

@@ -2,10 +2,7 @@
 
 A worker reads a job from its pipe, runs it, and writes back one answer on its socket
 (the frames are in ``protocol``); the parent therefore always knows which job each worker
-holds, and a worker that dies takes exactly one job with it. Having answered, it looks at
-its pipe for ``LINGER`` seconds before it sleeps in the read (with four CPUs or more), so
-that a job sent right after the answer (a caller awaiting small jobs one after another)
-finds it awake.
+holds, and a worker that dies takes exactly one job with it.
 
 The worker's stdout and stderr go to a capture file the parent also holds
 (``procs.redirect_output``). The worker empties it at the start of a job that follows one
@@ -16,7 +13,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import select
 import signal
 import sys
 import time
@@ -140,36 +136,6 @@ def _rss() -> int:
         return 0
 
 
-def _cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
-
-
-# How long a worker that has just answered looks for its next job before it sleeps in its
-# read: a caller awaiting trivial jobs one after another sends the next within 40 to 50
-# microseconds, and a worker asleep then waits for the kernel to wake it as well. Not where
-# the process has fewer than four CPUs: there a worker looking and a loop looking left the
-# machine's other work no CPU, and 1% to 2% of round trips waited 170 µs for one.
-LINGER = 100e-6 if _cpus() >= 4 else 0.0
-
-
-class _Look:
-    """The worker's look at its job pipe for ``LINGER`` seconds, ended by a job (a job
-    already there ends it at once: the worker never waits here while work is queued)."""
-
-    def __init__(self, fd: int) -> None:
-        self._poll = select.poll()
-        self._poll.register(fd, select.POLLIN)
-
-    def __call__(self) -> None:
-        poll, clock = self._poll.poll, time.perf_counter
-        end = clock() + LINGER
-        while not poll(0) and clock() < end:
-            pass
-
-
 def run_one(
     state: JobState, env: dict[str, str] | None, sys_path: list[str] | None, payload: bytes | memoryview
 ) -> tuple[bool, bytes, float]:
@@ -196,9 +162,7 @@ def serve(conn: Connection, jobs_fd: int) -> NoReturn:
     conn.send_bytes(encode_ready(os.getpid()))
     inbox = Inbox(jobs_fd)
     answers = conn.fileno()
-    look = _Look(jobs_fd)
     while True:
-        look()
         try:
             message = memoryview(inbox.receive())
         except (EOFError, OSError):
