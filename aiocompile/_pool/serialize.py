@@ -47,23 +47,21 @@ Definition = tuple[bytes, bytes]
 
 def dumps(obj: object) -> bytes:
     """Pickle ``obj`` for a worker. Raises ``TypeError`` if that cannot be done."""
-    if type(obj) is tuple and len(obj) == 3 and type(obj[0]) is types.FunctionType \
-            and obj[0].__module__ == "__main__":
-        shipped = _with_main_function_kept(obj, _ByDigest)
-        return shipped[0] if shipped is not None else _dumps_carefully(obj)
-    return _dumps_plain(obj)
+    return _dumps(obj, _ByDigest)[0]
 
 
 def dumps_apart(obj: object) -> tuple[bytes, Definition | None]:
     """``dumps`` for the pool's own workers: a job whose function is from __main__ names it
     by digest, and its definition comes back apart, for the pool to send each worker once
     (``Definitions``); None for every other job."""
+    return _dumps(obj, _DigestOnly)
+
+
+def _dumps(obj: object, by: type[_ByDigest]) -> tuple[bytes, Definition | None]:
     if type(obj) is tuple and len(obj) == 3 and type(obj[0]) is types.FunctionType \
             and obj[0].__module__ == "__main__":
-        shipped = _with_main_function_kept(obj, _DigestOnly)
-        if shipped is not None:
-            return shipped
-        return _dumps_carefully(obj), None
+        shipped = _with_main_function_kept(obj, by)
+        return shipped if shipped is not None else (_dumps_carefully(obj), None)
     return _dumps_plain(obj), None
 
 

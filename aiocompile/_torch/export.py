@@ -109,17 +109,16 @@ def warm_up(device: str = "cpu", form: str = "package", ahead: bool = False) -> 
     when done before).
 
     With ``ahead`` (``warm()``: a server paying its start-up before it takes traffic), the
-    rest of a first compile's start-up too: for a GPU, Inductor's compile pool started
-    (``_start_inductor_pool``; without ``ahead``, a GPU compile's job starts it) and waited for, and a
-    one-layer model compiled there in the Python form (Inductor's code generators imported,
-    CUDA and Triton's driver ready); for the CPU, Inductor's vector-ISA check and a
-    one-layer model's package generated, its sources only (what a first compile alone
-    pays, about a second: Inductor's pattern passes set up, its code generators
-    imported). Without it
-    (a wrapper that made its own scheduler: its first compile is waiting), the compile
-    makes them as it goes rather than queue behind them; a worker forked from a fork
-    server that made the CPU check (``prepare_fork_server``) has its answer already.
-    ``form`` is kept for the callers."""
+    rest of a first compile's start-up too: for a GPU, Inductor's compile pool started and
+    waited for, and a one-layer model compiled there in the Python form (Inductor's code
+    generators imported, CUDA and Triton's driver ready); for the CPU, Inductor's
+    vector-ISA check and a one-layer model's package generated, its sources only (what a
+    first compile alone pays, about a second: Inductor's pattern passes set up, its code
+    generators imported). Without it (a wrapper that made its own scheduler: its first
+    compile is waiting), the compile makes them as it goes rather than queue behind them:
+    a GPU compile's job starts the pool (``_start_inductor_pool``), and a worker forked
+    from a fork server that made the CPU check (``prepare_fork_server``) has its answer
+    already. ``form`` is kept for the callers."""
     import importlib
     import sys
 
@@ -128,9 +127,8 @@ def warm_up(device: str = "cpu", form: str = "package", ahead: bool = False) -> 
     for name in _MODULES:
         if name not in sys.modules:
             importlib.import_module(name)
-    if ahead and device == "cuda":
-        _start_inductor_pool()
     if ahead and device == "cuda" and device not in _warmed:
+        _start_inductor_pool()
         _warm_cuda()
         _warmed.add(device)
     if ahead and device == "cpu" and device not in _warmed:

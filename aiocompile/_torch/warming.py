@@ -62,9 +62,9 @@ def scheduler_for(device: str = "cpu", form: str = "package") -> tuple[cf.Future
     one ``warm()`` made; else a new one, made in a thread of its own (making one imports
     the pool's modules, which would hold the caller's event loop): the environment's
     configuration, at most ``MAX_OWN_WORKERS`` workers, torch and what a compile imports
-    preloaded in its fork server, and its workers started at once (for a model on a GPU,
-    each starts Inductor's compile pool: ``export.warm_up``; for a model on the CPU, the
-    fork server makes Inductor's vector-ISA check before it forks them: :mod:`.isa`)."""
+    preloaded in its fork server, and its workers started at once, each importing what a
+    compile needs (``export.warm_up``; for a model on the CPU, the fork server makes
+    Inductor's vector-ISA check before it forks them: :mod:`.isa`)."""
     from aiocompile._torch.installation import STATE
 
     found: cf.Future[Scheduler] = cf.Future()
