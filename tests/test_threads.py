@@ -106,3 +106,33 @@ def test_a_lane_runs_work_in_its_own_threads():
     lane = threads.Lane("aiocompile-test-lane", 2)
     names = {lane.submit(lambda: threading.current_thread().name).result(30) for _ in range(4)}
     assert names and all(name.startswith("aiocompile-test-lane") for name in names)
+
+
+def test_handing_over_lowers_the_switch_interval_while_any_block_runs_and_puts_it_back():
+    before = sys.getswitchinterval()
+    inside = threading.Event()
+    leave = threading.Event()
+
+    def other() -> None:
+        with threads.handing_over():
+            inside.set()
+            leave.wait(5)
+
+    try:
+        with threads.imports_yielding():  # a block of the imports' kind hands over too
+            assert sys.getswitchinterval() == pytest.approx(threads.HANDOVER_INTERVAL)
+            helper = threading.Thread(target=other)
+            helper.start()
+            assert inside.wait(5)
+        # One block still runs (the other thread's): the interval stays low.
+        assert sys.getswitchinterval() == pytest.approx(threads.HANDOVER_INTERVAL)
+        leave.set()
+        helper.join(5)
+        assert sys.getswitchinterval() == pytest.approx(before)
+        # Changed by someone else meanwhile: theirs stays.
+        with threads.handing_over():
+            sys.setswitchinterval(0.002)
+        assert sys.getswitchinterval() == pytest.approx(0.002)
+    finally:
+        leave.set()
+        sys.setswitchinterval(before)

@@ -121,7 +121,8 @@ _finder_lock = threading.Lock()
 
 @contextlib.contextmanager
 def imports_yielding() -> Iterator[None]:
-    """Imports made by this thread inside the block let go of the GIL before each module.
+    """Imports made by this thread inside the block let go of the GIL before each module,
+    and the interpreter hands the lock over often meanwhile (:func:`handing_over`).
 
     A thread that imports a package's worth of modules (a scheduler's stack) runs Python
     for tens of milliseconds; a loop's thread that wants the GIL meanwhile gets it only
@@ -136,12 +137,60 @@ def imports_yielding() -> Iterator[None]:
             sys.meta_path.insert(0, _FINDER)
         _FINDER.inside[ident] = _FINDER.inside.get(ident, 0) + 1
     try:
-        yield
+        with handing_over():
+            yield
     finally:
         with _finder_lock:
             depth = _FINDER.inside.pop(ident) - 1
             if depth:
                 _FINDER.inside[ident] = depth
+
+
+HANDOVER_INTERVAL = 0.0005
+"""The interpreter's switch interval while :func:`handing_over` blocks run (its default is
+5 ms)."""
+
+
+class _Handover:
+    """The switch interval this process had before the first :func:`handing_over` block
+    that is still running, and how many are."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.inside = 0
+        self.saved = 0.0
+
+
+_HANDOVER = _Handover()
+
+
+@contextlib.contextmanager
+def handing_over() -> Iterator[None]:
+    """Lower the interpreter's switch interval to ``HANDOVER_INTERVAL`` while the block
+    runs (in any number of threads at once), then put back what was there.
+
+    Work that runs Python in a thread of the serving process for seconds (the modules a
+    compiled version's load needs, the load itself) holds the GIL until a thread that
+    waits for it has waited the whole switch interval. A model's eager call lets the lock
+    go at each of its operators and waits for it again after each, so with such work
+    beside it, a call of a small network waited out the interval dozens of times: 50 to
+    200 ms a call, on a GPU host, where it takes 1 ms alone. The interval is the
+    process's own setting: it is put back when the last block ends, unless someone
+    changed it meanwhile."""
+    with _HANDOVER.lock:
+        if _HANDOVER.inside == 0:
+            _HANDOVER.saved = sys.getswitchinterval()
+            if _HANDOVER.saved > HANDOVER_INTERVAL:
+                sys.setswitchinterval(HANDOVER_INTERVAL)
+        _HANDOVER.inside += 1
+    try:
+        yield
+    finally:
+        with _HANDOVER.lock:
+            _HANDOVER.inside -= 1
+            if _HANDOVER.inside == 0 and _HANDOVER.saved > HANDOVER_INTERVAL \
+                    and abs(sys.getswitchinterval() - HANDOVER_INTERVAL) < 1e-9:
+                sys.setswitchinterval(_HANDOVER.saved)
 
 
 def _then_yield(fn: Callable[[], T]) -> T:
