@@ -632,3 +632,35 @@ def test_a_model_that_updates_a_buffer_in_place_updates_its_own_buffer_when_comp
         compiled(x)
     assert compiled.status().shapes[0].compiled_calls == 2
     assert model.calls.item() == 3
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.usefixtures("fresh_inductor")
+def test_the_python_form_is_called_once_before_the_switch_only_where_a_call_changes_nothing(sched, monkeypatch):
+    """Its first call's set-up is made in the load's thread, not by the caller's first
+    call, where the worker's trial found that a call leaves the model as it was; a model
+    that updates a buffer is not called there (its buffer counts the caller's calls)."""
+    from aiocompile._torch import loading
+
+    made: list[str] = []
+    real = loading.first_call
+    monkeypatch.setattr(loading, "first_call", lambda runner, inputs: (made.append("call"), real(runner, inputs)))
+    model = background_models.Keyed().eval()
+    args, kwargs = background_models.keyed_inputs()
+    compiled = aiotorch.compile_in_background(model, scheduler=sched, artifact="python")
+    with torch.no_grad():
+        compiled(*args, **kwargs)
+    shape = asyncio.run(compiled.ready(*args, **kwargs))
+    assert (shape.state, shape.form) == ("compiled", "python"), shape.error
+    assert made == ["call"]
+    assert compiled.status().shapes[0].compiled_calls == 0  # the call made there is not the caller's
+
+    counts = background_models.Counts().eval()
+    x = torch.randn(3)
+    counted = aiotorch.compile_in_background(counts, scheduler=sched, artifact="python")
+    with torch.no_grad():
+        counted(x)
+    shape = asyncio.run(counted.ready(x))
+    assert (shape.state, shape.form) == ("compiled", "python"), shape.error
+    assert made == ["call"]
+    assert counts.calls.item() == 1

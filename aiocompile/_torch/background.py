@@ -309,6 +309,8 @@ class BackgroundCompiled:
         try:
             with collector.imports_settled(), threads.imports_yielding():
                 runner, constants = loading.load(self._model, answer, job.device_index, self._timeout)
+                if answer.get("harmless_call"):
+                    loading.first_call(runner, job.inputs)
         except Exception as load_error:
             self._fail(entry, self._load_failure(job, load_error))
             return
@@ -551,16 +553,18 @@ def compile_in_background(
     owned = False
     device = _model_device(model)
     form = _form(artifact, on_gpu=device == "cuda")
-    # What loading the compiled version will need here, made from now on (a server wraps
-    # its model at start-up), not beside the first compile's eager calls: the Python
-    # form's imports hold the interpreter lock for seconds.
-    if not disable:
-        ahead.start(form)
     if scheduler is None:
         chosen, owned = warming.scheduler_for(device, form)
     else:
         chosen = cf.Future()
         chosen.set_result(scheduler)
+    if not disable:
+        # What loading the compiled version will need here, made from now on (a server
+        # wraps its model at start-up), not beside the first compile's eager calls: the
+        # Python form's imports hold the interpreter lock for seconds. Once the scheduler
+        # is made: its fork server's start is where a cold first compile begins, and the
+        # imports, competing for the lock, made the scheduler's own a second slower.
+        chosen.add_done_callback(lambda _: ahead.start(form))
     return BackgroundCompiled(model, mode=mode, options=dict(options or {}), scheduler=chosen, owns_scheduler=owned,
                               strict=strict, timeout=timeout, disabled=disable, max_signatures=max_signatures,
                               artifact=artifact)

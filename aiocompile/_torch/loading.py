@@ -56,3 +56,20 @@ def load(model: Any, answer: Mapping[str, Any], device_index: int,
                  for name in answer["constants"]}
     runner.load_constants(constants, check_full_update=True, user_managed=True)
     return runner, constants
+
+
+def first_call(runner: Any, inputs: bytes) -> None:
+    """Call a freshly loaded Python form once, here, with a copy of the inputs it was
+    compiled for (``inputs``, as the job carried them), and drop what it returns.
+
+    Its first call does what Inductor's runtime and Triton leave to it (each kernel's
+    binary loaded on the GPU, its launcher made): made by the first call the serving
+    process answers with it, that held the caller's thread, an event loop's on a server,
+    for 30 to 110 ms on a GPU host. Made only when the worker's trial found that a call
+    leaves the model as it was (it was in eval mode, its buffers and parameters
+    unchanged), so that this call changes nothing the serving process can see."""
+    import torch
+
+    args, kwargs = torch.load(io.BytesIO(inputs), weights_only=True)
+    with torch.no_grad():
+        runner(*args, **kwargs)
