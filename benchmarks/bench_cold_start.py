@@ -101,9 +101,114 @@ def build(name: str, device: str) -> tuple:
     return LogitsOf(inner).eval().to(device), torch.randint(0, 8192, (4, 128), device=device)
 
 
-def child(way: str, pause: float, model_name: str, device: str, artifact: str, stall_stacks: float) -> dict:
+def _long_calls(threshold: float, found: list[tuple[float, float, str, str]]) -> None:
+    """Have every thread started from now on note its C calls that last ``threshold``
+    seconds or more and run no Python meanwhile: (began, from the program's start; length;
+    thread; the call and the Python frames it was made from). Such a call holds the
+    interpreter lock throughout unless it lets it go, so these are what can stall the loop
+    from another thread (waits, which let it go, are left out)."""
+    import sys
+    import threading
+
+    waits = {"acquire", "get", "recv", "recv_into", "poll", "select", "read", "readinto", "sleep", "waitpid",
+             "accept", "wait", "communicate", "result", "join", "synchronize"}
+
+    def profile_of_thread() -> object:
+        began: list[tuple[float, int]] = []
+        python_calls = [0]
+
+        def profile(frame: object, event: str, arg: object) -> None:
+            if event == "call":
+                python_calls[0] += 1
+            elif event == "c_call":
+                began.append((time.perf_counter(), python_calls[0]))
+            elif event in ("c_return", "c_exception") and began:
+                start, calls = began.pop()
+                length = time.perf_counter() - start
+                if length >= threshold and calls == python_calls[0] and getattr(arg, "__name__", "") not in waits:
+                    where, f = [], frame
+                    while f is not None and len(where) < 5:
+                        code = f.f_code  # type: ignore[attr-defined]
+                        if not code.co_filename.startswith("<frozen"):
+                            where.append(f"{os.path.basename(code.co_filename)}:{code.co_name}")
+                        f = f.f_back  # type: ignore[attr-defined]
+                    name = getattr(arg, "__qualname__", None) or repr(arg)[:60]
+                    found.append((start - T0, length, threading.current_thread().name,
+                                  f"{name} <- {' <- '.join(where)}"))
+        return profile
+
+    def start(frame: object, event: str, arg: object) -> None:
+        # threading.setprofile's function is the first call's: give the thread its own.
+        sys.setprofile(profile_of_thread())  # type: ignore[arg-type]
+
+    threading.setprofile(start)
+
+
+class _StallSampler:
+    """A thread that looks at the loop's ticker every millisecond and, when the ticker is
+    ``late`` seconds late, notes every thread's Python stack: the loop's thread shows the
+    call it is in (its own work, or a C call waiting for a lock, the GPU or the interpreter
+    lock), the others what they run. Its own wake-ups come late too when another thread
+    holds the interpreter lock throughout, which it notes as its own longest wait."""
+
+    _IDLE = ("threading.py", "selectors.py", "queue.py", "thread.py", "connection.py", "base_events.py")
+
+    def __init__(self, late: float) -> None:
+        import threading
+
+        self.late = late
+        self.beat = time.perf_counter()
+        self.stalls: dict[float, dict] = {}
+        self.stop = False
+        self._main = threading.main_thread().ident
+        threading.Thread(target=self._run, name="bench-sampler", daemon=True).start()
+
+    def _run(self) -> None:
+        import sys
+        import threading
+
+        looked = time.perf_counter()
+        while not self.stop:
+            time.sleep(0.001)
+            now = time.perf_counter()
+            own_wait, looked = now - looked - 0.001, now
+            beat = self.beat
+            if now - beat < self.late:
+                continue
+            stall = self.stalls.setdefault(beat, {"own_wait": 0.0, "samples": []})
+            stall["own_wait"] = max(stall["own_wait"], own_wait)
+            stall["late"] = now - beat
+            if len(stall["samples"]) >= 3 or len(self.stalls) > 40:
+                continue
+            names = {thread.ident: thread.name for thread in threading.enumerate()}
+            sample = []
+            for ident, frame in sys._current_frames().items():
+                if ident == threading.get_ident():
+                    continue
+                where, f = [], frame
+                while f is not None and len(where) < 6:
+                    code = f.f_code
+                    where.append(f"{os.path.basename(code.co_filename)}:{code.co_name}:{f.f_lineno}")
+                    f = f.f_back
+                if ident != self._main and where and where[0].split(":")[0] in self._IDLE:
+                    continue
+                sample.append(f"{'LOOP' if ident == self._main else names.get(ident, ident)}: {' <- '.join(where)}")
+            stall["samples"].append((now - T0, sample))
+
+    def report(self) -> str:
+        lines = []
+        for beat, stall in sorted(self.stalls.items(), key=lambda item: -item[1]["late"])[:8]:
+            lines.append(f"  stall from {beat - T0:.2f} s, {stall['late'] * 1e3:.0f} ms; the sampler's own longest "
+                         f"wait for the lock {stall['own_wait'] * 1e3:.0f} ms")
+            for at, sample in stall["samples"][:2]:
+                lines.append(f"    at {at:.2f} s:")
+                lines.extend(f"      {line}" for line in sample)
+        return "\n".join(lines)
+
+
+def child(way: str, pause: float, model_name: str, device: str, artifact: str, stall_stacks: float,
+          long_calls: float = 0.0) -> dict:
     import asyncio
-    import faulthandler
     import gc
 
     import torch
@@ -133,22 +238,17 @@ def child(way: str, pause: float, model_name: str, device: str, artifact: str, s
 
         async def ticker() -> None:
             last = time.perf_counter()
-            armed = 0.0
             while not stop:
-                if stacks is not None and last - armed > 0.01:
-                    # Rearmed every 10 ms (each arming starts a thread): a tick later than
-                    # this makes faulthandler's own thread, which needs no interpreter
-                    # lock, write every thread's stack.
-                    faulthandler.dump_traceback_later(stall_stacks / 1e3 + 0.01, file=stacks)
-                    armed = last
                 await asyncio.sleep(0.001)
                 now = time.perf_counter()
+                if sampler is not None:
+                    sampler.beat = now
                 gaps.append(now - last - 0.001)
                 if now - last - 0.001 > 0.01:
                     stalls.append((now - last - 0.001, last - T0))
                 last = now
 
-        stacks = None
+        sampler = None
         task = asyncio.create_task(ticker())
         await asyncio.sleep(0.02)
         result: dict = {"way": way}
@@ -167,8 +267,11 @@ def child(way: str, pause: float, model_name: str, device: str, artifact: str, s
             stalls.clear()
             collections.clear()
             if stall_stacks:
-                stacks = tempfile.TemporaryFile("w+")
+                sampler = _StallSampler(stall_stacks / 1e3)
             clock = T0
+            calls: list[tuple[float, float, str, str]] = []
+            if long_calls:
+                _long_calls(long_calls / 1e3, calls)
             if way != "stock":
                 began = time.perf_counter()
                 import aiocompile.torch as aiotorch
@@ -227,8 +330,10 @@ def child(way: str, pause: float, model_name: str, device: str, artifact: str, s
             if way != "stock":
                 timeline.append((time.time() - T0_WALL, "compiled answers from"))
                 result["timeline"] = [f"{at:6.2f} s {what}" for at, what in sorted(timeline)]
+            began = time.perf_counter()
             out = wrapped(x)
-            result["equal"] = bool(torch.allclose(out, expected, rtol=1e-2, atol=1e-2))
+            sync()
+            result["first_compiled_call_ms"] = (time.perf_counter() - began) * 1e3
             if latencies:
                 ordered = sorted(latencies)
                 result["eager_p99_ms"] = ordered[int(0.99 * (len(ordered) - 1))] * 1e3
@@ -240,15 +345,20 @@ def child(way: str, pause: float, model_name: str, device: str, artifact: str, s
                 await asyncio.sleep(0.05)
         stop = True
         await task
-        if stacks is not None:
-            faulthandler.cancel_dump_traceback_later()
-            stacks.seek(0)
-            result["stall_stacks"] = stacks.read()[-60000:]
+        # After the ticker: a first comparison's own start (its kernels loaded) is the
+        # benchmark's, not a stall of the way's.
+        result["equal"] = bool(torch.allclose(out, expected, rtol=1e-2, atol=1e-2))
+        if sampler is not None:
+            sampler.stop = True
+            result["stall_stacks"] = sampler.report()
         result["loop_stall_max_ms"] = max(gaps) * 1e3
         result["stalls_over_10ms"] = [f"{began:.2f} s: {length * 1e3:.0f} ms"
                                       for length, began in sorted(stalls, reverse=True)[:5]]
         result["full_collections_over_10ms"] = [f"{began:.2f} s: {length * 1e3:.0f} ms"
                                                 for length, began in sorted(collections, reverse=True)[:5]]
+        if long_calls:
+            result["long_calls"] = [f"{began:.2f} s: {length * 1e3:.0f} ms in {thread}: {what}"
+                                    for began, length, thread, what in sorted(calls)[:60]]
         if way != "stock":
             await wrapped.aclose()
             await wrapped.scheduler.aclose()
@@ -257,11 +367,13 @@ def child(way: str, pause: float, model_name: str, device: str, artifact: str, s
     return asyncio.run(main())
 
 
-def measure(way: str, pause: float, model: str, device: str, artifact: str, stall_stacks: float) -> dict:
+def measure(way: str, pause: float, model: str, device: str, artifact: str, stall_stacks: float,
+            long_calls: float) -> dict:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="bench-inductor-"),
                TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="bench-triton-"))
     run = subprocess.run([sys.executable, __file__, "--child", way, "--pause", str(pause), "--model", model,
-                          "--device", device, "--artifact", artifact, "--stall-stacks", str(stall_stacks)],
+                          "--device", device, "--artifact", artifact, "--stall-stacks", str(stall_stacks),
+                          "--long-calls", str(long_calls)],
                          capture_output=True, text=True, env=env, timeout=900)
     if run.returncode != 0:
         raise RuntimeError(f"{way} failed:\n{run.stderr[-3000:]}")
@@ -278,13 +390,22 @@ def main() -> None:
     parser.add_argument("--artifact", default="auto", choices=("auto", "package", "python"),
                         help="compile_in_background's artifact= (auto: a package on the CPU, the Python form on a GPU)")
     parser.add_argument("--stall-stacks", type=float, default=0.0, metavar="MS",
-                        help="print every thread's stack whenever the loop's ticker is this many ms (and up to "
-                             "10 more) late (written by faulthandler's own thread, which needs no interpreter lock; "
-                             "on a GPU host the background way's process died with it on, without a word)")
+                        help="print every thread's Python stack whenever the loop's ticker is this many ms late "
+                             "(a thread of the benchmark's looks every millisecond), for the longest stalls")
+    parser.add_argument("--long-calls", type=float, default=0.0, metavar="MS",
+                        help="print the C calls of this many ms or more made by threads started after the model's "
+                             "warm-up (those of the wrapper, its scheduler and the pool): what can hold the "
+                             "interpreter lock away from the loop (a diagnostic: the profiling slows those threads)")
+    parser.add_argument("--bytecode", action="store_true",
+                        help="first compile the bytecode of every installed package into a directory of the run's "
+                             "own, read by every way (PYTHONPYCACHEPREFIX): as pip leaves an install, for machines "
+                             "whose packages have none and that may not write it (PYTHONDONTWRITEBYTECODE), where "
+                             "every import compiles its module's source, holding the interpreter lock")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.pause, args.model, args.device, args.artifact, args.stall_stacks)))
+        print(json.dumps(child(args.child, args.pause, args.model, args.device, args.artifact, args.stall_stacks,
+                               args.long_calls)))
         return
     # As an installed package has it: aiocompile's modules compiled to bytecode (where
     # PYTHONDONTWRITEBYTECODE is set, each import would compile the source, holding the
@@ -293,21 +414,39 @@ def main() -> None:
 
     import aiocompile
 
-    compileall.compile_dir(os.path.dirname(aiocompile.__file__), quiet=1)
+    if args.bytecode:
+        import site
+        import sysconfig
+
+        sys.pycache_prefix = os.environ["PYTHONPYCACHEPREFIX"] = tempfile.mkdtemp(prefix="bench-pycache-")
+        began = time.perf_counter()
+        roots = {sysconfig.get_paths()["purelib"], *site.getsitepackages(), os.path.dirname(os.path.dirname(
+            aiocompile.__file__))}
+        for root in sorted(root for root in roots if os.path.isdir(root)):
+            compileall.compile_dir(root, quiet=2, workers=0)
+        print(f"bytecode of the installed packages compiled in {time.perf_counter() - began:.1f} s")
+    else:
+        compileall.compile_dir(os.path.dirname(aiocompile.__file__), quiet=1)
     ways = [way for way in args.ways.split(",") if way]
     unknown = sorted(set(ways) - set(WAYS))
     if unknown or "stock" not in ways:
         raise SystemExit(f"--ways takes stock and any of {', '.join(WAYS[1:])}; got {args.ways!r}")
     print(f"model {args.model} on {args.device}, artifact={args.artifact}")
     for _ in range(args.repeat):
-        runs = {way: measure(way, args.pause, args.model, args.device, args.artifact, args.stall_stacks)
+        runs = {way: measure(way, args.pause, args.model, args.device, args.artifact, args.stall_stacks,
+                             args.long_calls)
                 for way in ways}
         for result in runs.values():
             timeline = result.pop("timeline", ())
             stall_stacks = result.pop("stall_stacks", "")
+            long = result.pop("long_calls", ())
             print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in result.items()}))
             for line in timeline:
                 print(f"  {result['way']}: {line}")
+            if long:
+                print(f"  {result['way']}: the longest C calls outside the loop's thread:")
+            for line in long:
+                print(f"    {line}")
             if stall_stacks:
                 print(f"  {result['way']}: stacks when the loop stalled:")
                 print(stall_stacks)
