@@ -259,7 +259,8 @@ class BackgroundCompiled:
             from aiocompile._torch import parcel as _parcel
 
             try:
-                parcel = _parcel.pack(self._model)
+                with threads.handing_over():  # seconds of pickling, beside the caller's calls
+                    parcel = _parcel.pack(self._model)
             except BaseException:
                 self._release_parcel()
                 raise
