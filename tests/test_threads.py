@@ -136,3 +136,51 @@ def test_handing_over_lowers_the_switch_interval_while_any_block_runs_and_puts_i
     finally:
         leave.set()
         sys.setswitchinterval(before)
+
+
+def test_a_thread_inside_handing_over_stands_aside_while_a_call_is_served_and_for_a_bounded_time():
+    """While a call is served (``serve_begin``..``serve_end``), a thread inside
+    ``handing_over`` runs no Python at its calls: it waits without the lock, until the
+    call ends or for ``STAND_ASIDE_MAX`` of that run at most."""
+    import time
+
+    progress: list[float] = []
+    stop = threading.Event()
+
+    def busy() -> None:
+        with threads.handing_over():
+            while not stop.is_set():
+                progress.append(time.perf_counter())  # a Python call each turn: where it stands aside
+                time.sleep(0.0005)
+
+    helper = threading.Thread(target=busy)
+    helper.start()
+    try:
+        time.sleep(0.05)
+        assert progress, "the helper never ran"
+        threads.serve_begin()
+        try:
+            time.sleep(0.005)  # the helper's next call comes and it stands aside
+            began = time.perf_counter()
+            time.sleep(0.3)
+            ended = time.perf_counter()
+        finally:
+            threads.serve_end()
+        # It stood aside at most STAND_ASIDE_MAX of those 0.3 s, then went on.
+        during = [at for at in progress if began <= at <= ended]
+        assert during, "the helper stood aside past STAND_ASIDE_MAX"
+        assert min(during) - began < threads.STAND_ASIDE_MAX + 0.05
+        # And while a call is served without the bound running out, it makes no progress.
+        threads.serve_begin()
+        try:
+            time.sleep(0.003)
+            count = len(progress)
+            time.sleep(0.01)  # within STAND_ASIDE_MAX
+            assert len(progress) == count
+        finally:
+            threads.serve_end()
+        time.sleep(0.02)
+        assert len(progress) > count  # going again once the call ended
+    finally:
+        stop.set()
+        helper.join(5)

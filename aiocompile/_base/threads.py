@@ -186,14 +186,79 @@ def handing_over() -> Iterator[None]:
             if _HANDOVER.saved > HANDOVER_INTERVAL:
                 sys.setswitchinterval(HANDOVER_INTERVAL)
         _HANDOVER.inside += 1
+    # And this thread stands aside while a call is being served (``serving``), unless
+    # something else traces it (a debugger, coverage).
+    deferring = sys.gettrace() is None
+    if deferring:
+        sys.settrace(_stand_aside)
     try:
         yield
     finally:
+        if deferring and sys.gettrace() is _stand_aside:
+            sys.settrace(None)
         with _HANDOVER.lock:
             _HANDOVER.inside -= 1
             if _HANDOVER.inside == 0 and _HANDOVER.saved > HANDOVER_INTERVAL \
                     and abs(sys.getswitchinterval() - HANDOVER_INTERVAL) < 1e-9:
                 sys.setswitchinterval(_HANDOVER.saved)
+
+
+class _Serving:
+    """The calls being served right now, in any thread (``serving``), and how long the
+    threads inside :func:`handing_over` have stood aside for the present run of them."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.calls = 0
+        self.run = 0  # counts each time calls goes up from 0
+        self.aside_in = -1
+        self.aside = 0.0
+
+
+_SERVING = _Serving()
+
+STAND_ASIDE_MAX = 0.02
+"""How long, at most, the threads inside :func:`handing_over` stand aside for one run of
+served calls: a call that waits for something such a thread holds (a module's import
+lock) then goes on after this long, rather than never."""
+
+
+def serve_begin() -> None:
+    """A call is being served in this thread (an eager model call): until
+    :func:`serve_end`, the threads inside :func:`handing_over` stand aside at their next
+    Python call."""
+    with _SERVING.lock:
+        if _SERVING.calls == 0:
+            _SERVING.run += 1
+        _SERVING.calls += 1
+
+
+def serve_end() -> None:
+    with _SERVING.lock:
+        _SERVING.calls -= 1
+
+
+def _stand_aside(frame: Any, event: str, arg: Any) -> None:
+    """The trace function of the threads inside :func:`handing_over` (called at each of
+    their Python calls; it traces nothing else): while calls are being served, wait
+    without the interpreter lock. A torch operator lets the lock go while it runs and
+    takes it back after; with this thread running Python meanwhile, each take waited up to
+    a switch interval. Standing aside, this thread leaves the lock free for the whole call."""
+    if not _SERVING.calls:
+        return None
+    run = _SERVING.run
+    if _SERVING.aside_in != run:
+        _SERVING.aside_in, _SERVING.aside = run, 0.0
+    clock = time.perf_counter
+    began = clock()
+    while _SERVING.calls and _SERVING.run == run and _SERVING.aside + clock() - began < STAND_ASIDE_MAX:
+        time.sleep(SERVING_LOOK)
+    _SERVING.aside += clock() - began
+    return None
+
+
+SERVING_LOOK = 0.00005
+"""How often a thread standing aside looks whether the calls being served have ended."""
 
 
 def _then_yield(fn: Callable[[], T]) -> T:

@@ -104,6 +104,15 @@ class BackgroundCompiled:
     # -- calls -----------------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # aiocompile's own threads in this process (the load's imports, the packing, the
+        # load) stand aside while the call runs (``threads.serve_begin``).
+        threads.serve_begin()
+        try:
+            return self._answer(args, kwargs)
+        finally:
+            threads.serve_end()
+
+    def _answer(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         key = self._key(args, kwargs)
         if key is None:
             self._unkeyed_calls += 1
