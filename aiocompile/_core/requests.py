@@ -42,9 +42,6 @@ from aiocompile.records import JobRecord, Outcome
 
 _make = tuple.__new__
 
-# How long a request's record may wait to be made with others (see ``_record_later``).
-RECORDS_AFTER = 0.02
-
 
 class Admitted(NamedTuple):
     """What ``Requests.admit`` made of a request, for ``Requests.result`` (a typed named
@@ -179,17 +176,15 @@ class Requests:
 
     def _record_later(self, request: Request, outcome: Outcome, wall: float, arrived: float, entry: Entry,
                       result: Any) -> bool:
-        """Leave a request's record for a moment (``RECORDS_AFTER`` seconds, or until
-        ``Metrics.later`` holds its most), if nobody would see it before then: no
-        listener, no event file, no logger at DEBUG (``statistics()`` and every other read
-        of the metrics makes the records still waiting first). Returns False where it must
-        be made now: a listener is told as it happens, and trio (or no asyncio loop here)
-        has no turn to leave it to.
+        """Leave a request's record to the event loop's next turn, if nobody would see it
+        before then: no listener, no event file, no logger at DEBUG (``statistics()`` and
+        every other read of the metrics makes the records still waiting first). Returns
+        False where it must be made now: a listener is told as it happens, and trio (or no
+        asyncio loop here) has no turn to leave it to.
 
-        The caller has its result at once, and the records are made together, later: one
-        loop callback for many requests rather than one each, and none between a trivial
-        job's write and its answer, where a worker that answers in tens of microseconds
-        would wait for it. Its times are read now."""
+        The caller has its result at once, and the record is made while its next job is
+        already on its way to a worker: a trivial job's round trip is that much shorter.
+        Its times are read now."""
         if not self.config.metrics or self._events.job_events_wanted():
             return False
         try:
@@ -201,7 +196,7 @@ class Requests:
         size = getattr(result, "size", None)
         if metrics.later(functools.partial(self._record, request, outcome, wall, arrived, entry, size=size,
                                            clock=clock)):
-            loop.call_later(RECORDS_AFTER, metrics.drain)
+            loop.call_soon(metrics.drain)
         return True
 
     def _stop_abandoned(self, entry: Entry) -> bool:

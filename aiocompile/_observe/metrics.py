@@ -97,7 +97,7 @@ class Metrics:
         self.benchmark_outcomes = dict.fromkeys(BENCHMARK_OUTCOMES, 0)
         self.benchmark_time = _Durations()
         self.benchmark_records: collections.deque[BenchmarkRecord] = collections.deque(maxlen=keep_records)
-        # Records whose bookkeeping waits for a moment (``later``).
+        # Records whose bookkeeping waits for the event loop's next turn (``later``).
         self._later: collections.deque[Callable[[], None]] = collections.deque()
 
     def later(self, bookkeeping: Callable[[], None]) -> bool:
