@@ -37,7 +37,7 @@ class Stop(enum.Enum):
     """It could not be sent: its worker had died. It never ran there, and runs again."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Job:
     """One unit of work and everything measured about it. Fields are written by the
     supervisor thread and are final once ``future`` is done."""
