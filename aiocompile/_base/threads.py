@@ -179,14 +179,17 @@ def handing_over() -> Iterator[None]:
     beside it, a call of a small network waited out the interval dozens of times: 50 to
     200 ms a call, on a GPU host, where it takes 1 ms alone. The interval is the
     process's own setting: it is put back when the last block ends, unless someone
-    changed it meanwhile."""
+    changed it meanwhile.
+
+    Inside the block, this thread also stands aside while a call is being served
+    (:func:`serve_begin`; a trace function of this thread's, unless it is traced already)."""
     with _HANDOVER.lock:
         if _HANDOVER.inside == 0:
             _HANDOVER.saved = sys.getswitchinterval()
             if _HANDOVER.saved > HANDOVER_INTERVAL:
                 sys.setswitchinterval(HANDOVER_INTERVAL)
         _HANDOVER.inside += 1
-    # And this thread stands aside while a call is being served (``serving``), unless
+    # And this thread stands aside while a call is being served (``serve_begin``), unless
     # something else traces it (a debugger, coverage).
     deferring = sys.gettrace() is None
     if deferring:
@@ -204,7 +207,7 @@ def handing_over() -> Iterator[None]:
 
 
 class _Serving:
-    """The calls being served right now, in any thread (``serving``), and how long the
+    """The calls being served right now, in any thread (``serve_begin``), and how long the
     threads inside :func:`handing_over` have stood aside for the present run of them."""
 
     def __init__(self) -> None:

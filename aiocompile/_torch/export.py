@@ -251,7 +251,7 @@ def build_package(job: ExportJob) -> dict[str, Any]:
             with torch.no_grad():  # called as the serving process will call it
                 got = graph.GraphRunner(compiled, plan, {**own, **extra})(*args, **kwargs)
             # Whether a call leaves the model as it was: then the serving process may make
-            # one before it switches (see ``graph.warm``).
+            # one before it switches (``loading.first_call``).
             harmless = not model.training \
                 and all(torch.equal(buffers[name], buffer) for name, buffer in model.named_buffers()) \
                 and all(versions[name] == parameter._version for name, parameter in model.named_parameters())
