@@ -53,9 +53,12 @@ def current_library() -> str:
 async def wait(future: cf.Future[T]) -> T:
     """The result of ``future``, waiting without blocking the event loop."""
     if not future.done():
-        if current_library() == "asyncio":
-            await _wait_asyncio(future)
-        else:
+        loop = running_loop()
+        if loop is not None:
+            waiter = loop.create_future()
+            future.add_done_callback(_AsyncioWaker(loop, waiter))
+            await waiter
+        elif current_library() == "trio":  # raises where neither runs
             await _wait_trio(future)
     try:
         return future.result()  # one look under the future's lock, where most answers end
@@ -112,15 +115,6 @@ class _AsyncioWaker:
             self.loop.call_soon_threadsafe(_wake, self.waiter)
         except RuntimeError:
             pass  # the loop is closed: nobody is waiting any more
-
-
-async def _wait_asyncio(future: cf.Future[Any]) -> None:
-    import asyncio
-
-    loop = asyncio.get_running_loop()
-    waiter = loop.create_future()
-    future.add_done_callback(_AsyncioWaker(loop, waiter))
-    await waiter
 
 
 async def _wait_trio(future: cf.Future[Any]) -> None:
