@@ -184,3 +184,43 @@ def test_a_thread_inside_handing_over_stands_aside_while_a_call_is_served_and_fo
     finally:
         stop.set()
         helper.join(5)
+
+
+def test_calls_served_back_to_back_leave_a_thread_inside_handing_over_half_of_the_time():
+    """Calls one after another, with no gap between them, are each a run of their own: a
+    thread that stood aside for each would never run. It stands aside for at most
+    ``STAND_ASIDE_SHARE`` of each ``STAND_ASIDE_WINDOW``."""
+    import time
+
+    progress: list[float] = []
+    stop = threading.Event()
+
+    def step() -> None:
+        pass
+
+    def busy() -> None:
+        with threads.handing_over():
+            while not stop.is_set():
+                for _ in range(50):  # a unit of work is many Python calls, as an import is
+                    step()
+                progress.append(time.perf_counter())
+                time.sleep(0.0005)
+
+    helper = threading.Thread(target=busy)
+    helper.start()
+    try:
+        time.sleep(0.05)
+        began = time.perf_counter()
+        while time.perf_counter() - began < 0.4:
+            threads.serve_begin()
+            try:
+                time.sleep(0.002)
+            finally:
+                threads.serve_end()
+        ended = time.perf_counter()
+    finally:
+        stop.set()
+        helper.join(5)
+    during = [at for at in progress if began <= at <= ended]
+    # Running, it appends about every 0.6 ms: at least a quarter of 0.4 s of it.
+    assert len(during) >= 0.4 * 0.25 / 0.0006, len(during)

@@ -216,6 +216,9 @@ class _Serving:
         self.run = 0  # counts each time calls goes up from 0
         self.aside_in = -1
         self.aside = 0.0
+        # Standing aside in the present window (``STAND_ASIDE_WINDOW``): since when, how long.
+        self.window = 0.0
+        self.window_aside = 0.0
 
 
 _SERVING = _Serving()
@@ -224,6 +227,13 @@ STAND_ASIDE_MAX = 0.02
 """How long, at most, the threads inside :func:`handing_over` stand aside for one run of
 served calls: a call that waits for something such a thread holds (a module's import
 lock) then goes on after this long, rather than never."""
+
+STAND_ASIDE_WINDOW = 0.1
+STAND_ASIDE_SHARE = 0.5
+"""And at most this share of each ``STAND_ASIDE_WINDOW`` seconds: calls served one after
+another, each a run of its own, would otherwise leave such a thread one Python call
+between two of them (a server busy with eager calls would never load its compiled
+version)."""
 
 
 def serve_begin() -> None:
@@ -246,17 +256,24 @@ def _stand_aside(frame: Any, event: str, arg: Any) -> None:
     their Python calls; it traces nothing else): while calls are being served, wait
     without the interpreter lock. A torch operator lets the lock go while it runs and
     takes it back after; with this thread running Python meanwhile, each take waited up to
-    a switch interval. Standing aside, this thread leaves the lock free for the whole call."""
+    a switch interval. Standing aside, this thread leaves the lock free for the whole call
+    (bounded: ``STAND_ASIDE_MAX`` a run of calls, ``STAND_ASIDE_SHARE`` of the time)."""
     if not _SERVING.calls:
         return None
+    clock = time.perf_counter
+    began = clock()
+    if began - _SERVING.window > STAND_ASIDE_WINDOW:
+        _SERVING.window, _SERVING.window_aside = began, 0.0
+    allowed = STAND_ASIDE_SHARE * STAND_ASIDE_WINDOW - _SERVING.window_aside
     run = _SERVING.run
     if _SERVING.aside_in != run:
         _SERVING.aside_in, _SERVING.aside = run, 0.0
-    clock = time.perf_counter
-    began = clock()
-    while _SERVING.calls and _SERVING.run == run and _SERVING.aside + clock() - began < STAND_ASIDE_MAX:
+    allowed = min(allowed, STAND_ASIDE_MAX - _SERVING.aside)
+    while _SERVING.calls and _SERVING.run == run and clock() - began < allowed:
         time.sleep(SERVING_LOOK)
-    _SERVING.aside += clock() - began
+    waited = clock() - began
+    _SERVING.aside += waited
+    _SERVING.window_aside += waited
     return None
 
 
