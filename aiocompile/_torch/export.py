@@ -246,7 +246,8 @@ def build_package(job: ExportJob) -> dict[str, Any]:
             with open(path, "rb") as f:
                 built: dict[str, Any] = {"package": f.read(), "constants": names}
         else:
-            buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
+            # (A model in training mode is never called there: nothing to compare.)
+            buffers = {} if model.training else {name: buffer.clone() for name, buffer in model.named_buffers()}
             versions = {name: parameter._version for name, parameter in model.named_parameters()}
             with torch.no_grad():  # called as the serving process will call it
                 got = graph.GraphRunner(compiled, plan, {**own, **extra})(*args, **kwargs)
