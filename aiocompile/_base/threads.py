@@ -28,9 +28,10 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from importlib.machinery import ModuleSpec
 from typing import Any, Callable, TypeVar
 
-from aiocompile._base import bridge
+from aiocompile._base import bridge, bytecode
 
 T = TypeVar("T")
 
@@ -96,16 +97,19 @@ def _let_the_starter_go() -> None:
 
 
 class _YieldingFinder:
-    """A finder first on ``sys.meta_path`` that finds nothing: for the threads inside
-    :func:`imports_yielding`, it lets go of the GIL before each module they import."""
+    """A finder first on ``sys.meta_path``, for the threads inside :func:`imports_yielding`
+    only: it lets go of the GIL before each module they import, and has a module without
+    bytecode of its own loaded from aiocompile's (:mod:`.bytecode`) rather than compiled
+    from its source, holding the lock, again."""
 
     def __init__(self) -> None:
         self.inside: dict[int, int] = {}  # thread ident -> how deep inside
 
-    def find_spec(self, name: str, path: Sequence[str] | None, target: Any = None) -> None:
-        if threading.get_ident() in self.inside:
-            time.sleep(IMPORT_PAUSE)
-        return None
+    def find_spec(self, name: str, path: Sequence[str] | None, target: Any = None) -> ModuleSpec | None:
+        if threading.get_ident() not in self.inside:
+            return None
+        time.sleep(IMPORT_PAUSE)
+        return bytecode.find_spec_after(self, name, path, target)
 
 
 IMPORT_PAUSE = 0.0001

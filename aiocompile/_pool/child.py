@@ -222,8 +222,10 @@ def spawn_main() -> NoReturn:  # pragma: no cover - runs in a fresh interpreter
     """Entry point of a worker started in a fresh interpreter (the "spawn" start method)."""
     job_fd, jobs_fd, alive_fd, output_fd = (int(a) for a in sys.argv[1:5])
     preload = [m for m in sys.argv[5].split(",") if m] if len(sys.argv) > 5 else []
+    from aiocompile._base import bytecode
     from aiocompile._pool.preload import Preload
 
+    bytecode.install_for_process()
     # Only the first step (the imports): the warm-up steps pay off in a fork server that
     # forks many workers, not in one worker about to compile anyway.
     Preload(preload)

@@ -28,6 +28,7 @@ import sys
 import traceback
 from typing import NoReturn
 
+from aiocompile._base import bytecode
 from aiocompile._pool.preload import Preload
 from aiocompile._pool.procs import kill_group, kill_leftovers, set_parent_death_signal
 from aiocompile._pool.protocol import (
@@ -172,6 +173,9 @@ def main(ctrl_fd: int) -> None:
         os.chdir(cwd)
     except OSError:
         pass
+    # Its imports (and its workers', forked from it) read and write aiocompile's bytecode
+    # where the installation has none.
+    bytecode.install_for_process()
     # Every worker runs the job loop: import it once, here, rather than in each of them.
     from aiocompile._pool import child  # noqa: F401
 

@@ -1,0 +1,131 @@
+"""``_base.bytecode``: modules without bytecode of their own, imported by aiocompile's
+threads and processes, compiled once and read from aiocompile's directory after that."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import subprocess_env
+
+import aiocompile
+
+IMPORT = textwrap.dedent("""
+    import sys, threading
+    from aiocompile._base import bytecode, threads
+    if "--no-compile" in sys.argv:
+        # Every module must come from aiocompile's bytecode: compiling one fails the import.
+        def refuse(self, data, path):
+            raise AssertionError(f"compiled {path}")
+        bytecode.CachedSourceLoader.source_to_code = refuse
+    def load():
+        import freshpkg.mod
+        print(freshpkg.mod.VALUE, type(freshpkg.mod.__spec__.loader).__name__)
+    if "--outside" in sys.argv:
+        load()
+    else:
+        with threads.imports_yielding():
+            load()
+""")
+
+
+@pytest.fixture
+def package(tmp_path: Path) -> Path:
+    """A package no process has imported, with no bytecode beside it."""
+    root = tmp_path / "src"
+    (root / "freshpkg").mkdir(parents=True)
+    (root / "freshpkg" / "__init__.py").write_text("")
+    (root / "freshpkg" / "mod.py").write_text("VALUE = 1\n")
+    return root
+
+
+def run_import(package: Path, cache: Path | str, *flags: str, dont_write: bool = True) -> str:
+    env = subprocess_env(AIOCOMPILE_BYTECODE_DIR=str(cache))
+    env["PYTHONPATH"] = os.pathsep.join((str(package), env["PYTHONPATH"]))
+    env.pop("PYTHONPYCACHEPREFIX", None)
+    if dont_write:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+    else:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+    done = subprocess.run([sys.executable, "-c", IMPORT, *flags], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def ours(cache: Path, source: Path) -> Path:
+    return cache / str(source.parent).lstrip(os.sep) / f"{source.stem}.{sys.implementation.cache_tag}.pyc"
+
+
+def test_a_module_without_bytecode_is_compiled_once_then_read(package: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "bytecode"
+    assert run_import(package, cache) == "1 CachedSourceLoader"
+    written = ours(cache, package / "freshpkg" / "mod.py")
+    assert written.is_file()
+    assert ours(cache, package / "freshpkg" / "__init__.py").is_file()
+    assert not (package / "freshpkg" / "__pycache__").exists()  # nothing beside the source
+    # A second process compiles nothing.
+    assert run_import(package, cache, "--no-compile") == "1 CachedSourceLoader"
+
+
+def test_a_changed_source_is_compiled_again(package: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "bytecode"
+    run_import(package, cache)
+    (package / "freshpkg" / "mod.py").write_text("VALUE = 22\n")  # another size
+    assert run_import(package, cache) == "22 CachedSourceLoader"
+    assert run_import(package, cache, "--no-compile") == "22 CachedSourceLoader"
+
+
+def test_damaged_bytecode_is_compiled_again_and_replaced(package: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "bytecode"
+    run_import(package, cache)
+    written = ours(cache, package / "freshpkg" / "mod.py")
+    header = written.read_bytes()[:16]
+    written.write_bytes(header + b"\x00 not marshal data")
+    assert run_import(package, cache) == "1 CachedSourceLoader"
+    assert run_import(package, cache, "--no-compile") == "1 CachedSourceLoader"
+
+
+def test_where_python_writes_bytecode_itself_it_does(package: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "bytecode"
+    assert run_import(package, cache, dont_write=False) == "1 CachedSourceLoader"
+    assert not cache.exists()
+    assert list((package / "freshpkg" / "__pycache__").glob("mod.*.pyc"))
+
+
+def test_off_and_imports_outside_the_block_use_none(package: Path, tmp_path: Path) -> None:
+    assert run_import(package, "off") == "1 SourceFileLoader"
+    cache = tmp_path / "bytecode"
+    assert run_import(package, cache, "--outside") == "1 SourceFileLoader"
+    assert not cache.exists()
+
+
+def test_an_unwritable_directory_still_imports(package: Path, tmp_path: Path) -> None:
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    assert run_import(package, blocked / "bytecode") == "1 CachedSourceLoader"
+
+
+async def test_the_fork_server_and_its_workers_write_it(package: Path, tmp_path: Path, monkeypatch) -> None:
+    cache = tmp_path / "bytecode"
+    monkeypatch.setenv("AIOCOMPILE_BYTECODE_DIR", str(cache))
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)  # nor does this process write it beside
+    monkeypatch.syspath_prepend(str(package))
+    (package / "freshpkg" / "work.py").write_text("def value():\n    return 3\n")
+    config = aiocompile.SchedulerConfig(workers=1, preload=("freshpkg.mod",), start_method="forkserver")
+    async with aiocompile.Scheduler(config=config) as sched:
+        await sched.warm()
+        # The fork server's preload, then a module the worker imports for its job.
+        assert ours(cache, package / "freshpkg" / "mod.py").is_file()
+        from freshpkg.work import value
+
+        assert await sched.run(value) == 3
+    assert ours(cache, package / "freshpkg" / "work.py").is_file()
+    sys.modules.pop("freshpkg.work", None)
+    sys.modules.pop("freshpkg", None)
