@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from aiocompile._base import threads
+from aiocompile._base import aside, threads
 
 
 @pytest.fixture
@@ -158,27 +158,27 @@ def test_a_thread_inside_handing_over_stands_aside_while_a_call_is_served_and_fo
     try:
         time.sleep(0.05)
         assert progress, "the helper never ran"
-        threads.serve_begin()
+        aside.serve_begin()
         try:
             time.sleep(0.005)  # the helper's next call comes and it stands aside
             began = time.perf_counter()
             time.sleep(0.3)
             ended = time.perf_counter()
         finally:
-            threads.serve_end()
+            aside.serve_end()
         # It stood aside at most STAND_ASIDE_MAX of those 0.3 s, then went on.
         during = [at for at in progress if began <= at <= ended]
         assert during, "the helper stood aside past STAND_ASIDE_MAX"
-        assert min(during) - began < threads.STAND_ASIDE_MAX + 0.05
+        assert min(during) - began < aside.STAND_ASIDE_MAX + 0.05
         # And while a call is served without the bound running out, it makes no progress.
-        threads.serve_begin()
+        aside.serve_begin()
         try:
             time.sleep(0.003)
             count = len(progress)
             time.sleep(0.01)  # within STAND_ASIDE_MAX
             assert len(progress) == count
         finally:
-            threads.serve_end()
+            aside.serve_end()
         time.sleep(0.02)
         assert len(progress) > count  # going again once the call ended
     finally:
@@ -212,11 +212,11 @@ def test_calls_served_back_to_back_leave_a_thread_inside_handing_over_half_of_th
         time.sleep(0.05)
         began = time.perf_counter()
         while time.perf_counter() - began < 0.4:
-            threads.serve_begin()
+            aside.serve_begin()
             try:
                 time.sleep(0.002)
             finally:
-                threads.serve_end()
+                aside.serve_end()
         ended = time.perf_counter()
     finally:
         stop.set()

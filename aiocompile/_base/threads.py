@@ -31,7 +31,7 @@ from collections.abc import Iterator, Sequence
 from importlib.machinery import ModuleSpec
 from typing import Any, Callable, TypeVar
 
-from aiocompile._base import bridge, bytecode
+from aiocompile._base import aside, bridge, bytecode
 
 T = TypeVar("T")
 
@@ -186,103 +186,24 @@ def handing_over() -> Iterator[None]:
     changed it meanwhile.
 
     Inside the block, this thread also stands aside while a call is being served
-    (:func:`serve_begin`; a trace function of this thread's, unless it is traced already)."""
+    (:mod:`.aside`)."""
     with _HANDOVER.lock:
         if _HANDOVER.inside == 0:
             _HANDOVER.saved = sys.getswitchinterval()
             if _HANDOVER.saved > HANDOVER_INTERVAL:
                 sys.setswitchinterval(HANDOVER_INTERVAL)
         _HANDOVER.inside += 1
-    # And this thread stands aside while a call is being served (``serve_begin``), unless
-    # something else traces it (a debugger, coverage).
-    deferring = sys.gettrace() is None
-    if deferring:
-        sys.settrace(_stand_aside)
+    # And this thread stands aside while a call is being served (``aside.serve_begin``).
+    attached = aside.attach()
     try:
         yield
     finally:
-        if deferring and sys.gettrace() is _stand_aside:
-            sys.settrace(None)
+        aside.detach(attached)
         with _HANDOVER.lock:
             _HANDOVER.inside -= 1
             if _HANDOVER.inside == 0 and _HANDOVER.saved > HANDOVER_INTERVAL \
                     and abs(sys.getswitchinterval() - HANDOVER_INTERVAL) < 1e-9:
                 sys.setswitchinterval(_HANDOVER.saved)
-
-
-class _Serving:
-    """The calls being served right now, in any thread (``serve_begin``), and how long the
-    threads inside :func:`handing_over` have stood aside for the present run of them."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.calls = 0
-        self.run = 0  # counts each time calls goes up from 0
-        self.aside_in = -1
-        self.aside = 0.0
-        # Standing aside in the present window (``STAND_ASIDE_WINDOW``): since when, how long.
-        self.window = 0.0
-        self.window_aside = 0.0
-
-
-_SERVING = _Serving()
-
-STAND_ASIDE_MAX = 0.02
-"""How long, at most, the threads inside :func:`handing_over` stand aside for one run of
-served calls: a call that waits for something such a thread holds (a module's import
-lock) then goes on after this long, rather than never."""
-
-STAND_ASIDE_WINDOW = 0.1
-STAND_ASIDE_SHARE = 0.5
-"""And at most this share of each ``STAND_ASIDE_WINDOW`` seconds: calls served one after
-another, each a run of its own, would otherwise leave such a thread one Python call
-between two of them (a server busy with eager calls would never load its compiled
-version)."""
-
-
-def serve_begin() -> None:
-    """A call is being served in this thread (an eager model call): until
-    :func:`serve_end`, the threads inside :func:`handing_over` stand aside at their next
-    Python call."""
-    with _SERVING.lock:
-        if _SERVING.calls == 0:
-            _SERVING.run += 1
-        _SERVING.calls += 1
-
-
-def serve_end() -> None:
-    with _SERVING.lock:
-        _SERVING.calls -= 1
-
-
-def _stand_aside(frame: Any, event: str, arg: Any) -> None:
-    """The trace function of the threads inside :func:`handing_over` (called at each of
-    their Python calls; it traces nothing else): while calls are being served, wait
-    without the interpreter lock. A torch operator lets the lock go while it runs and
-    takes it back after; with this thread running Python meanwhile, each take waited up to
-    a switch interval. Standing aside, this thread leaves the lock free for the whole call
-    (bounded: ``STAND_ASIDE_MAX`` a run of calls, ``STAND_ASIDE_SHARE`` of the time)."""
-    if not _SERVING.calls:
-        return None
-    clock = time.perf_counter
-    began = clock()
-    if began - _SERVING.window > STAND_ASIDE_WINDOW:
-        _SERVING.window, _SERVING.window_aside = began, 0.0
-    allowed = STAND_ASIDE_SHARE * STAND_ASIDE_WINDOW - _SERVING.window_aside
-    run = _SERVING.run
-    if _SERVING.aside_in != run:
-        _SERVING.aside_in, _SERVING.aside = run, 0.0
-    allowed = min(allowed, STAND_ASIDE_MAX - _SERVING.aside)
-    while _SERVING.calls and _SERVING.run == run and clock() - began < allowed:
-        time.sleep(SERVING_LOOK)
-    waited = clock() - began
-    _SERVING.aside += waited
-    _SERVING.window_aside += waited
-    return None
-
-
-SERVING_LOOK = 0.00005
-"""How often a thread standing aside looks whether the calls being served have ended."""
 
 
 def _then_yield(fn: Callable[[], T]) -> T:

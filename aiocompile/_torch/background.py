@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from aiocompile._base import bridge, collector, threads
+from aiocompile._base import aside, bridge, collector, threads
 from aiocompile._torch import ahead, loading, warming
 from aiocompile._torch.states import TRANSITIONS, BackgroundStatus, ShapeStatus, _Entry, describe
 from aiocompile.errors import CompileError, JobTimeout, SchedulerClosed, WorkerCrashed
@@ -105,12 +105,12 @@ class BackgroundCompiled:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # aiocompile's own threads in this process (the load's imports, the packing, the
-        # load) stand aside while the call runs (``threads.serve_begin``).
-        threads.serve_begin()
+        # load) stand aside while the call runs (``aside.serve_begin``).
+        aside.serve_begin()
         try:
             return self._answer(args, kwargs)
         finally:
-            threads.serve_end()
+            aside.serve_end()
 
     def _answer(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         key = self._key(args, kwargs)
