@@ -24,12 +24,17 @@ the event log. Inductor generates the same kernels and gets the same kernel obje
 tells both stories whole.
 
 Importing this module does not import torch, nor aiocompile's scheduler, pool or backends:
-each public name is imported at its first use (a server imports this module in its event
-loop, and the scheduler's stack is for the thread that first makes a scheduler).
+those are for the thread that first makes a scheduler. It imports the background compile's
+own modules (a few milliseconds), so that ``compile_in_background``, called in a serving
+loop, does not import them there; the other public names are imported at their first use.
 """
 
 import importlib as _importlib
 import typing as _typing
+
+from aiocompile._torch.background import BackgroundCompiled, compile_in_background
+from aiocompile._torch.states import BackgroundStatus, ShapeStatus
+from aiocompile._torch.warming import warm
 
 # Public name -> the module that defines it.
 _EXPORTS = {
