@@ -195,3 +195,56 @@ async def test_warm_refuses_a_device_it_does_not_know():
         await aiotorch.warm("tpu")
     with pytest.raises(TypeError, match="'cpu' or 'cuda'"):
         await aiotorch.warm(0)
+
+
+# The Python form's load is prepared in this process (``_torch/ahead.py``) once a worker of
+# the scheduler the wrapper made has ended its warm-up (whose imports wrote the bytecode
+# that modules installed without any then read here), not at the constructor.
+AHEAD_SCRIPT = textwrap.dedent('''
+    import json
+    import time
+
+    import background_models
+    import aiocompile.torch as aiotorch
+    from aiocompile._torch import ahead
+
+    started = []
+    real_start = ahead.Ahead.start
+
+    def noting_start(self):
+        started.append(time.time())
+        real_start(self)
+
+    ahead.Ahead.start = noting_start
+    ended = []
+
+    def note(event):
+        if getattr(event, "event", None) == "job_ended" and getattr(event, "warm_up", False):
+            ended.append(event.time)
+
+    model, x = background_models.make_mlp()
+    compiled = aiotorch.compile_in_background(model, artifact="python")
+    at_constructor = bool(started)
+    scheduler = compiled.scheduler  # made in a thread: this waits for it
+    scheduler.subscribe(note)
+    at_scheduler = bool(started)
+    deadline = time.time() + 240
+    while not ahead.GRAPH_LOAD.started and time.time() < deadline:
+        time.sleep(0.01)
+    ahead.GRAPH_LOAD.wait(240)
+    compiled.close()
+    print(json.dumps({"at_constructor": at_constructor, "at_scheduler": at_scheduler, "started": started,
+                      "first_warm_up_ended": min(ended) if ended else None,
+                      "made": ahead.GRAPH_LOAD.seconds is not None}))
+''')
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_the_python_forms_load_is_prepared_once_a_worker_has_warmed_up(tmp_path):
+    answer = _serve(tmp_path, AHEAD_SCRIPT, "asyncio")
+    assert answer["at_constructor"] is False and answer["at_scheduler"] is False
+    assert answer["started"] and answer["first_warm_up_ended"] is not None
+    # The event's time is taken as the warm-up's answer is settled, a moment after the
+    # future whose end starts the preparation; the warm-up itself took seconds.
+    assert answer["started"][0] >= answer["first_warm_up_ended"] - 0.05
+    assert answer["made"] is True

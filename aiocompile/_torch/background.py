@@ -563,18 +563,19 @@ def compile_in_background(
     owned = False
     device = _model_device(model)
     form = _form(artifact, on_gpu=device == "cuda")
+    # What loading the compiled version will need here is made ahead (a server wraps its
+    # model at start-up), not beside the first compile's eager calls: the Python form's
+    # imports hold the interpreter lock for seconds. For a scheduler of its own, once its
+    # fork server has started (where a cold first compile begins: the imports, competing
+    # for the lock, made the scheduler's own a second slower) and a worker has imported
+    # the same modules (``warming.scheduler_for``).
     if scheduler is None:
-        chosen, owned = warming.scheduler_for(device, form)
+        chosen, owned = warming.scheduler_for(device, form, prepare_load=not disable)
     else:
         chosen = cf.Future()
         chosen.set_result(scheduler)
-    if not disable:
-        # What loading the compiled version will need here, made from now on (a server
-        # wraps its model at start-up), not beside the first compile's eager calls: the
-        # Python form's imports hold the interpreter lock for seconds. Once the scheduler
-        # is made: its fork server's start is where a cold first compile begins, and the
-        # imports, competing for the lock, made the scheduler's own a second slower.
-        chosen.add_done_callback(lambda _: ahead.start(form))
+        if not disable:
+            ahead.start(form)
     return BackgroundCompiled(model, mode=mode, options=dict(options or {}), scheduler=chosen, owns_scheduler=owned,
                               strict=strict, timeout=timeout, disabled=disable, max_signatures=max_signatures,
                               artifact=artifact)

@@ -56,7 +56,8 @@ class _Warmed:
 _WARMED = _Warmed()
 
 
-def scheduler_for(device: str = "cpu", form: str = "package") -> tuple[cf.Future[Scheduler], bool]:
+def scheduler_for(device: str = "cpu", form: str = "package", *,
+                  prepare_load: bool = True) -> tuple[cf.Future[Scheduler], bool]:
     """The scheduler a background compile without one goes to, as a future, and whether
     the caller owns it (then its ``close()`` closes it): ``install()``'s if installed; the
     one ``warm()`` made; else a new one, made in a thread of its own (making one imports
@@ -64,7 +65,15 @@ def scheduler_for(device: str = "cpu", form: str = "package") -> tuple[cf.Future
     configuration, at most ``MAX_OWN_WORKERS`` workers, torch and what a compile imports
     preloaded in its fork server, and its workers started at once, each importing what a
     compile needs (``export.warm_up``; for a model on the CPU, the fork server makes
-    Inductor's vector-ISA check before it forks them: :mod:`.isa`)."""
+    Inductor's vector-ISA check before it forks them: :mod:`.isa`).
+
+    With ``prepare_load``, what loading ``form`` here needs is made ahead (:mod:`.ahead`):
+    at once where the scheduler exists; for a new one, once a worker's warm-up has ended.
+    Its imports are mostly the workers' own, and those have written the bytecode of the
+    modules installed without any (:mod:`aiocompile._base.bytecode`), which this process
+    then reads rather than compiling each module's source, holding the interpreter lock
+    (on a GPU host's first start, loop stalls of 119 to 143 ms). The load needs them only
+    when the compile has ended, seconds after that."""
     from aiocompile._torch.installation import STATE
 
     found: cf.Future[Scheduler] = cf.Future()
@@ -73,6 +82,8 @@ def scheduler_for(device: str = "cpu", form: str = "package") -> tuple[cf.Future
         if device == "cpu":
             isa.start_builds()  # its workers make the check in their first compile, and find them built
         found.set_result(installation.current_scheduler())
+        if prepare_load:
+            ahead.start(form)
         return found, False
     shared = _WARMED.current()
     if shared is not None:
@@ -80,11 +91,19 @@ def scheduler_for(device: str = "cpu", form: str = "package") -> tuple[cf.Future
 
         shared.port.warm_workers(export.warm_up, (device, form))  # workers that are gone: started again
         found.set_result(shared)
+        if prepare_load:
+            ahead.start(form)
         return found, False
 
     def make() -> Scheduler:
         with collector.imports_settled(), threads.imports_yielding():
-            return _new_scheduler(device, form)[0]
+            scheduler, warming = _new_scheduler(device, form)
+        if prepare_load:
+            for future in warming:  # the first to end starts it (a no-op after that)
+                future.add_done_callback(lambda _: ahead.start(form))
+            if not warming:
+                ahead.start(form)
+        return scheduler
 
     # Not a daemon: an interpreter that exits meanwhile waits for it (then closes it). A
     # scheduler that cannot be made fails the compiles that need it.
