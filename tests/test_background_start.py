@@ -204,6 +204,8 @@ AHEAD_SCRIPT = textwrap.dedent('''
     import json
     import time
 
+    import torch
+
     import background_models
     import aiocompile.torch as aiotorch
     from aiocompile._torch import ahead
@@ -225,6 +227,8 @@ AHEAD_SCRIPT = textwrap.dedent('''
     model, x = background_models.make_mlp()
     compiled = aiotorch.compile_in_background(model, artifact="python")
     at_constructor = bool(started)
+    with torch.no_grad():
+        compiled(x)  # the compile is submitted as soon as the scheduler is made
     scheduler = compiled.scheduler  # made in a thread: this waits for it
     scheduler.subscribe(note)
     at_scheduler = bool(started)

@@ -65,7 +65,8 @@ class BackgroundCompiled:
 
     def __init__(self, model: Any, *, mode: str | None, options: Mapping[str, Any],
                  scheduler: cf.Future[Scheduler], owns_scheduler: bool, strict: bool, timeout: float | None,
-                 disabled: bool, max_signatures: int = 8, artifact: str = "auto") -> None:
+                 disabled: bool, max_signatures: int = 8, artifact: str = "auto",
+                 prepared: str | None = None) -> None:
         import torch
 
         self._model = model
@@ -81,6 +82,7 @@ class BackgroundCompiled:
         self._disabled = disabled
         self._max_signatures = max_signatures
         self._artifact = artifact
+        self._prepared = prepared  # the form whose load is made ahead since construction
         self._name = type(model).__qualname__
         self._lock = threading.Lock()
         self._entries: dict[Any, _Entry] = {}
@@ -248,7 +250,10 @@ class BackgroundCompiled:
             self._fail(entry, exc)
             return
         answer.add_done_callback(lambda done: _LANE.submit(lambda: self._finish(entry, job, done)))
-        ahead.start(form)  # what the load will need here, made while the worker compiles
+        if form != self._prepared:
+            # Inputs on another device than the model's: what this form's load needs,
+            # made while the worker compiles.
+            ahead.start(form)
 
     def _inductor_configs(self) -> dict[str, Any]:
         """Inductor's settings for the compiles (in a lane's thread: a mode's settings are
@@ -578,7 +583,7 @@ def compile_in_background(
             ahead.start(form)
     return BackgroundCompiled(model, mode=mode, options=dict(options or {}), scheduler=chosen, owns_scheduler=owned,
                               strict=strict, timeout=timeout, disabled=disable, max_signatures=max_signatures,
-                              artifact=artifact)
+                              artifact=artifact, prepared=None if disable else form)
 
 
 ARTIFACTS = ("auto", "package", "python")
