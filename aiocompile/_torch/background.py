@@ -27,8 +27,6 @@ import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import anyio
-
 from aiocompile._base import aside, bridge, collector, threads
 from aiocompile._torch import ahead, loading, warming
 from aiocompile._torch.states import TRANSITIONS, BackgroundStatus, ShapeStatus, _Entry, describe
@@ -442,7 +440,8 @@ class BackgroundCompiled:
             await scheduler.aclose()
             closing = self._closing
             if closing is not None:
-                await anyio.to_thread.run_sync(closing.join)
+                # Waited in a thread of aiocompile's: anyio is not imported by this module.
+                await bridge.wait(threads.start(closing.join, "aiocompile-close-wait", daemon=True))
 
     def __repr__(self) -> str:
         status = self.status()

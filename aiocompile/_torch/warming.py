@@ -16,8 +16,6 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any
 
-import anyio
-
 from aiocompile._base import bridge, collector, threads
 from aiocompile._torch import ahead, isa
 
@@ -191,5 +189,5 @@ async def warm(device: str = "cpu") -> Scheduler:
     # In short waits, so that a cancelled await does not wait for the end of the work;
     # none at all (no thread) when there is nothing to wait for.
     while not ahead.wait(form, 0):
-        await anyio.to_thread.run_sync(ahead.wait, form, 0.1)
+        await bridge.wait(threads.start(lambda: ahead.wait(form, 0.1), "aiocompile-warm-wait", daemon=True))
     return scheduler
