@@ -152,12 +152,9 @@ def _write(path: str, data: bytes) -> None:
 
 
 def find_spec_after(finder: object, name: str, path: Sequence[str] | None, target: Any = None) -> ModuleSpec | None:
-    """What the finders after ``finder`` on ``sys.meta_path`` find for ``name``, with a
-    :class:`CachedSourceLoader` where the module would be loaded from its source by
-    Python's own loader; None when they find nothing, or there is no bytecode directory."""
-    root = directory()
-    if root is None:
-        return None
+    """What the finders after ``finder`` on ``sys.meta_path`` find for ``name`` (None when
+    they find nothing), with a :class:`CachedSourceLoader` where the module would be loaded
+    from its source by Python's own loader and there is a bytecode directory."""
     finders = sys.meta_path
     try:
         after = finders.index(finder) + 1  # type: ignore[arg-type]
@@ -172,7 +169,9 @@ def find_spec_after(finder: object, name: str, path: Sequence[str] | None, targe
             continue
         loader = spec.loader
         if type(loader) is importlib.machinery.SourceFileLoader:
-            spec.loader = CachedSourceLoader(loader.name, loader.path, root)
+            root = directory()
+            if root is not None:
+                spec.loader = CachedSourceLoader(loader.name, loader.path, root)
         return spec
     return None
 

@@ -28,10 +28,10 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from importlib.machinery import ModuleSpec
+from importlib.machinery import ExtensionFileLoader, ModuleSpec
 from typing import Any, Callable, TypeVar
 
-from aiocompile._base import aside, bridge, bytecode
+from aiocompile._base import aside, bridge, bytecode, libraries
 
 T = TypeVar("T")
 
@@ -98,9 +98,10 @@ def _let_the_starter_go() -> None:
 
 class _YieldingFinder:
     """A finder first on ``sys.meta_path``, for the threads inside :func:`imports_yielding`
-    only: it lets go of the GIL before each module they import, and has a module without
+    only: it lets go of the GIL before each module they import, has a module without
     bytecode of its own loaded from aiocompile's (:mod:`.bytecode`) rather than compiled
-    from its source, holding the lock, again."""
+    from its source, holding the lock, again, and an extension module's library opened
+    without the lock first (:mod:`.libraries`)."""
 
     def __init__(self) -> None:
         self.inside: dict[int, int] = {}  # thread ident -> how deep inside
@@ -109,7 +110,10 @@ class _YieldingFinder:
         if threading.get_ident() not in self.inside:
             return None
         time.sleep(IMPORT_PAUSE)
-        return bytecode.find_spec_after(self, name, path, target)
+        spec = bytecode.find_spec_after(self, name, path, target)
+        if spec is not None and type(spec.loader) is ExtensionFileLoader and spec.origin:
+            libraries.open_unlocked(spec.origin)  # its library's start-up, without the lock
+        return spec
 
 
 IMPORT_PAUSE = 0.0001
