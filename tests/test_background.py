@@ -28,7 +28,7 @@ torch = pytest.importorskip("torch")
 import background_models  # noqa: E402  (needs torch)
 
 import aiocompile.torch as aiotorch  # noqa: E402
-from aiocompile._torch import background as _background  # noqa: E402
+from aiocompile._torch import choices  # noqa: E402
 from aiocompile._torch import graph as _graph  # noqa: E402
 from aiocompile._torch.states import TRANSITIONS  # noqa: E402
 
@@ -125,7 +125,7 @@ def test_a_closed_scheduler_is_refused_as_every_call_after_aclose_is():
 
 
 def test_mode_becomes_inductors_settings_without_cuda_graphs():
-    configs = _background._inductor_configs(torch, "max-autotune", {})
+    configs = choices.inductor_configs(torch, "max-autotune", {})
     assert configs["max_autotune"] is True
     assert not any("cudagraph" in name for name in configs)
 

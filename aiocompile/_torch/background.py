@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from aiocompile._base import aside, bridge, collector, threads
-from aiocompile._torch import ahead, loading, warming
+from aiocompile._torch import ahead, choices, loading, warming
 from aiocompile._torch.states import TRANSITIONS, BackgroundStatus, ShapeStatus, _Entry, describe
 from aiocompile.errors import CompileError, JobTimeout, SchedulerClosed, WorkerCrashed
 
@@ -42,10 +42,6 @@ if TYPE_CHECKING:
     from aiocompile._torch.parcel import Parcel
 
 __all__ = ["TRANSITIONS", "BackgroundCompiled", "BackgroundStatus", "ShapeStatus", "compile_in_background"]
-
-MODES = (None, "default", "max-autotune", "max-autotune-no-cudagraphs")
-"""``mode=`` values: Inductor's own settings for the mode, less CUDA graphs (the compiled
-version is not run under CUDA graph trees)."""
 
 # Packing the model and loading packages: a lane of its own, so that a large model being
 # pickled never delays a kernel load.
@@ -230,7 +226,7 @@ class BackgroundCompiled:
             inputs = io.BytesIO()
             torch.save((tuple(args), dict(kwargs)), inputs)
             device_index = _device_index(torch, args, kwargs)
-            form = _form(self._artifact, on_gpu=device_index >= 0)
+            form = choices.form_for(self._artifact, on_gpu=device_index >= 0)
             job = ExportJob(
                 name=self._name, signature=entry.text, parcel=parcel, inputs=inputs.getvalue(),
                 inductor_configs=self._inductor_configs(), device_index=device_index,
@@ -258,7 +254,7 @@ class BackgroundCompiled:
         Inductor's to say, and importing Inductor takes seconds)."""
         if self._configs is None:
             with collector.imports_settled(), threads.imports_yielding():
-                self._configs = _inductor_configs(self._torch, self._mode, self._options)
+                self._configs = choices.inductor_configs(self._torch, self._mode, self._options)
         return dict(self._configs)
 
     def _take_parcel(self) -> Parcel:
@@ -541,8 +537,8 @@ def compile_in_background(
         raise ValueError(f"backend must be 'inductor' (the compile is Inductor's), got {backend!r}")
     if mode is not None and not isinstance(mode, str):
         raise TypeError(f"mode must be a str or None, got {mode!r} ({type(mode).__name__})")
-    if mode not in MODES:
-        shown = ", ".join(repr(m) for m in MODES)
+    if mode not in choices.MODES:
+        shown = ", ".join(repr(m) for m in choices.MODES)
         raise ValueError(f"mode must be one of {shown}, got {mode!r}" + (
             " (CUDA graphs are not applied to the compiled version)" if mode == "reduce-overhead" else ""))
     if options is not None and not isinstance(options, Mapping):
@@ -560,13 +556,13 @@ def compile_in_background(
     checks.Number(integer=True, at_least=1).check("max_signatures", max_signatures)
     if not isinstance(artifact, str):
         raise TypeError(f"artifact must be a str, got {artifact!r} ({type(artifact).__name__})")
-    if artifact not in ARTIFACTS:
-        raise ValueError(f"artifact must be one of {', '.join(map(repr, ARTIFACTS))}, got {artifact!r}")
+    if artifact not in choices.ARTIFACTS:
+        raise ValueError(f"artifact must be one of {', '.join(map(repr, choices.ARTIFACTS))}, got {artifact!r}")
     if options:
-        _check_options(options)
+        choices.check_options(options)
     owned = False
-    device = _model_device(model)
-    form = _form(artifact, on_gpu=device == "cuda")
+    device = choices.model_device(model)
+    form = choices.form_for(artifact, on_gpu=device == "cuda")
     # What loading the compiled version will need here is made ahead (a server wraps its
     # model at start-up), not beside the first compile's eager calls: the Python form's
     # imports hold the interpreter lock for seconds. For a scheduler of its own, once its
@@ -585,50 +581,9 @@ def compile_in_background(
                               artifact=artifact, prepared=None if disable else form)
 
 
-ARTIFACTS = ("auto", "package", "python")
-
-
-def _form(artifact: str, *, on_gpu: bool) -> str:
-    """What ``artifact`` asks the worker to build: ``"auto"`` is the Python form on a GPU,
-    the package on the CPU."""
-    if artifact != "auto":
-        return artifact
-    return "python" if on_gpu else "package"
-
-
-def _model_device(model: Any) -> str:
-    """Where the model's weights are, ``"cuda"`` or ``"cpu"``: what its workers warm up for."""
-    for tensor in (*model.parameters(), *model.buffers()):
-        return "cuda" if tensor.device.type == "cuda" else "cpu"
-    return "cpu"
-
-
 def _torch() -> Any:
     try:
         import torch
     except ImportError as exc:
         raise ImportError(f"compile_in_background needs PyTorch (pip install 'aiocompile[torch]'): {exc}") from exc
     return torch
-
-
-def _check_options(options: Mapping[str, Any]) -> None:
-    """``options`` checked against the settings Inductor has (the one part of the
-    constructor that imports Inductor, and only when options are given)."""
-    from torch._inductor import config
-
-    known = set(config.get_config_copy())
-    for name in options:
-        if not isinstance(name, str):
-            raise TypeError(f"options keys must be str (Inductor setting names), got {name!r}")
-        if name not in known:
-            raise ValueError(f"options names an Inductor setting that does not exist: {name!r}")
-
-
-def _inductor_configs(torch: Any, mode: str | None, options: dict[str, Any]) -> dict[str, Any]:
-    """Inductor's settings for ``mode`` (less CUDA graphs), or ``options`` (checked)."""
-    if mode in (None, "default"):
-        return options
-    import torch._inductor
-
-    chosen = dict(torch._inductor.list_mode_options(mode))
-    return {name: value for name, value in chosen.items() if "cudagraph" not in name}
