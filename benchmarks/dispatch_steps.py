@@ -47,8 +47,8 @@ async def measure(calls: int, rounds: int) -> dict[str, list[float]]:
     marks: dict[str, float] = {}
     write_all, on_readable = roster._write_all, loop_reads.LoopReads.on_readable
 
-    def timed_write(fd: int, data: bytes) -> None:
-        write_all(fd, data)
+    def timed_write(fd: int, parts: list[bytes]) -> None:
+        write_all(fd, parts)
         marks["written"] = time.perf_counter()
 
     def timed_read(reads: object, worker: object, reader: object) -> None:

@@ -129,9 +129,9 @@ def test_a_main_function_goes_to_each_worker_once_and_again_to_a_new_worker(monk
     written: list[bytes] = []
     write_all = roster._write_all
 
-    def noted(fd: int, data: bytes) -> None:
-        written.append(bytes(data))
-        write_all(fd, data)
+    def noted(fd: int, parts: list[bytes]) -> None:
+        written.append(b"".join(parts))
+        write_all(fd, parts)
 
     monkeypatch.setattr(roster, "_write_all", noted)
     definition = b"__main__"  # what the by-value pickle holds, and no job's payload does
@@ -417,3 +417,60 @@ def test_a_bad_timeout_is_refused_at_submit_and_the_pool_carries_on(timeout, exc
         assert pool.submit_job(abs, (-3,), timeout=30).future.result(timeout=60) == 3
     finally:
         pool.shutdown(wait=True)
+
+
+def test_a_payload_naming_main_only_as_data_is_pickled_once(monkeypatch):
+    """A job's pickle that holds the name ``__main__`` only inside a bytes value (a pickled
+    model a background compile carries) is checked without being pickled again; a real
+    reference to ``__main__`` still takes the careful way."""
+    import pickle
+
+    from aiocompile._pool import serialize
+
+    carefully: list[object] = []
+    real = serialize._dumps_carefully
+
+    def noting(obj: object) -> bytes:
+        carefully.append(obj)
+        return real(obj)
+
+    monkeypatch.setattr(serialize, "_dumps_carefully", noting)
+    data = b"\x8c\x08__main__\x94" * 1000
+    job = (len, (data,), {})
+    payload, definition = serialize.dumps_apart(job)
+    assert definition is None and carefully == []
+    assert pickle.loads(payload) == job
+
+    class Local:  # pickled by reference into __main__ would fail in a worker
+        pass
+
+    Local.__module__ = "__main__"
+    with contextlib.suppress(TypeError):  # refused without cloudpickle; sent by value with it
+        serialize.dumps_apart((len, (Local,), {}))
+    assert len(carefully) == 1
+
+
+def test_a_large_job_is_written_in_parts_whole_and_in_order():
+    from aiocompile._pool import protocol, roster
+
+    payload = os.urandom(3 * protocol.JOINED_MAX + 17)
+    parts = protocol.encode_job(7, {"A": "1"}, ["/x"], payload)
+    assert len(parts) == 2 and parts[1] is payload  # the payload itself, uncopied
+    small = protocol.encode_job(7, {"A": "1"}, ["/x"], b"small")
+    assert len(small) == 1
+    read, write = os.pipe()
+    received = bytearray()
+
+    def drain() -> None:
+        while chunk := os.read(read, 65536):  # a pipe takes 64 KiB at a time: partial writes
+            received.extend(chunk)
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    try:
+        roster._write_all(write, parts)
+    finally:
+        os.close(write)
+        reader.join(10)
+        os.close(read)
+    assert bytes(received) == b"".join(parts)

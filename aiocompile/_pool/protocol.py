@@ -64,14 +64,25 @@ JOB_HEADER = struct.Struct("!QI")
 
 
 def encode_job(job_id: int, env: dict[str, str] | None, sys_path: list[str] | None, payload: bytes,
-               definition: tuple[bytes, bytes] | None = None) -> bytes:
-    """A job as one framed message, to be written whole. ``env`` and ``sys_path`` are None
-    when the worker has them already (``Worker.sent_env``, ``sent_path``); ``definition``
-    is a __main__ function's, for a worker not yet sent it (``serialize``)."""
+               definition: tuple[bytes, bytes] | None = None) -> list[bytes]:
+    """A job as one framed message, in parts to be written whole, in order (joined for a
+    small payload; a large one is written as it is, uncopied). ``env`` and ``sys_path``
+    are None when the worker has them already (``Worker.sent_env``, ``sent_path``);
+    ``definition`` is a __main__ function's, for a worker not yet sent it
+    (``serialize``)."""
     extra = b"" if env is None and sys_path is None and definition is None else \
         pickle.dumps((env, sys_path, definition), protocol=pickle.HIGHEST_PROTOCOL)
     size = JOB_HEADER.size + len(extra) + len(payload)
-    return b"".join((frame(size), JOB_HEADER.pack(job_id, len(extra)), extra, payload))
+    head = (frame(size), JOB_HEADER.pack(job_id, len(extra)), extra)
+    if len(payload) < JOINED_MAX:
+        return [b"".join((*head, payload))]
+    return [b"".join(head), payload]
+
+
+JOINED_MAX = 256 * 1024
+"""A job's payload up to this size is joined to its header, one buffer written at once; a
+larger one goes as a part of its own (joining copied it whole, holding the interpreter
+lock: a model's weights, several milliseconds)."""
 
 
 class JobMessage(NamedTuple):

@@ -268,7 +268,18 @@ def _any_worker(worker: Worker) -> bool:
     return True
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
+def _write_all(fd: int, parts: list[bytes]) -> None:
+    """Write ``parts`` whole, in order (one ``write`` for one part, else ``writev``)."""
+    if len(parts) == 1:
+        view = memoryview(parts[0])
+        while view:
+            view = view[os.write(fd, view):]
+        return
+    views = [memoryview(part) for part in parts if part]
+    while views:
+        written = os.writev(fd, views)
+        while views and written >= len(views[0]):
+            written -= len(views[0])
+            views.pop(0)
+        if written:
+            views[0] = views[0][written:]
