@@ -8,7 +8,8 @@ seconds until a call is answered by the compiled version. Reported per way:
 ``import aiocompile.torch``'s time, the wrapper's constructor time, the first call's
 latency beside eager's, when compiled answers began (seconds from the program's start),
 the eager calls' p99/max meanwhile (on a GPU each call is synchronised, so its latency is
-the GPU's too), the loop's longest stall from the wrapper's making on (the ticker's longest gap less its
+the GPU's too) and their p99 alone (300 calls made the same way after the compile, nothing
+beside them), the loop's longest stall from the wrapper's making on (the ticker's longest gap less its
 1 ms; for the ``server`` way, after ``warm()``, whose own is printed apart) and its stalls
 over 10 ms with when they began, the interpreter's full garbage collections over
 10 ms (a stall of every thread, whoever's allocation set it off: with torch imported a
@@ -347,6 +348,18 @@ def child(way: str, pause: float, model_name: str, device: str, artifact: str, s
                 wrapped.close()
                 result["close_ms"] = (time.perf_counter() - began) * 1e3
                 await asyncio.sleep(0.05)
+                # The eager calls' p99 with no compile beside them, the same way (calls
+                # every --pause seconds, the ticker running): what the p99 while
+                # compiling is held against.
+                alone = []
+                for _ in range(ALONE_CALLS):
+                    await asyncio.sleep(pause)
+                    began = time.perf_counter()
+                    model(x)
+                    sync()
+                    alone.append(time.perf_counter() - began)
+                alone.sort()
+                result["eager_alone_p99_ms"] = alone[int(0.99 * (len(alone) - 1))] * 1e3
         stop = True
         await task
         # After the ticker: a first comparison's own start (its kernels loaded) is the
@@ -371,6 +384,10 @@ def child(way: str, pause: float, model_name: str, device: str, artifact: str, s
     return asyncio.run(main())
 
 
+ALONE_CALLS = 300
+"""Eager calls made after the compile, with nothing beside them: the p99 baseline."""
+
+
 def measure(way: str, pause: float, model: str, device: str, artifact: str, stall_stacks: float,
             long_calls: float) -> dict:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="bench-inductor-"),
@@ -382,6 +399,13 @@ def measure(way: str, pause: float, model: str, device: str, artifact: str, stal
     if run.returncode != 0:
         raise RuntimeError(f"{way} failed:\n{run.stderr[-3000:]}")
     return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def _against_alone(result: dict) -> str:
+    alone = result.get("eager_alone_p99_ms")
+    if not alone or "eager_p99_ms" not in result:
+        return "no p99 alone"
+    return f"{result['eager_p99_ms'] / alone:.2f}x the p99 alone, {alone:.2f} ms"
 
 
 def main() -> None:
@@ -470,14 +494,16 @@ def main() -> None:
                   f"({cold['compiled_from_s'] / stock['compiled_from_s']:.2f}x stock); constructor "
                   f"{cold['constructor_ms']:.1f} ms; first call {cold['first_call_ms']:.1f} ms (eager "
                   f"{cold['eager_ms']:.2f} ms, stock's {stock['first_call_ms']:.0f} ms); eager while compiling p99 "
-                  f"{cold.get('eager_p99_ms', 0):.2f} ms, max {cold.get('eager_max_ms', 0):.1f} ms; loop's longest "
+                  f"{cold.get('eager_p99_ms', 0):.2f} ms ({_against_alone(cold)}), "
+                  f"max {cold.get('eager_max_ms', 0):.1f} ms; loop's longest "
                   f"stall {cold['loop_stall_max_ms']:.1f} ms (stock {stock['loop_stall_max_ms']:.0f} ms)")
         if "server" in runs:
             server = runs["server"]
             print(f"server (after warm(), {server['warm_s']:.1f} s): compiled from {server['compiled_from_s']:.1f} s "
                   f"after the clock, {server['compiled_from_s'] / stock_first:.2f}x stock's first call "
                   f"({stock_first:.1f} s); first call {server['first_call_ms']:.1f} ms; eager while compiling p99 "
-                  f"{server.get('eager_p99_ms', 0):.2f} ms, max {server.get('eager_max_ms', 0):.1f} ms; loop's "
+                  f"{server.get('eager_p99_ms', 0):.2f} ms ({_against_alone(server)}), "
+                  f"max {server.get('eager_max_ms', 0):.1f} ms; loop's "
                   f"longest stall {server['loop_stall_max_ms']:.1f} ms (in warm() "
                   f"{server['loop_stall_in_warm_ms']:.0f} ms)")
 
