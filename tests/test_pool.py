@@ -474,3 +474,29 @@ def test_a_large_job_is_written_in_parts_whole_and_in_order():
         reader.join(10)
         os.close(read)
     assert bytes(received) == b"".join(parts)
+
+
+def test_a_large_parcel_goes_beside_the_jobs_pickle_and_arrives_whole():
+    """A pickled model (``Parcel``) and a background compile's inputs are offered out of
+    band: the pool's own jobs carry them as buffers beside a small pickle, written uncopied;
+    any other pickling copies them in as before."""
+    import pickle
+
+    from aiocompile._pool import serialize
+    from aiocompile._pool.job import Job
+    from aiocompile._torch.parcel import Parcel, digest
+
+    parcel = Parcel(os.urandom(serialize.OUT_OF_BAND_MIN + 1), "reference")
+    small = Parcel(b"small", "reference")
+    job = Job.create(1, digest, (parcel,), None, timeout=None, max_crashes=1, name=None, key=None, apart=True)
+    assert len(job.buffers) == 1 and job.buffers[0].raw().nbytes == len(parcel.data)
+    assert len(job.payload) < 4096
+    assert Job.create(2, digest, (small,), None, timeout=None, max_crashes=1, name=None, key=None,
+                      apart=True).buffers == ()
+    # Pickled any other way (another executor's jobs, a copy), it is in the pickle itself.
+    assert pickle.loads(serialize.dumps((digest, (parcel,), {})))[1][0] == parcel
+    with WorkerPool(1, preload=(), max_crashes=1) as pool:
+        assert pool.submit(digest, parcel).result(timeout=60) == digest(parcel)
+        assert pool.submit(digest, small).result(timeout=60) == digest(small)
+        # A job after one with buffers: the worker reads each message whole.
+        assert pool.submit(len, b"after").result(timeout=60) == 5

@@ -137,13 +137,14 @@ def _rss() -> int:
 
 
 def run_one(
-    state: JobState, env: dict[str, str] | None, sys_path: list[str] | None, payload: bytes | memoryview
+    state: JobState, env: dict[str, str] | None, sys_path: list[str] | None, payload: bytes | memoryview,
+    buffers: tuple[memoryview, ...] = (),
 ) -> tuple[bool, bytes, float]:
     """Run one job; never raises (but may, of course, kill the process)."""
     started = time.perf_counter()
     try:
         state.apply(env, sys_path)
-        fn, args, kwargs = pickle.loads(payload)
+        fn, args, kwargs = pickle.loads(payload, buffers=buffers)
         result = fn(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - a job's failure, whatever it is, goes to its caller
         run_time = time.perf_counter() - started
@@ -172,7 +173,7 @@ def serve(conn: Connection, jobs_fd: int) -> NoReturn:
             _truncate_output()
         if job.definition is not None:
             define(*job.definition)
-        ok, data, run_time = run_one(state, job.env, job.sys_path, job.payload)
+        ok, data, run_time = run_one(state, job.env, job.sys_path, job.payload, job.buffers)
         for std in (sys.stdout, sys.stderr):
             try:
                 std.flush()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import enum
 import logging
+import pickle
 import sys
 import threading
 import time
@@ -55,6 +56,9 @@ class Job:
     definition: serialize.Definition | None = None
     """The definition of a __main__ function the payload names by digest (sent to a worker
     only once; see ``serialize``)."""
+    buffers: tuple[pickle.PickleBuffer, ...] = ()
+    """Large values the payload's pickle carries out of band (``serialize.out_of_band``),
+    sent beside it."""
     submitted_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
     attempt_started_at: float | None = None
@@ -179,14 +183,16 @@ class Job:
         carrying this process's job environment and import path as they are now.
         ``apart``: a function from __main__ goes as a definition beside the payload (for
         the pool's own workers, which are sent each definition once)."""
+        buffers: list[pickle.PickleBuffer] = []
         if apart:
-            payload, definition = serialize.dumps_apart((fn, args, kwargs or {}))
+            payload, definition = serialize.dumps_apart((fn, args, kwargs or {}), buffers)
         else:
             payload, definition = serialize.dumps((fn, args, kwargs or {})), None
         return cls(
             id=job_id,
             payload=payload,
             definition=definition,
+            buffers=tuple(buffers),
             future=cf.Future(),
             timeout=timeout,
             max_crashes=max_crashes,

@@ -64,19 +64,23 @@ JOB_HEADER = struct.Struct("!QI")
 
 
 def encode_job(job_id: int, env: dict[str, str] | None, sys_path: list[str] | None, payload: bytes,
-               definition: tuple[bytes, bytes] | None = None) -> list[bytes]:
+               definition: tuple[bytes, bytes] | None = None,
+               buffers: tuple[pickle.PickleBuffer, ...] = ()) -> list[Any]:
     """A job as one framed message, in parts to be written whole, in order (joined for a
-    small payload; a large one is written as it is, uncopied). ``env`` and ``sys_path``
-    are None when the worker has them already (``Worker.sent_env``, ``sent_path``);
-    ``definition`` is a __main__ function's, for a worker not yet sent it
-    (``serialize``)."""
-    extra = b"" if env is None and sys_path is None and definition is None else \
-        pickle.dumps((env, sys_path, definition), protocol=pickle.HIGHEST_PROTOCOL)
-    size = JOB_HEADER.size + len(extra) + len(payload)
+    small payload; a large one, and each of the payload's out-of-band ``buffers``, written
+    as it is, uncopied). ``env`` and ``sys_path`` are None when the worker has them already
+    (``Worker.sent_env``, ``sent_path``); ``definition`` is a __main__ function's, for a
+    worker not yet sent it (``serialize``). The buffers follow the payload; their sizes
+    are in the message's extra part."""
+    views = [buffer.raw() for buffer in buffers]
+    sizes = tuple(view.nbytes for view in views)
+    extra = b"" if env is None and sys_path is None and definition is None and not sizes else \
+        pickle.dumps((env, sys_path, definition, sizes), protocol=pickle.HIGHEST_PROTOCOL)
+    size = JOB_HEADER.size + len(extra) + len(payload) + sum(sizes)
     head = (frame(size), JOB_HEADER.pack(job_id, len(extra)), extra)
     if len(payload) < JOINED_MAX:
-        return [b"".join((*head, payload))]
-    return [b"".join(head), payload]
+        return [b"".join((*head, payload)), *views]
+    return [b"".join(head), payload, *views]
 
 
 JOINED_MAX = 256 * 1024
@@ -96,13 +100,23 @@ class JobMessage(NamedTuple):
     """The pickled ``(fn, args, kwargs)``."""
     definition: tuple[bytes, bytes] | None
     """A __main__ function's digest and pickle, to keep before the payload is loaded."""
+    buffers: tuple[memoryview, ...]
+    """The payload's out-of-band buffers, for ``pickle.loads(payload, buffers=...)``."""
 
 
 def decode_job(message: memoryview) -> JobMessage:
     job_id, extra = JOB_HEADER.unpack_from(message)
     start = JOB_HEADER.size + extra
-    env, sys_path, definition = pickle.loads(message[JOB_HEADER.size:start]) if extra else (None, None, None)
-    return _make(JobMessage, (job_id, env, sys_path, message[start:], definition))
+    if not extra:
+        return _make(JobMessage, (job_id, None, None, message[start:], None, ()))
+    env, sys_path, definition, sizes = pickle.loads(message[JOB_HEADER.size:start])
+    end = len(message) - sum(sizes)
+    buffers = []
+    at = end
+    for size in sizes:
+        buffers.append(message[at:at + size])
+        at += size
+    return _make(JobMessage, (job_id, env, sys_path, message[start:end], definition, tuple(buffers)))
 
 
 _FIRST_READ = 4096

@@ -149,7 +149,7 @@ class Roster:
         worker.sent_env, worker.sent_path = job.env, job.sys_path
         try:
             _write_all(worker.proc.jobs_w, encode_job(job.id, env, path, job.payload,
-                                                      worker.definitions.to_send(job.definition)))
+                                                      worker.definitions.to_send(job.definition), job.buffers))
         except OSError:
             # The worker died before it could take the job: the job never ran, so this
             # is no crash of its. Its socket's end is seen by the supervisor's wait.
@@ -268,7 +268,7 @@ def _any_worker(worker: Worker) -> bool:
     return True
 
 
-def _write_all(fd: int, parts: list[bytes]) -> None:
+def _write_all(fd: int, parts: list[Any]) -> None:
     """Write ``parts`` whole, in order (one ``write`` for one part, else ``writev``)."""
     if len(parts) == 1:
         view = memoryview(parts[0])

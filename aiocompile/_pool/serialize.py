@@ -50,27 +50,50 @@ def dumps(obj: object) -> bytes:
     return _dumps(obj, _ByDigest)[0]
 
 
-def dumps_apart(obj: object) -> tuple[bytes, Definition | None]:
+def dumps_apart(obj: object, buffers: list[pickle.PickleBuffer] | None = None) -> tuple[bytes, Definition | None]:
     """``dumps`` for the pool's own workers: a job whose function is from __main__ names it
     by digest, and its definition comes back apart, for the pool to send each worker once
-    (``Definitions``); None for every other job."""
-    return _dumps(obj, _DigestOnly)
+    (``Definitions``); None for every other job. With ``buffers``, the large values that
+    offer themselves out of band (:func:`out_of_band`) are appended there rather than
+    copied into the pickle, to be sent beside it."""
+    return _dumps(obj, _DigestOnly, buffers)
 
 
-def _dumps(obj: object, by: type[_ByDigest]) -> tuple[bytes, Definition | None]:
+OUT_OF_BAND_MIN = 256 * 1024
+"""The smallest value :func:`out_of_band` offers as a buffer of its own."""
+
+
+def out_of_band(data: bytes) -> Any:
+    """``data`` as a class's ``__reduce_ex__`` gives it for pickle protocol 5: a large value
+    becomes a buffer, which the pool's own jobs carry beside their pickle, uncopied (a
+    model's weights: copying them into the pickle held the interpreter lock 14 ms for 30
+    MB); pickled any other way it is copied in as usual. :func:`as_bytes` takes it back."""
+    return pickle.PickleBuffer(data) if len(data) >= OUT_OF_BAND_MIN else data
+
+
+def as_bytes(data: Any) -> bytes:
+    """What :func:`out_of_band` was given, as ``bytes`` again (in a worker, a copy of the
+    received buffer)."""
+    return data if type(data) is bytes else bytes(data)
+
+
+def _dumps(obj: object, by: type[_ByDigest],
+           buffers: list[pickle.PickleBuffer] | None = None) -> tuple[bytes, Definition | None]:
     if type(obj) is tuple and len(obj) == 3 and type(obj[0]) is types.FunctionType \
             and obj[0].__module__ == "__main__":
-        shipped = _with_main_function_kept(obj, by)
+        shipped = _with_main_function_kept(obj, by, buffers)
         return shipped if shipped is not None else (_dumps_carefully(obj), None)
-    return _dumps_plain(obj), None
+    return _dumps_plain(obj, buffers), None
 
 
-def _dumps_plain(obj: object) -> bytes:
+def _dumps_plain(obj: object, buffers: list[pickle.PickleBuffer] | None = None) -> bytes:
     # The C pickler alone first: the Python-level hook below costs a call per pickled
     # object, and most jobs refer to nothing in __main__. A reference to __main__ would
     # show in the bytes as its name; such bytes (or any failure) take the careful way.
+    # (The careful way copies every value into the pickle: it is rare.)
     try:
-        fast = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        fast = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL,
+                            buffer_callback=None if buffers is None else buffers.append)
     except Exception:
         pass
     else:
@@ -81,12 +104,18 @@ def _dumps_plain(obj: object) -> bytes:
         # none is from __main__. Pickling again into a buffer copied every large value a
         # second time, holding the interpreter lock (a model's weights: 10 to 24 ms).
         try:
-            _StrictPickler(_Nowhere(), protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+            _StrictPickler(_Nowhere(), protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=_elsewhere).dump(obj)
         except Exception:  # noqa: BLE001 - a reference to __main__ (or any failure): the careful way
             pass
         else:
             return fast
+        if buffers:
+            buffers.clear()
     return _dumps_carefully(obj)
+
+
+def _elsewhere(buffer: pickle.PickleBuffer) -> None:
+    """A pickler's ``buffer_callback`` that keeps nothing: the buffer is out of band."""
 
 
 class _Nowhere:
@@ -174,7 +203,8 @@ class _DigestOnly(_ByDigest):
 _kept: weakref.WeakKeyDictionary[types.FunctionType, _Kept] = weakref.WeakKeyDictionary()
 
 
-def _with_main_function_kept(obj: object, by: type[_ByDigest]) -> tuple[bytes, Definition] | None:
+def _with_main_function_kept(obj: object, by: type[_ByDigest],
+                             buffers: list[pickle.PickleBuffer] | None = None) -> tuple[bytes, Definition] | None:
     """``obj`` pickled with its __main__ function sent through the kept pickle (``by`` says
     how the job refers to it), and the function's definition; None where ``obj`` is not a
     job of that kind (or refers to __main__ elsewhere too)."""
@@ -185,7 +215,7 @@ def _with_main_function_kept(obj: object, by: type[_ByDigest]) -> tuple[bytes, D
         return None
     if not (all(type(arg) in _PLAIN for arg in args) and all(type(arg) in _PLAIN for arg in kwargs.values())):
         try:
-            rest = pickle.dumps((args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+            rest = pickle.dumps((args, kwargs), protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=_elsewhere)
         except Exception:
             return None
         if b"__main__" in rest:
@@ -207,7 +237,8 @@ def _with_main_function_kept(obj: object, by: type[_ByDigest]) -> tuple[bytes, D
                      tuple((name, namespace[name]) for name in names),
                      hashlib.blake2b(blob, digest_size=16).digest(), blob)
         _kept[fn] = kept
-    return pickle.dumps((by(kept), args, kwargs), protocol=pickle.HIGHEST_PROTOCOL), (kept.digest, kept.blob)
+    return pickle.dumps((by(kept), args, kwargs), protocol=pickle.HIGHEST_PROTOCOL,
+                        buffer_callback=None if buffers is None else buffers.append), (kept.digest, kept.blob)
 
 
 def _cells(fn: types.FunctionType) -> tuple[Any, ...]:

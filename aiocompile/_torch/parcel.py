@@ -32,6 +32,8 @@ import types
 from dataclasses import dataclass, field
 from typing import Any
 
+from aiocompile._pool import serialize
+
 
 @dataclass(frozen=True)
 class Parcel:
@@ -44,6 +46,16 @@ class Parcel:
     @property
     def size(self) -> int:
         return len(self.data)
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        # Sent to the pool's own workers, the pickled model goes beside the job's pickle,
+        # uncopied (``serialize.out_of_band``).
+        data = serialize.out_of_band(self.data) if protocol >= 5 else self.data
+        return _parcel, (data, self.how)
+
+
+def _parcel(data: Any, how: str) -> Parcel:
+    return Parcel(serialize.as_bytes(data), how)
 
 
 class _MainSeen(pickle.Pickler):
