@@ -72,8 +72,11 @@ def encode_job(job_id: int, env: dict[str, str] | None, sys_path: list[str] | No
     (``Worker.sent_env``, ``sent_path``); ``definition`` is a __main__ function's, for a
     worker not yet sent it (``serialize``). The buffers follow the payload; their sizes
     are in the message's extra part."""
-    views = [buffer.raw() for buffer in buffers]
-    sizes = tuple(view.nbytes for view in views)
+    if buffers:
+        views = [buffer.raw() for buffer in buffers]
+        sizes = tuple(view.nbytes for view in views)
+    else:  # nearly every job
+        views, sizes = [], ()
     extra = b"" if env is None and sys_path is None and definition is None and not sizes else \
         pickle.dumps((env, sys_path, definition, sizes), protocol=pickle.HIGHEST_PROTOCOL)
     size = JOB_HEADER.size + len(extra) + len(payload) + sum(sizes)
