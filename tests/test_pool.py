@@ -500,3 +500,23 @@ def test_a_large_parcel_goes_beside_the_jobs_pickle_and_arrives_whole():
         assert pool.submit(digest, small).result(timeout=60) == digest(small)
         # A job after one with buffers: the worker reads each message whole.
         assert pool.submit(len, b"after").result(timeout=60) == 5
+
+
+def test_a_job_that_takes_the_careful_way_carries_no_buffers():
+    """A job whose first pickling fails (here a function of __main__ that pickle cannot
+    find) after a large parcel was offered out of band goes the careful way, every value
+    in its pickle, and no buffer beside it."""
+    import pickle
+
+    pytest.importorskip("cloudpickle")
+    from aiocompile._pool import serialize
+    from aiocompile._torch.parcel import Parcel
+
+    parcel = Parcel(os.urandom(serialize.OUT_OF_BAND_MIN + 1), "reference")
+    scale = lambda x: 2 * x  # noqa: E731 - a lambda: pickled by reference, it cannot be found
+    scale.__module__ = "__main__"
+    buffers: list = []
+    payload, definition = serialize.dumps_apart((len, (parcel, scale), {}), buffers)
+    assert buffers == [] and definition is None
+    _, (back, function), _ = pickle.loads(payload)
+    assert back == parcel and function(21) == 42

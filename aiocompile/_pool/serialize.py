@@ -109,8 +109,8 @@ def _dumps_plain(obj: object, buffers: list[pickle.PickleBuffer] | None = None) 
             pass
         else:
             return fast
-        if buffers:
-            buffers.clear()
+    if buffers:
+        buffers.clear()  # the careful way keeps every value in the pickle
     return _dumps_carefully(obj)
 
 
