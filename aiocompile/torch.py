@@ -36,18 +36,13 @@ from aiocompile._torch.background import BackgroundCompiled, compile_in_backgrou
 from aiocompile._torch.states import BackgroundStatus, ShapeStatus
 from aiocompile._torch.warming import warm
 
-# Public name -> the module that defines it.
+# The other public names -> the module that defines each, imported at first use.
 _EXPORTS = {
-    "BackgroundCompiled": "aiocompile._torch.background",
-    "BackgroundStatus": "aiocompile._torch.states",
     "PRELOAD": "aiocompile.backends.inductor._worker",
-    "ShapeStatus": "aiocompile._torch.states",
-    "compile_in_background": "aiocompile._torch.background",
     "install": "aiocompile._torch.install",
     "installed": "aiocompile._torch.install",
     "is_installed": "aiocompile._torch.install",
     "uninstall": "aiocompile._torch.install",
-    "warm": "aiocompile._torch.warming",
 }
 
 __all__ = [
@@ -78,8 +73,5 @@ def __dir__() -> list[str]:
 
 
 if _typing.TYPE_CHECKING:
-    from aiocompile._torch.background import BackgroundCompiled, compile_in_background
     from aiocompile._torch.install import install, installed, is_installed, uninstall
-    from aiocompile._torch.states import BackgroundStatus, ShapeStatus
-    from aiocompile._torch.warming import warm
     from aiocompile.backends.inductor._worker import PRELOAD

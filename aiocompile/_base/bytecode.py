@@ -35,6 +35,8 @@ from importlib.machinery import ModuleSpec
 from types import CodeType
 from typing import Any
 
+from aiocompile._base import paths
+
 __all__ = ["CachedSourceLoader", "directory", "find_spec_after", "install_for_process"]
 
 _OFF = ("off", "0", "false", "no", "none")
@@ -49,8 +51,7 @@ def directory() -> str | None:
         return None
     if value:
         return os.path.abspath(os.path.expanduser(value))
-    base = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "aiocompile", "bytecode")
+    return paths.user_cache("bytecode")
 
 
 class _Made:

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
-from aiocompile._base import checks
+from aiocompile._base import checks, paths
 
 _MAX_DEFAULT_WORKERS = 16
 # The default bound of one entry of a cache directory (``cache_dir_entry_bytes``), also
@@ -51,8 +51,7 @@ def default_workers() -> int:
 def default_repro_dir() -> str:
     """``aiocompile/repro`` in the user's cache directory (``$XDG_CACHE_HOME``, else
     ``~/.cache``)."""
-    base = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "aiocompile", "repro")
+    return paths.user_cache("repro")
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ it made. :func:`start` and :func:`wait` do so for a form.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import threading
 import time
@@ -33,7 +34,7 @@ class Ahead:
         self.name = name
         self._work = work
         self._lock = threading.Lock()
-        self._done = threading.Event()
+        self._finished: cf.Future[None] = cf.Future()
         self.started = False
         self.seconds: float | None = None
         """How long it took, once it has run without raising."""
@@ -56,15 +57,25 @@ class Ahead:
         except Exception as exc:  # noqa: BLE001 - whoever needs it next meets the failure and reports it
             _logger.debug("%s, made for loads here, failed: %s: %s", self.name, type(exc).__name__, exc)
         finally:
-            self._done.set()
+            self._finished.set_result(None)
+
+    def finished(self) -> cf.Future[None] | None:
+        """A future done when the work has ended (whether or not it raised); None when it
+        has not begun."""
+        with self._lock:
+            return self._finished if self.started else None
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for work that has begun (at most ``timeout`` seconds); True when there is
         none or it has ended. A load that runs while it does would repeat it."""
-        with self._lock:
-            if not self.started:
-                return True
-        return self._done.wait(timeout)
+        finished = self.finished()
+        if finished is None:
+            return True
+        try:
+            finished.result(timeout)
+        except cf.TimeoutError:
+            return False
+        return True
 
 
 def _prepare_graph_load() -> None:
@@ -81,6 +92,12 @@ def start(form: str) -> None:
     """Begin what loading ``form`` here needs (``"python"``; a package needs nothing)."""
     if form == "python":
         GRAPH_LOAD.start()
+
+
+def finished(form: str) -> cf.Future[None] | None:
+    """A future done when what loading ``form`` needs has been made; None when nothing
+    has begun (or ``form`` needs nothing)."""
+    return GRAPH_LOAD.finished() if form == "python" else None
 
 
 def wait(form: str, timeout: float | None = None) -> bool:

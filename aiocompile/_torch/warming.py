@@ -186,8 +186,8 @@ async def warm(device: str = "cpu") -> Scheduler:
     scheduler, warming = await bridge.wait(threads.start(start, "aiocompile-warm", daemon=True))
     for future in warming:
         await bridge.wait(future)
-    # In short waits, so that a cancelled await does not wait for the end of the work;
-    # none at all (no thread) when there is nothing to wait for.
-    while not ahead.wait(form, 0):
-        await bridge.wait(threads.start(lambda: ahead.wait(form, 0.1), "aiocompile-warm-wait", daemon=True))
+    # On its future: no thread waits, and a cancelled await leaves the work going on.
+    made = ahead.finished(form)
+    if made is not None:
+        await bridge.wait(made)
     return scheduler
