@@ -131,12 +131,7 @@ def _long_calls(threshold: float, found: list[tuple[float, float, str, str]]) ->
                 start, calls = began.pop()
                 length = time.perf_counter() - start
                 if length >= threshold and calls == python_calls[0] and getattr(arg, "__name__", "") not in waits:
-                    where, f = [], frame
-                    while f is not None and len(where) < 5:
-                        code = f.f_code  # type: ignore[attr-defined]
-                        if not code.co_filename.startswith("<frozen"):
-                            where.append(f"{os.path.basename(code.co_filename)}:{code.co_name}")
-                        f = f.f_back  # type: ignore[attr-defined]
+                    where = _where(frame, 5, lines=False)
                     name = getattr(arg, "__qualname__", None) or repr(arg)[:60]
                     found.append((start - T0, length, threading.current_thread().name,
                                   f"{name} <- {' <- '.join(where)}"))
@@ -147,6 +142,20 @@ def _long_calls(threshold: float, found: list[tuple[float, float, str, str]]) ->
         sys.setprofile(profile_of_thread())  # type: ignore[arg-type]
 
     threading.setprofile(start)
+
+
+def _where(frame: object, depth: int, *, lines: bool) -> list[str]:
+    """The innermost ``depth`` frames from ``frame`` out, ``file:function`` (and
+    ``:line``); without lines, importlib's frozen frames are skipped."""
+    where: list[str] = []
+    while frame is not None and len(where) < depth:
+        code = frame.f_code  # type: ignore[attr-defined]
+        if lines:
+            where.append(f"{os.path.basename(code.co_filename)}:{code.co_name}:{frame.f_lineno}")  # type: ignore[attr-defined]
+        elif not code.co_filename.startswith("<frozen"):
+            where.append(f"{os.path.basename(code.co_filename)}:{code.co_name}")
+        frame = frame.f_back  # type: ignore[attr-defined]
+    return where
 
 
 class _StallSampler:
@@ -190,11 +199,7 @@ class _StallSampler:
             for ident, frame in sys._current_frames().items():
                 if ident == threading.get_ident():
                     continue
-                where, f = [], frame
-                while f is not None and len(where) < 6:
-                    code = f.f_code
-                    where.append(f"{os.path.basename(code.co_filename)}:{code.co_name}:{f.f_lineno}")
-                    f = f.f_back
+                where = _where(frame, 6, lines=True)
                 if ident != self._main and where and where[0].split(":")[0] in self._IDLE:
                     continue
                 sample.append(f"{'LOOP' if ident == self._main else names.get(ident, ident)}: {' <- '.join(where)}")
