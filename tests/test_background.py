@@ -290,7 +290,8 @@ def test_an_export_failure_bundle_reproduces_it(sched):
     manifest = bundle_manifest(str(bundle))
     assert (manifest["kind"], manifest["name"], manifest["stage"]) == ("background", "DataDependent", "export")
     assert manifest["signature"] == "f32[5] cpu" and manifest["versions"]["torch"] == torch.__version__
-    assert {"bundle.json", "error.txt", "repro.py", "model.pkl", "inputs.pt", "inputs.txt", "model.txt"} <= \
+    assert {"bundle.json", "error.txt", "repro.py", "model.pkl", "weights.bin", "inputs.pt", "inputs.txt",
+            "model.txt"} <= \
         set(manifest["files"])
     assert "float32[5] stride (1) cpu" in (bundle / "inputs.txt").read_text()
     error = (bundle / "error.txt").read_text()
@@ -347,7 +348,7 @@ def test_a_worker_killed_mid_compile_leaves_eager_serving_with_a_bundle(sched, t
     # Written by the parent, the worker being gone: the model and inputs, and the script.
     manifest = bundle_manifest(shape.repro)
     assert manifest["stage"].startswith("unknown") and manifest["error_type"] == "WorkerCrashed"
-    assert {"model.pkl", "inputs.pt", "repro.py"} <= set(manifest["files"])
+    assert {"model.pkl", "weights.bin", "inputs.pt", "repro.py"} <= set(manifest["files"])
     assert wait_until(lambda: sched.statistics().worker_crashes >= 1)
 
     proc = run_repro(shape.repro)

@@ -89,3 +89,61 @@ def test_without_cloudpickle_a_class_of_main_is_refused_saying_what_to_change(mo
     with pytest.raises(TypeError, match=r"Scaled defined in the program's __main__.*move its class into an "
                                         r"importable module"):
         _parcel.pack(model)
+
+
+class Shared(torch.nn.Module):
+    """Weights of several kinds: a large one, a bfloat16 one, a frozen parameter, a buffer
+    and a transposed view of another parameter's storage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(512, 256))  # 512 KiB
+        self.brain = torch.nn.Parameter(torch.randn(8, 4).to(torch.bfloat16))
+        self.frozen = torch.nn.Parameter(torch.randn(3), requires_grad=False)
+        self.register_buffer("steps", torch.arange(5))
+        self.register_buffer("transposed", self.table.detach().t())
+
+
+def test_the_weights_go_beside_the_pickle_uncopied_and_come_back_as_they_were():
+    """Each storage's bytes are a buffer of the parcel, not part of its pickle; on the CPU
+    they are the storage's own memory. Unpickled (torch alone needed), every tensor is
+    equal, of its dtype, device and strides, parameters keep ``requires_grad``, and views
+    of one storage are views of one storage again."""
+    import ctypes
+    import pickle
+
+    model = Shared()
+    parcel = _parcel.pack(model)
+    assert parcel.how == "reference" and len(parcel.data) < 16 * 1024
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in (*model.parameters(), *model.buffers())}
+    assert sorted(memoryview(w).nbytes for w in parcel.weights) == sorted(storages.values())
+    assert parcel.size == len(parcel.data) + sum(storages.values())
+    addresses = {ctypes.addressof(ctypes.c_ubyte.from_buffer(w.obj)) for w in parcel.weights if len(w)}
+    assert addresses == set(storages)  # the model's own memory
+
+    for copy in (_parcel.unpack(parcel),
+                 # As other executors and the repro bundle get it: everything in one pickle.
+                 _parcel.unpack(pickle.loads(pickle.dumps(parcel, protocol=4))),
+                 _parcel.unpack(pickle.loads(pickle.dumps(parcel, protocol=5)))):
+        for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+            again = getattr(copy, name)
+            assert type(again) is type(tensor) and again.dtype == tensor.dtype and again.stride() == tensor.stride()
+            assert again.requires_grad == tensor.requires_grad and again.device == tensor.device
+            torch.testing.assert_close(again, tensor, rtol=0, atol=0)
+        assert copy.transposed.untyped_storage().data_ptr() == copy.table.untyped_storage().data_ptr()
+    assert _parcel.digest(parcel) != _parcel.digest(_parcel.pack(Shared()))
+
+
+def test_a_model_sent_by_value_puts_its_weights_beside_the_pickle_too(monkeypatch):
+    pytest.importorskip("cloudpickle")
+    model = in_main(monkeypatch)
+    parcel = _parcel.pack(model)
+    assert parcel.how == "cloudpickle"
+    weights = sum(t.untyped_storage().nbytes() for t in (*model.parameters(), *model.buffers()))
+    assert sum(memoryview(w).nbytes for w in parcel.weights) == weights > 0
+    monkeypatch.delattr(sys.modules["__main__"], "Scaled")
+    copy = _parcel.unpack(parcel)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(copy(x), model(x), rtol=0, atol=0)

@@ -63,12 +63,15 @@ OUT_OF_BAND_MIN = 256 * 1024
 """The smallest value :func:`out_of_band` offers as a buffer of its own."""
 
 
-def out_of_band(data: bytes) -> Any:
+def out_of_band(data: bytes | memoryview) -> Any:
     """``data`` as a class's ``__reduce_ex__`` gives it for pickle protocol 5: a large value
     becomes a buffer, which the pool's own jobs carry beside their pickle, uncopied (a
     model's weights: copying them into the pickle held the interpreter lock 14 ms for 30
-    MB); pickled any other way it is copied in as usual. :func:`as_bytes` takes it back."""
-    return pickle.PickleBuffer(data) if len(data) >= OUT_OF_BAND_MIN else data
+    MB); pickled any other way it is copied in as usual; a small one is ``bytes``.
+    :func:`as_bytes` takes it back."""
+    if type(data) is bytes:
+        return pickle.PickleBuffer(data) if len(data) >= OUT_OF_BAND_MIN else data
+    return pickle.PickleBuffer(data) if memoryview(data).nbytes >= OUT_OF_BAND_MIN else bytes(data)
 
 
 def as_bytes(data: Any) -> bytes:

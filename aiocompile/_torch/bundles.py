@@ -6,7 +6,8 @@ Two kinds:
   Written by the worker when a stage raised (it holds the model, the exported program and
   the generated sources), or by the parent when the worker died or ran out of time (it
   holds the model and the inputs). The bundle carries the model (``model.pkl``; classes of
-  the program's ``__main__`` in it by value, never its script), the inputs
+  the program's ``__main__`` in it by value, never its script; its storages' bytes, the
+  pickle's out-of-band buffers, in ``weights.bin``), the inputs
   (``inputs.pt``, described in ``inputs.txt``), the exported FX graph's code
   (``graph.py``) when export got that far, the sources Inductor generated meanwhile
   (``kernels/``), the Inductor settings, and ``repro.py``, which exports, compiles, loads
@@ -137,6 +138,7 @@ def background_failure(job: ExportJob, stage: str, exc: BaseException, *, model:
     files: dict[str, bytes | str] = {
         "error.txt": error_text(exc),
         "model.pkl": job.parcel.data,
+        "weights.bin": b"".join(job.parcel.weights),
         "inputs.pt": job.inputs,
         "repro.py": background_script(job, stage, type(exc).__name__),
     }
@@ -172,7 +174,7 @@ def background_script(job: ExportJob, stage: str, error_type: str) -> str:
         name=job.name, signature=job.signature, stage=stage, error_type=error_type,
         configs=configs_literal(job.inductor_configs), package_configs=repr(_package_configs()),
         device_index=job.device_index, sys_path=repr([p for p in sys.path if p]),
-        form=repr(job.form),
+        form=repr(job.form), weight_sizes=repr([memoryview(weight).nbytes for weight in job.parcel.weights]),
     )
 
 
@@ -209,13 +211,21 @@ INDUCTOR_CONFIGS = {configs}
 PACKAGE_CONFIGS = {package_configs}
 DEVICE_INDEX = {device_index}
 FORM = {form}
+# The sizes of the model's storages in weights.bin, one after another.
+WEIGHT_SIZES = {weight_sizes}
 
 
 def load_model():
     with open(os.path.join(HERE, "model.pkl"), "rb") as f:
         data = f.read()
+    with open(os.path.join(HERE, "weights.bin"), "rb") as f:
+        weights = memoryview(f.read())
+    buffers, start = [], 0
+    for size in WEIGHT_SIZES:
+        buffers.append(weights[start:start + size])
+        start += size
     # Classes of the program's __main__ came by value (cloudpickle): its script is not run.
-    return pickle.loads(data)
+    return pickle.loads(data, buffers=buffers)
 
 
 def main():

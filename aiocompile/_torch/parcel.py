@@ -5,7 +5,12 @@ in the server's own script (``python serve.py``: the class lives in ``__main__``
 worker never imports). So a model travels as a :class:`Parcel`:
 
 - the module pickled as usual: classes and functions by reference, tensors (weights and
-  buffers) by value;
+  buffers) by value, each storage's bytes beside the pickle (``Parcel.weights``) rather
+  than copied into it: a CPU tensor's are its own memory, uncopied; a GPU tensor's are
+  copied to the host by torch, which lets the interpreter lock go meanwhile. (Pickled
+  as torch pickles them, every storage is ``torch.save``d into the pickle holding the
+  lock: 5 to 10 ms for an 8 MB embedding, a stall of every thread serving beside it.)
+  Unpickling needs torch alone, as torch's own pickles do;
 - when something it references lives in ``__main__`` (the program's script, a notebook,
   ``python -c``) or is local to a function: by value with ``cloudpickle``, which carries
   those classes with their methods and the globals they read. The script itself is never
@@ -23,12 +28,15 @@ it already.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import hashlib
 import io
 import pickle
 import sys
 import time
 import types
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,25 +50,35 @@ class Parcel:
     data: bytes = field(repr=False)
     how: str
     """``reference`` or ``cloudpickle``."""
+    weights: tuple[bytes | memoryview, ...] = field(default=(), repr=False)
+    """The storages' bytes, the pickle's out-of-band buffers in its order."""
 
     @property
     def size(self) -> int:
-        return len(self.data)
+        return len(self.data) + sum(memoryview(weight).nbytes for weight in self.weights)
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
-        # Sent to the pool's own workers, the pickled model goes beside the job's pickle,
-        # uncopied (``serialize.out_of_band``).
-        data = serialize.out_of_band(self.data) if protocol >= 5 else self.data
-        return _parcel, (data, self.how)
+        # Sent to the pool's own workers, the pickled model and its weights go beside the
+        # job's pickle, uncopied (``serialize.out_of_band``).
+        if protocol >= 5:
+            return _parcel, (serialize.out_of_band(self.data), self.how,
+                             tuple(serialize.out_of_band(weight) for weight in self.weights))
+        return _parcel, (self.data, self.how, tuple(bytes(weight) for weight in self.weights))
 
 
-def _parcel(data: Any, how: str) -> Parcel:
-    return Parcel(serialize.as_bytes(data), how)
+def _parcel(data: Any, how: str, weights: Sequence[Any] = ()) -> Parcel:
+    # The weights stay the buffers received: unpickling copies each into a storage.
+    return Parcel(serialize.as_bytes(data), how, tuple(_bytes_like(weight) for weight in weights))
+
+
+def _bytes_like(value: Any) -> bytes | memoryview:
+    return value if isinstance(value, bytes | memoryview) else memoryview(value)
 
 
 class _MainSeen(pickle.Pickler):
     """A pickler that notes whether anything was pickled by reference into ``__main__``,
-    and lets other threads run between two tensors.
+    puts the weights beside the pickle (:func:`_storage_reduction`), and lets other
+    threads run between two tensors.
 
     Packing runs in a thread of the serving process while its calls go on, and copying
     the weights holds the interpreter lock: a serving thread that lets go of the lock (a
@@ -68,43 +86,77 @@ class _MainSeen(pickle.Pickler):
     it back, up to the switch interval (5 ms) each time. Offering the lock before each
     tensor bounds that wait by one tensor's copy."""
 
-    def __init__(self, file: io.BytesIO) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+    def __init__(self, file: io.BytesIO, weights: list[pickle.PickleBuffer]) -> None:
+        super().__init__(file, protocol=5, buffer_callback=weights.append)
         self.main_names: set[str] = set()
-        self._tensor = _tensor_type()
+        self._torch = sys.modules.get("torch")
 
     def reducer_override(self, obj: Any) -> Any:
-        if not _offered_at(obj, self._tensor) and isinstance(obj, (type, types.FunctionType)) \
-                and getattr(obj, "__module__", None) == "__main__":
-            self.main_names.add(getattr(obj, "__qualname__", repr(obj)))
-        return NotImplemented
+        if _offered_at(obj, self._torch):
+            return NotImplemented
+        if isinstance(obj, (type, types.FunctionType)):
+            if getattr(obj, "__module__", None) == "__main__":
+                self.main_names.add(getattr(obj, "__qualname__", repr(obj)))
+            return NotImplemented
+        return _storage_reduction(obj, self._torch)
 
 
-def _tensor_type() -> type | None:
-    """``torch.Tensor`` when torch is imported (a model's weights are then tensors)."""
-    return getattr(sys.modules.get("torch"), "Tensor", None)
-
-
-def _offered_at(obj: Any, tensor: type | None) -> bool:
-    """Before a tensor is copied, offer the interpreter lock to a waiting thread (see
-    :class:`_MainSeen`); whether ``obj`` is one."""
-    if tensor is not None and isinstance(obj, tensor):
+def _offered_at(obj: Any, torch: Any) -> bool:
+    """Before a tensor is pickled, offer the interpreter lock to a waiting thread (see
+    :class:`_MainSeen`); whether ``obj`` is one. (No torch imported: no tensors.)"""
+    if torch is not None and isinstance(obj, torch.Tensor):
         time.sleep(0)
         return True
     return False
 
 
+def _storage_reduction(obj: Any, torch: Any) -> Any:
+    """How a tensor's storage pickles here: its bytes as an out-of-band buffer, rebuilt by
+    torch's own functions (``UntypedStorage.from_buffer``, ``.to(device=...)``, a
+    ``TypedStorage`` around it), as ``torch.load`` would place it. ``NotImplemented``
+    for anything else (pickled as usual) and for a storage of no real memory (``meta``)."""
+    if torch is None:
+        return NotImplemented
+    storage = torch.storage
+    if type(obj) is storage.TypedStorage:
+        rebuild = functools.partial(storage.TypedStorage, wrap_storage=obj._untyped_storage, dtype=obj.dtype,
+                                    _internal=True)
+        return rebuild, ()
+    if type(obj) is not storage.UntypedStorage or obj.device.type == "meta":
+        return NotImplemented
+    device = obj.device
+    if device.type != "cpu":
+        # Copied to the host by torch, which lets the lock go meanwhile; the host's
+        # storage then pickles as a CPU storage, placed back by the loader.
+        host = torch.empty(0, dtype=torch.uint8, device=device).set_(obj).cpu().untyped_storage()
+        return functools.partial(storage.UntypedStorage.to, device=str(device)), (host,)
+    return functools.partial(storage.UntypedStorage.from_buffer, dtype=torch.uint8), (_memory_of(obj),)
+
+
+def _memory_of(host: Any) -> pickle.PickleBuffer | bytes:
+    """A CPU storage's own memory as a buffer (uncopied; the buffer keeps it alive)."""
+    size = host.nbytes()
+    if not size:
+        return b""
+    memory = (ctypes.c_ubyte * size).from_address(host.data_ptr())
+    memory.storage = host  # type: ignore[attr-defined]
+    return pickle.PickleBuffer(memory)
+
+
 def pack(obj: Any) -> Parcel:
-    """``obj`` as a parcel for a worker (blocking: copies every weight; call it off the
-    event loop). Raises ``TypeError`` when it cannot be sent."""
+    """``obj`` as a parcel for a worker (blocking, seconds for a large GPU model, whose
+    weights are copied to the host; call it off the event loop). A CPU model's weights are
+    its own memory, uncopied: what a worker receives is what they hold when the job is
+    sent. Raises ``TypeError`` when it cannot be sent."""
     buffer = io.BytesIO()
-    pickler = _MainSeen(buffer)
+    weights: list[pickle.PickleBuffer] = []
+    pickler = _MainSeen(buffer, weights)
     try:
         pickler.dump(obj)
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
         return _by_value(obj, f"{type(exc).__name__}: {exc}")
     if not pickler.main_names:
-        return Parcel(buffer.getvalue(), "reference")
+        return Parcel(buffer.getvalue(), "reference", _raw(weights))
     # A worker has no ``__main__`` of the program's, and must not make one by running
     # the program's script: what lives there travels by value.
     return _by_value(obj, f"{', '.join(sorted(pickler.main_names))} defined in the program's __main__")
@@ -118,19 +170,27 @@ def _by_value(obj: Any, why: str) -> Parcel:
             f"the model cannot be sent to a worker process ({why}): move its class into an importable module, "
             "or install cloudpickle to send it by value (a worker never runs the program's script)"
         ) from None
-    tensor = _tensor_type()
+    torch = sys.modules.get("torch")
 
     class Offering(cloudpickle.Pickler):
         def reducer_override(self, obj: Any) -> Any:
-            _offered_at(obj, tensor)
+            if not _offered_at(obj, torch):
+                reduced = _storage_reduction(obj, torch)
+                if reduced is not NotImplemented:
+                    return reduced
             return super().reducer_override(obj)
 
     buffer = io.BytesIO()
+    weights: list[pickle.PickleBuffer] = []
     try:
-        Offering(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-        return Parcel(buffer.getvalue(), "cloudpickle")
+        Offering(buffer, protocol=5, buffer_callback=weights.append).dump(obj)
+        return Parcel(buffer.getvalue(), "cloudpickle", _raw(weights))
     except Exception as exc:
         raise TypeError(f"the model cannot be sent to a worker process: {type(exc).__name__}: {exc}") from exc
+
+
+def _raw(weights: list[pickle.PickleBuffer]) -> tuple[memoryview, ...]:
+    return tuple(weight.raw() for weight in weights)
 
 
 # -- the worker's half --------------------------------------------------------------------------
@@ -139,9 +199,12 @@ def _by_value(obj: Any, why: str) -> Parcel:
 def unpack(parcel: Parcel) -> Any:
     """The object again, in a worker (whatever came by value with ``cloudpickle`` is
     rebuilt from the parcel alone: no script is run)."""
-    return pickle.loads(parcel.data)
+    return pickle.loads(parcel.data, buffers=parcel.weights)
 
 
 def digest(parcel: Parcel) -> str:
     """A short hash of the parcel, for names."""
-    return hashlib.sha256(parcel.data).hexdigest()[:16]
+    hashed = hashlib.sha256(parcel.data)
+    for weight in parcel.weights:
+        hashed.update(weight)
+    return hashed.hexdigest()[:16]
