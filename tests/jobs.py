@@ -179,3 +179,13 @@ def start_tree_then_hang(path):
     with open(path, "w") as f:
         f.write(f"{child.pid} {grandchild}\n")
     time.sleep(300)
+
+
+def wait_for_path(path, timeout=60.0):
+    """Return once ``path`` exists (a gate a test opens)."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(path)
+        time.sleep(0.01)
+    return path

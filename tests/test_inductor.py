@@ -507,6 +507,33 @@ def test_uninstall_leaves_what_someone_else_put_there(async_compile):
         sched.close()
 
 
+def test_installed_inductor_hears_its_pool_is_ready_once_a_worker_has_warmed_up(async_compile, tmp_path):
+    """Until one of the warm-ups ``warm_pool()`` started has finished, Inductor is told its
+    pool is not ready, as its own pool says while it starts: template choices are then
+    precompiled in its threads rather than queued for workers not there yet."""
+    from torch._inductor import config
+
+    import aiocompile.torch as aiotorch
+    from aiocompile._torch.installation import STATE
+
+    gate = tmp_path / "open"
+    sched = aiocompile.Scheduler(config=NO_PRELOAD)
+    try:
+        with aiotorch.installed(sched, warm=False), config.patch(compile_threads=4):
+            assert async_compile.use_process_pool() is True  # nothing started here: as before
+            installation = STATE.current
+            # The warm-up a worker runs, held until the test lets it finish.
+            installation.warming = sched.port.warm_workers(jobs.wait_for_path, (str(gate),))
+            assert installation.warming and async_compile.use_process_pool() is False
+            gate.touch()
+            cf.wait(installation.warming, timeout=60)
+            assert async_compile.use_process_pool() is True
+            with config.patch(compile_threads=1):
+                assert async_compile.use_process_pool() is False
+    finally:
+        sched.close()
+
+
 def test_installed_inductor_never_starts_its_own_pool(async_compile):
     from torch._inductor import config
 

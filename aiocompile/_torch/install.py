@@ -12,8 +12,11 @@ exactly what was there):
 - ``rocm``: the same with ``ROCmCodeCache`` (ROCm's Clang, HIP);
 - ``halide``: Halide's runtime, then each kernel's build (its generator, its C++ glue)
   in a worker; Inductor loads the kernel's binding here;
-- ``use_process_pool``: true whenever Inductor would compile in parallel, so that it starts
-  compiles during code generation; its own pool is never started;
+- ``use_process_pool``: true whenever Inductor would compile in parallel and a worker has
+  finished its warm-up, so that it starts compiles during code generation; until then
+  false, as Inductor's own answer is while its pool starts (template choices are then
+  precompiled in its threads rather than queued for workers not yet there); its own pool
+  is never started;
 - ``warm_pool``, ``wakeup``, ``wait_pool_ready``: instead of Inductor's pool warm-up, the
   scheduler's workers are started (and, under max-autotune, the benchmark processes).
 
@@ -403,7 +406,7 @@ def _use_process_pool(cls: Any) -> bool:
     installation = _active(cls, "use_process_pool")
     if installation is None:
         return bool(cls.use_process_pool())
-    return async_triton.parallel()
+    return async_triton.parallel() and installation.workers_ready()
 
 
 def _warm_pool(cls: type) -> None:
@@ -453,7 +456,7 @@ def _warm(installation: Installation) -> None:
             return
         installation.warmed = True
     try:
-        scheduler.port.warm_workers(_warm_up_function())
+        installation.warming = scheduler.port.warm_workers(_warm_up_function())
     except Exception:  # a closed scheduler, a pool that cannot start: the compile will say
         pass
 

@@ -4,6 +4,7 @@ the one piece of process-wide state of the torch integration (``STATE``)."""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import os
 import threading
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ class Installation:
     originals: dict[str, tuple[bool, Any]] = field(default_factory=dict)
     """Attribute name -> (whether it was the class's own, the raw value there)."""
     warmed: bool = False
+    warming: list[cf.Future[Any]] = field(default_factory=list)
+    """The workers' warm-ups the first ``warm_pool()`` started (see ``workers_ready``)."""
     pid: int = field(default_factory=os.getpid)
     graph_hook: Any = None
     """What ``graph_repro.patch`` replaced (Inductor's debug wrapper), for uninstall()."""
@@ -46,6 +49,14 @@ class Installation:
                     self.pid = os.getpid()
                     self.warmed = False
         return self.scheduler
+
+    def workers_ready(self) -> bool:
+        """Whether a worker has finished its warm-up, or none was started here (workers
+        readied before, or started by the first compile). Until then Inductor is told its
+        pool is not ready, and does what it does then: template choices precompiled in
+        its threads, rather than waiting in the queue for the first worker."""
+        warming = self.warming
+        return not warming or any(done.done() and done.exception() is None for done in warming)
 
     def original(self, name: str) -> Any:
         own, raw = self.originals[name]
