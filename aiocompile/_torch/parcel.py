@@ -118,10 +118,9 @@ def _storage_reduction(obj: Any, torch: Any) -> Any:
     if torch is None:
         return NotImplemented
     storage = torch.storage
-    if type(obj) is storage.TypedStorage:
-        rebuild = functools.partial(storage.TypedStorage, wrap_storage=obj._untyped_storage, dtype=obj.dtype,
-                                    _internal=True)
-        return rebuild, ()
+    typed: Any = storage.TypedStorage
+    if type(obj) is typed:
+        return functools.partial(typed, wrap_storage=obj._untyped_storage, dtype=obj.dtype, _internal=True), ()
     if type(obj) is not storage.UntypedStorage or obj.device.type == "meta":
         return NotImplemented
     device = obj.device
@@ -139,7 +138,7 @@ def _memory_of(host: Any) -> pickle.PickleBuffer | bytes:
     if not size:
         return b""
     memory = (ctypes.c_ubyte * size).from_address(host.data_ptr())
-    memory.storage = host  # type: ignore[attr-defined]
+    memory.storage = host
     return pickle.PickleBuffer(memory)
 
 
