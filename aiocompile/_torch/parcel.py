@@ -38,7 +38,7 @@ import time
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from aiocompile._pool import serialize
 
@@ -118,9 +118,9 @@ def _storage_reduction(obj: Any, torch: Any) -> Any:
     if torch is None:
         return NotImplemented
     storage = torch.storage
-    typed: Callable[..., Any] = storage.TypedStorage
-    if type(obj) is typed:
-        return functools.partial(typed, wrap_storage=obj._untyped_storage, dtype=obj.dtype, _internal=True), ()
+    if type(obj) is storage.TypedStorage:
+        wrapped = {"wrap_storage": obj._untyped_storage, "dtype": obj.dtype, "_internal": True}
+        return functools.partial(storage.TypedStorage, **wrapped), ()
     if type(obj) is not storage.UntypedStorage or obj.device.type == "meta":
         return NotImplemented
     device = obj.device
