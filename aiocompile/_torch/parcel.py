@@ -38,7 +38,7 @@ import time
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from aiocompile._pool import serialize
 
@@ -119,8 +119,7 @@ def _storage_reduction(obj: Any, torch: Any) -> Any:
         return NotImplemented
     storage = torch.storage
     if type(obj) is storage.TypedStorage:
-        wrapped = {"wrap_storage": obj._untyped_storage, "dtype": obj.dtype, "_internal": True}
-        return functools.partial(storage.TypedStorage, **wrapped), ()
+        return _partial(storage.TypedStorage, wrap_storage=obj._untyped_storage, dtype=obj.dtype, _internal=True), ()
     if type(obj) is not storage.UntypedStorage or obj.device.type == "meta":
         return NotImplemented
     device = obj.device
@@ -128,8 +127,12 @@ def _storage_reduction(obj: Any, torch: Any) -> Any:
         # Copied to the host by torch, which lets the lock go meanwhile; the host's
         # storage then pickles as a CPU storage, placed back by the loader.
         host = torch.empty(0, dtype=torch.uint8, device=device).set_(obj).cpu().untyped_storage()
-        return functools.partial(storage.UntypedStorage.to, device=str(device)), (host,)
-    return functools.partial(storage.UntypedStorage.from_buffer, dtype=torch.uint8), (_memory_of(obj),)
+        return _partial(storage.UntypedStorage.to, device=str(device)), (host,)
+    return _partial(storage.UntypedStorage.from_buffer, dtype=torch.uint8), (_memory_of(obj),)
+
+
+# A rebuild function with its keyword arguments, pickled by reference to torch's own.
+_partial: Callable[..., Any] = functools.partial
 
 
 def _memory_of(host: Any) -> pickle.PickleBuffer | bytes:
