@@ -147,3 +147,19 @@ def test_a_model_sent_by_value_puts_its_weights_beside_the_pickle_too(monkeypatc
     x = torch.randn(4, 16)
     with torch.no_grad():
         torch.testing.assert_close(copy(x), model(x), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_gpu_models_weights_are_copied_to_the_host_and_placed_back_on_its_device():
+    model = Shared().cuda()
+    parcel = _parcel.pack(model)
+    assert len(parcel.data) < 16 * 1024
+    assert sum(memoryview(w).nbytes for w in parcel.weights) == \
+        sum(t.untyped_storage().nbytes() for t in (*model.parameters(), *model.buffers()))
+    copy = _parcel.unpack(parcel)
+    for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+        again = getattr(copy, name)
+        assert again.device == tensor.device and again.dtype == tensor.dtype and again.stride() == tensor.stride()
+        torch.testing.assert_close(again, tensor, rtol=0, atol=0)
+    assert copy.transposed.untyped_storage().data_ptr() == copy.table.untyped_storage().data_ptr()
