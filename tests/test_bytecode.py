@@ -129,3 +129,86 @@ async def test_the_fork_server_and_its_workers_write_it(package: Path, tmp_path:
     assert ours(cache, package / "freshpkg" / "work.py").is_file()
     sys.modules.pop("freshpkg.work", None)
     sys.modules.pop("freshpkg", None)
+
+
+def test_prepare_compiles_the_imported_and_named_sources_in_processes_of_their_own(
+        package: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``prepare`` hands the sources that lack bytecode, of the modules this process has
+    imported and of the packages named, to helper processes that write their bytecode;
+    an import then compiles none of them."""
+    from aiocompile._base import bytecode
+
+    cache = tmp_path / "bytecode"
+    (package / "importedpkg").mkdir()
+    (package / "importedpkg" / "__init__.py").write_text("VALUE = 2\n")
+    (package / "freshpkg" / "tests").mkdir()
+    (package / "freshpkg" / "tests" / "test_mod.py").write_text("")  # never imported: skipped
+    monkeypatch.setenv("AIOCOMPILE_BYTECODE_DIR", str(cache))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    monkeypatch.syspath_prepend(str(package))
+    monkeypatch.setattr(bytecode, "PREPARE_MIN_CPUS", 1)
+    monkeypatch.setattr(bytecode, "PREPARE_MIN_SOURCES", 3)
+    monkeypatch.setattr(bytecode, "PREPARE_CPUS_PER_HELPER", 1)
+    import importedpkg  # noqa: F401  (compiled here, no bytecode written anywhere)
+
+    assert not ours(cache, package / "importedpkg" / "__init__.py").exists()
+    thread = bytecode.prepare(["freshpkg"])
+    assert thread is not None
+    thread.join(60)
+    assert not thread.is_alive()
+    for source in (package / "importedpkg" / "__init__.py", package / "freshpkg" / "__init__.py",
+                   package / "freshpkg" / "mod.py"):
+        assert ours(cache, source).is_file(), source
+    assert not ours(cache, package / "freshpkg" / "tests" / "test_mod.py").exists()
+    assert "freshpkg" not in sys.modules  # named, not imported
+    assert run_import(package, cache, "--no-compile") == "1 CachedSourceLoader"
+    # Everything current: nothing to hand out, no helper started.
+    monkeypatch.setattr(bytecode, "PREPARE_MIN_SOURCES", 1)
+    before = {path: path.stat().st_mtime_ns for path in cache.rglob("*.pyc")}
+    thread = bytecode.prepare(["freshpkg"])
+    assert thread is not None
+    thread.join(60)
+    assert {path: path.stat().st_mtime_ns for path in cache.rglob("*.pyc")} == before
+
+
+def test_prepare_does_nothing_with_bytecode_off_or_on_a_small_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiocompile._base import bytecode
+
+    monkeypatch.setenv("AIOCOMPILE_BYTECODE_DIR", "off")
+    assert bytecode.prepare(["json"]) is None
+    monkeypatch.delenv("AIOCOMPILE_BYTECODE_DIR")
+    monkeypatch.setattr(os, "cpu_count", lambda: bytecode.PREPARE_MIN_CPUS - 1)
+    assert bytecode.prepare(["json"]) is None
+
+
+def test_package_imports_read_aiocompiles_bytecode_for_the_named_packages_only(package: Path, tmp_path: Path) -> None:
+    """``PackageImports`` (which ``install()`` puts first on ``sys.meta_path`` for Inductor's
+    packages): the named packages' modules come through aiocompile's bytecode, compiled
+    once; every other import is Python's own; uninstalled, it is gone."""
+    (package / "otherpkg").mkdir()
+    (package / "otherpkg" / "__init__.py").write_text("")
+    script = textwrap.dedent("""
+        import sys
+        from aiocompile._base import bytecode
+        if "--no-compile" in sys.argv:
+            def refuse(self, data, path):
+                raise AssertionError(f"compiled {path}")
+            bytecode.CachedSourceLoader.source_to_code = refuse
+        finder = bytecode.PackageImports(["freshpkg"])
+        finder.install()
+        import freshpkg.mod, otherpkg
+        print(type(freshpkg.mod.__spec__.loader).__name__, type(otherpkg.__spec__.loader).__name__)
+        finder.uninstall()
+        print(finder in sys.meta_path)
+    """)
+    cache = tmp_path / "bytecode"
+    env = subprocess_env(AIOCOMPILE_BYTECODE_DIR=str(cache), PYTHONDONTWRITEBYTECODE="1")
+    env["PYTHONPATH"] = os.pathsep.join((str(package), env["PYTHONPATH"]))
+    env.pop("PYTHONPYCACHEPREFIX", None)
+    for flags in ((), ("--no-compile",)):
+        done = subprocess.run([sys.executable, "-c", script, *flags], env=env, capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == ["CachedSourceLoader", "SourceFileLoader", "False"]
+    assert ours(cache, package / "freshpkg" / "mod.py").is_file()
+    assert not ours(cache, package / "otherpkg" / "__init__.py").exists()

@@ -534,6 +534,26 @@ def test_installed_inductor_hears_its_pool_is_ready_once_a_worker_has_warmed_up(
         sched.close()
 
 
+def test_install_reads_aiocompiles_bytecode_for_inductors_packages_until_uninstalled(async_compile, monkeypatch):
+    import aiocompile.torch as aiotorch
+    from aiocompile._base.bytecode import PackageImports
+
+    def ours() -> list:
+        return [finder for finder in sys.meta_path if isinstance(finder, PackageImports)]
+
+    sched = aiocompile.Scheduler(config=NO_PRELOAD)
+    try:
+        with aiotorch.installed(sched, warm=False):
+            (finder,) = ours()
+            assert "torch._inductor" in finder.names and sys.meta_path[0] is finder
+        assert ours() == []
+        monkeypatch.setenv("AIOCOMPILE_BYTECODE_DIR", "off")
+        with aiotorch.installed(sched, warm=False):
+            assert ours() == []
+    finally:
+        sched.close()
+
+
 def test_installed_inductor_never_starts_its_own_pool(async_compile):
     from torch._inductor import config
 

@@ -27,17 +27,17 @@ import importlib.machinery
 import importlib.util
 import marshal
 import os
+import subprocess
 import sys
-import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from importlib.machinery import ModuleSpec
 from types import CodeType
 from typing import Any
 
-from aiocompile._base import paths
+from aiocompile._base import paths, pyc
 
-__all__ = ["CachedSourceLoader", "directory", "find_spec_after", "install_for_process"]
+__all__ = ["CachedSourceLoader", "PackageImports", "directory", "find_spec_after", "install_for_process", "prepare"]
 
 _OFF = ("off", "0", "false", "no", "none")
 
@@ -52,17 +52,6 @@ def directory() -> str | None:
     if value:
         return os.path.abspath(os.path.expanduser(value))
     return paths.user_cache("bytecode")
-
-
-class _Made:
-    """The directories made (or found) in this process, so each is made once."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.directories: set[str] = set()
-
-
-_MADE = _Made()
 
 
 class CachedSourceLoader(importlib.machinery.SourceFileLoader):
@@ -87,7 +76,7 @@ class CachedSourceLoader(importlib.machinery.SourceFileLoader):
             stat = os.stat(source_path)
         except OSError:
             return super().get_code(fullname)
-        header = _header(stat)
+        header = pyc.header(stat)
         ours = self._ours(source_path, beside)
         try:
             with open(ours, "rb") as file:
@@ -102,13 +91,18 @@ class CachedSourceLoader(importlib.machinery.SourceFileLoader):
             if isinstance(code, CodeType):
                 return code
         code = self.source_to_code(self.get_data(source_path), source_path)
-        _write(ours, header + marshal.dumps(code))
+        pyc.write(ours, header + marshal.dumps(code))
         return code
 
     def _ours(self, source_path: str, beside: str) -> str:
-        folder = os.path.dirname(os.path.abspath(source_path))
-        # The same file name Python would give it (its interpreter tag, its optimisation level).
-        return os.path.join(self.root, folder.lstrip(os.sep), os.path.basename(beside))
+        return _ours(self.root, source_path, beside)
+
+
+def _ours(root: str, source_path: str, beside: str) -> str:
+    """Where ``root`` keeps the bytecode of ``source_path`` (``beside`` is where Python
+    would keep it): the same file name, its interpreter tag and optimisation level."""
+    folder = os.path.dirname(os.path.abspath(source_path))
+    return os.path.join(root, folder.lstrip(os.sep), os.path.basename(beside))
 
 
 def _writes_beside(beside: str) -> bool:
@@ -122,34 +116,6 @@ def _writes_beside(beside: str) -> bool:
             return False
         folder = parent
     return os.access(folder, os.W_OK)
-
-
-def _header(stat: os.stat_result) -> bytes:
-    """A timestamp-checked pyc's header for a source with this ``stat``, as Python writes it."""
-    return (importlib.util.MAGIC_NUMBER + (0).to_bytes(4, "little")
-            + (int(stat.st_mtime) & 0xFFFFFFFF).to_bytes(4, "little")
-            + (stat.st_size & 0xFFFFFFFF).to_bytes(4, "little"))
-
-
-def _write(path: str, data: bytes) -> None:
-    """``data`` at ``path``, whole (a temporary file renamed over it); a directory that
-    cannot be written is left alone: the code was compiled, and the import goes on."""
-    folder = os.path.dirname(path)
-    try:
-        if folder not in _MADE.directories:
-            os.makedirs(folder, mode=0o700, exist_ok=True)
-            with _MADE.lock:
-                _MADE.directories.add(folder)
-        descriptor, temporary = tempfile.mkstemp(dir=folder, prefix=".writing-")
-        try:
-            with os.fdopen(descriptor, "wb") as file:
-                file.write(data)
-            os.replace(temporary, path)
-        except BaseException:
-            os.unlink(temporary)
-            raise
-    except OSError:
-        pass
 
 
 def find_spec_after(finder: object, name: str, path: Sequence[str] | None, target: Any = None) -> ModuleSpec | None:
@@ -185,8 +151,136 @@ class _EveryImport:
         return find_spec_after(self, name, path, target)
 
 
+class PackageImports:
+    """A finder first on ``sys.meta_path`` of the program's own process: imports of the
+    named packages' modules there read (and write) aiocompile's bytecode, as its own
+    processes' imports do; every other import is Python's alone. ``install()`` puts one
+    there for Inductor's packages: ``torch.compile`` imports hundreds of their modules in
+    the program's thread, each compiled from its source where the installation has no
+    bytecode, and ``prepare`` has compiled most of them by then."""
+
+    def __init__(self, packages: Sequence[str]) -> None:
+        self.names = frozenset(packages)
+        self.prefixes = tuple(f"{name}." for name in packages)
+
+    def find_spec(self, name: str, path: Sequence[str] | None, target: Any = None) -> ModuleSpec | None:
+        if name in self.names or name.startswith(self.prefixes):
+            return find_spec_after(self, name, path, target)
+        return None
+
+    def install(self) -> None:
+        if self not in sys.meta_path:
+            sys.meta_path.insert(0, self)
+
+    def uninstall(self) -> None:
+        try:
+            sys.meta_path.remove(self)
+        except ValueError:
+            pass
+
+
 def install_for_process() -> None:
     """Every import of this process from now on reads aiocompile's bytecode where a module
     has none of its own (a fork server's, a worker's); its children forked later too."""
     if not any(isinstance(finder, _EveryImport) for finder in sys.meta_path):
         sys.meta_path.insert(0, _EveryImport())
+
+
+# Helpers are started only on machines with this many CPUs at least (a fork server and the
+# program itself run beside them), only for this many sources lacking bytecode at least,
+# and one per this many CPUs, up to the most.
+PREPARE_MIN_CPUS = 8
+PREPARE_MIN_SOURCES = 64
+PREPARE_CPUS_PER_HELPER = 2
+PREPARE_MAX_HELPERS = 8
+
+
+def prepare(packages: Sequence[str] = ()) -> threading.Thread | None:
+    """Start compiling, in processes of their own and without waiting, the sources that
+    lack bytecode of every module this process has imported and of every module in the
+    packages named (their parents imported, if need be), into aiocompile's directory, in the order this process
+    imported them: a fork server about to start, which imports them again, then finds most
+    of them compiled (``pyc``). The thread that hands them out, or None when there is
+    nothing to do: no directory, too few CPUs, too few such sources."""
+    root = directory()
+    cpus = os.cpu_count() or 1
+    if root is None or cpus < PREPARE_MIN_CPUS:
+        return None
+    modules = list(sys.modules.values())
+    helpers = min(PREPARE_MAX_HELPERS, cpus // PREPARE_CPUS_PER_HELPER)
+    thread = threading.Thread(target=_hand_out, args=(root, modules, packages, helpers),
+                              name="aiocompile-bytecode", daemon=True)
+    thread.start()
+    return thread
+
+
+def _hand_out(root: str, modules: list[Any], packages: Sequence[str], helpers: int) -> None:
+    listed = [f"{source}\t{target}" for source, target in _lacking(root, _sources(modules, packages))]
+    if len(listed) < PREPARE_MIN_SOURCES:
+        return
+    script = os.path.join(os.path.dirname(os.path.abspath(pyc.__file__)), "pyc.py")
+    procs = []
+    for index in range(helpers):
+        # Every helper-th source, so that all of them work near the front of the list,
+        # where the fork server's imports are.
+        share = "\n".join(listed[index::helpers]).encode("utf-8", "surrogateescape")
+        try:
+            proc = subprocess.Popen([sys.executable, "-I", "-S", script, str(sys.flags.optimize)],
+                                    stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        except OSError:
+            break
+        procs.append((proc, share))
+    for proc, share in procs:
+        try:
+            proc.communicate(share)
+        except OSError:
+            proc.kill()
+            proc.wait()
+
+
+def _sources(modules: Iterable[Any], packages: Sequence[str]) -> Iterator[str]:
+    """The source files of ``modules`` (in that order), then of the named packages' modules."""
+    for module in modules:
+        spec = getattr(module, "__spec__", None)
+        origin = getattr(spec, "origin", None)
+        if isinstance(origin, str) and origin.endswith(".py") and getattr(spec, "has_location", False):
+            yield origin
+    for name in packages:
+        try:
+            spec = importlib.util.find_spec(name)  # not imported: only its parent, if need be
+        except (ImportError, ValueError):
+            continue
+        for folder in getattr(spec, "submodule_search_locations", None) or ():
+            for where, dirs, files in os.walk(folder):
+                dirs[:] = sorted(d for d in dirs if d not in _NOT_IMPORTED)
+                yield from (os.path.join(where, name) for name in sorted(files) if name.endswith(".py"))
+
+
+# Folders of a package that its imports do not reach.
+_NOT_IMPORTED = frozenset(("__pycache__", "tests", "test", "testing", "benchmarks", "examples"))
+
+
+def _lacking(root: str, sources: Iterable[str]) -> Iterator[tuple[str, str]]:
+    """(source, where its bytecode goes) for each source with no bytecode beside it (nor
+    written there by Python) and none current in ``root``, once each."""
+    seen: set[str] = set()
+    writable: dict[str, bool] = {}
+    for source in sources:
+        if source in seen:
+            continue
+        seen.add(source)
+        try:
+            beside = importlib.util.cache_from_source(source)
+            stat = os.stat(source)
+        except (NotImplementedError, ValueError, OSError):
+            continue
+        if os.path.exists(beside):
+            continue
+        folder = os.path.dirname(beside)
+        if folder not in writable:
+            writable[folder] = _writes_beside(beside)
+        if writable[folder]:
+            continue
+        target = _ours(root, source, beside)
+        if not pyc.current(target, stat):
+            yield source, target

@@ -21,7 +21,11 @@ exactly what was there):
   scheduler's workers are started (and, under max-autotune, the benchmark processes).
 
 Also patched while installed: Inductor's debug wrapper (``graph_repro``: an error of
-Inductor's leaves a repro bundle) and its tuning pool (``autotune``).
+Inductor's leaves a repro bundle) and its tuning pool (``autotune``). And where the
+installation has no bytecode (and Python writes none), the modules of Inductor's packages
+(``PRELOAD_PACKAGES``) that this process imports read aiocompile's
+(``bytecode.PackageImports``), which helper processes compile as ``install()`` starts the
+fork server (``bytecode.prepare``).
 """
 
 from __future__ import annotations
@@ -35,13 +39,13 @@ import warnings
 from collections.abc import Iterator
 from typing import Any, Callable
 
-from aiocompile._base import checks
+from aiocompile._base import bytecode, checks
 from aiocompile._base.config import TRITON_PRELOAD, SchedulerConfig, named_in_env
 from aiocompile._core.scheduler import Scheduler
 from aiocompile._observe import repro
 from aiocompile._torch import async_triton, autotune, graph_repro
 from aiocompile._torch.installation import STATE, Installation
-from aiocompile.backends.inductor._worker import PRELOAD
+from aiocompile.backends.inductor._worker import PRELOAD, PRELOAD_PACKAGES
 from aiocompile.errors import SchedulerClosed
 
 # The attributes of AsyncCompile that install() replaces, with what replaces them below.
@@ -149,12 +153,19 @@ def _patch(scheduler: Scheduler | None, early: Scheduler | None, timeout: float 
         # max-autotune: template choices timed in aiocompile's benchmark processes.
         installation.tuning = autotune.patch(
             autotune.TuningPool(lambda: installation.current_scheduler().port, lambda: _NativeSubmit(installation)))
+        # Inductor's own imports here read the bytecode prepared for the fork server.
+        if bytecode.directory() is not None:
+            installation.imports = bytecode.PackageImports(PRELOAD_PACKAGES)
+            installation.imports.install()
         STATE.current = installation
     return installation
 
 
 def _own_scheduler() -> Scheduler:
-    scheduler = Scheduler(config=_own_config())
+    config = _own_config()
+    if PRELOAD in config.preload:
+        bytecode.prepare(PRELOAD_PACKAGES)  # for the fork server's imports, where there is none
+    scheduler = Scheduler(config=config)
     # The fork server preloads now, while the program goes on to torch.compile.
     scheduler.port.start_pool()
     return scheduler
@@ -224,6 +235,8 @@ def uninstall() -> bool:
         if installation.tuning is not None and not autotune.unpatch(installation.tuning):
             warnings.warn("Inductor's tuning pool (autotune_process) was replaced by someone else after "
                           "aiocompile.torch.install(); left as it is", RuntimeWarning, stacklevel=2)
+        if installation.imports is not None:
+            installation.imports.uninstall()
         STATE.current = None
     if installation.owned and installation.pid == os.getpid():
         installation.scheduler.close()

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
+    from aiocompile._base.bytecode import PackageImports
     from aiocompile._core.scheduler import Scheduler
     from aiocompile._torch.autotune import Patch
 
@@ -37,6 +38,8 @@ class Installation:
     """What ``graph_repro.patch`` replaced (Inductor's debug wrapper), for uninstall()."""
     tuning: Patch | None = None
     """What ``autotune.patch`` replaced (Inductor's tuning pool), for uninstall()."""
+    imports: PackageImports | None = None
+    """The finder through which Inductor's modules imported here read aiocompile's bytecode."""
 
     def current_scheduler(self) -> Scheduler:
         """The scheduler; in a forked child, a scheduler ``install()`` made is made anew

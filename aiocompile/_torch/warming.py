@@ -111,11 +111,15 @@ def scheduler_for(device: str = "cpu", form: str = "package", *,
 def _new_scheduler(device: str, form: str, pay_ahead: bool = False) -> tuple[Scheduler, list[cf.Future[Any]]]:
     """A scheduler of aiocompile's for background compiles, and its workers' warm-ups
     (``export.warm_up``; with ``pay_ahead``, the rest of a first compile's start-up too)."""
+    from aiocompile._base import bytecode
     from aiocompile._base.config import SchedulerConfig
     from aiocompile._core.scheduler import Scheduler
     from aiocompile._torch import export
-    from aiocompile.backends.inductor._worker import PRELOAD
+    from aiocompile.backends.inductor._worker import PRELOAD, PRELOAD_PACKAGES
 
+    # Where the installation has no bytecode, the fork server's imports find most of it
+    # compiled by processes started now.
+    bytecode.prepare(PRELOAD_PACKAGES)
     # For a model on the CPU, the fork server makes Inductor's vector-ISA check itself
     # (``export.prepare_fork_server``): no process of its own builds the test programs.
     config = SchedulerConfig.from_env()

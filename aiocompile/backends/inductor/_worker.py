@@ -22,6 +22,12 @@ PRELOAD = "aiocompile.backends.inductor._worker:prepare_process"
 """The fork server preload entry (see ``SchedulerConfig.preload``) that imports torch's
 Inductor runtime before workers are forked."""
 
+PRELOAD_PACKAGES = ("torch._inductor", "torch._dynamo", "torch._functorch", "torch.fx", "torch.export",
+                    "torch._export", "torch.distributed", "sympy", "mpmath", "networkx", "triton")
+"""The packages whose modules that preload and Inductor's compiles import, beside those the
+program has imported already: their bytecode is prepared ahead where the installation has
+none (``bytecode.prepare``)."""
+
 # What the fork server imports (the bulk of the import time)...
 _TORCH_MODULES = ("torch", "torch._inductor.codecache")
 # ... and what each worker imports itself (a small part of it): importing Inductor's Triton
