@@ -24,6 +24,10 @@ timed in a benchmark process. Four ways:
   set up, the benchmark process started), and a wait until ``worker_pids()`` counts every
   worker and ``statistics()`` none busy.
 
+Each run has an empty bytecode directory of aiocompile's own (``AIOCOMPILE_BYTECODE_DIR``,
+used where the installation has no bytecode): a host's first start. Set the variable to
+one directory to measure later starts.
+
 Stock and aiocompile alternate, their order swapped each round; both use as many compile
 workers as Inductor would. The outputs are checked against eager. Each round prints the
 cold ratio (aiocompile / stock) and the server ratio (aiocompile-server / stock-server).
@@ -190,10 +194,12 @@ def start_server(sched: object, workers: int) -> None:
 
 
 def measure(mode: str, timeout: float) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH", "")]))}
+    # Each run a host's first start: aiocompile's bytecode directory (for packages installed
+    # without bytecode) empty, unless AIOCOMPILE_BYTECODE_DIR names one for every run.
+    env.setdefault("AIOCOMPILE_BYTECODE_DIR", tempfile.mkdtemp(prefix="bench-aiocompile-bytecode-"))
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", mode], capture_output=True,
-                          text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get(
-                              "PYTHONPATH", "")]))})
+                          text=True, timeout=timeout, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{mode} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
