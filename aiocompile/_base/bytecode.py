@@ -30,7 +30,7 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from importlib.machinery import ModuleSpec
 from types import CodeType
 from typing import Any
@@ -70,14 +70,14 @@ class CachedSourceLoader(importlib.machinery.SourceFileLoader):
             beside = importlib.util.cache_from_source(source_path)
         except NotImplementedError:  # an interpreter that keeps no bytecode
             return super().get_code(fullname)
-        if os.path.exists(beside) or _writes_beside(beside):
+        if os.path.exists(beside) or pyc.writes_beside(beside, sys.dont_write_bytecode):
             return super().get_code(fullname)
         try:
             stat = os.stat(source_path)
         except OSError:
             return super().get_code(fullname)
         header = pyc.header(stat)
-        ours = self._ours(source_path, beside)
+        ours = pyc.target(self.root, source_path, beside)
         try:
             with open(ours, "rb") as file:
                 data = file.read()
@@ -94,28 +94,6 @@ class CachedSourceLoader(importlib.machinery.SourceFileLoader):
         pyc.write(ours, header + marshal.dumps(code))
         return code
 
-    def _ours(self, source_path: str, beside: str) -> str:
-        return _ours(self.root, source_path, beside)
-
-
-def _ours(root: str, source_path: str, beside: str) -> str:
-    """Where ``root`` keeps the bytecode of ``source_path`` (``beside`` is where Python
-    would keep it): the same file name, its interpreter tag and optimisation level."""
-    folder = os.path.dirname(os.path.abspath(source_path))
-    return os.path.join(root, folder.lstrip(os.sep), os.path.basename(beside))
-
-
-def _writes_beside(beside: str) -> bool:
-    """Whether Python writes a module's bytecode at ``beside`` itself (it may, and can)."""
-    if sys.dont_write_bytecode:
-        return False
-    folder = os.path.dirname(beside)
-    while not os.path.isdir(folder):  # __pycache__ (or a prefix's folders) not made yet
-        parent = os.path.dirname(folder)
-        if parent == folder:
-            return False
-        folder = parent
-    return os.access(folder, os.W_OK)
 
 
 def find_spec_after(finder: object, name: str, path: Sequence[str] | None, target: Any = None) -> ModuleSpec | None:
@@ -198,89 +176,47 @@ PREPARE_MAX_HELPERS = 8
 def prepare(packages: Sequence[str] = ()) -> threading.Thread | None:
     """Start compiling, in processes of their own and without waiting, the sources that
     lack bytecode of every module this process has imported and of every module in the
-    packages named (their parents imported, if need be), into aiocompile's directory, in the order this process
-    imported them: a fork server about to start, which imports them again, then finds most
-    of them compiled (``pyc``). The thread that hands them out, or None when there is
-    nothing to do: no directory, too few CPUs, too few such sources."""
+    packages named (their parents imported, if need be), into aiocompile's directory, in
+    the order this process imported them: a fork server about to start, which imports them
+    again, then finds most of them compiled. This process only lists the modules and
+    folders: looking for what lacks bytecode, and compiling it, is the helpers' work
+    (``pyc``), the first of which a thread here starts and feeds. That thread, or None
+    when there is nothing to do: no directory, too few CPUs."""
     root = directory()
     cpus = os.cpu_count() or 1
     if root is None or cpus < PREPARE_MIN_CPUS:
         return None
-    modules = list(sys.modules.values())
-    helpers = min(PREPARE_MAX_HELPERS, cpus // PREPARE_CPUS_PER_HELPER)
-    thread = threading.Thread(target=_hand_out, args=(root, modules, packages, helpers),
-                              name="aiocompile-bytecode", daemon=True)
-    thread.start()
-    return thread
-
-
-def _hand_out(root: str, modules: list[Any], packages: Sequence[str], helpers: int) -> None:
-    listed = [f"{source}\t{target}" for source, target in _lacking(root, _sources(modules, packages))]
-    if len(listed) < PREPARE_MIN_SOURCES:
-        return
-    script = os.path.join(os.path.dirname(os.path.abspath(pyc.__file__)), "pyc.py")
-    procs = []
-    for index in range(helpers):
-        # Every helper-th source, so that all of them work near the front of the list,
-        # where the fork server's imports are.
-        share = "\n".join(listed[index::helpers]).encode("utf-8", "surrogateescape")
-        try:
-            proc = subprocess.Popen([sys.executable, "-I", "-S", script, str(sys.flags.optimize)],
-                                    stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        except OSError:
-            break
-        procs.append((proc, share))
-    for proc, share in procs:
-        try:
-            proc.communicate(share)
-        except OSError:
-            proc.kill()
-            proc.wait()
-
-
-def _sources(modules: Iterable[Any], packages: Sequence[str]) -> Iterator[str]:
-    """The source files of ``modules`` (in that order), then of the named packages' modules."""
-    for module in modules:
-        spec = getattr(module, "__spec__", None)
-        origin = getattr(spec, "origin", None)
-        if isinstance(origin, str) and origin.endswith(".py") and getattr(spec, "has_location", False):
-            yield origin
+    lines = [f"S\t{origin}" for origin in map(_source_of, list(sys.modules.values())) if origin]
     for name in packages:
         try:
             spec = importlib.util.find_spec(name)  # not imported: only its parent, if need be
         except (ImportError, ValueError):
             continue
-        for folder in getattr(spec, "submodule_search_locations", None) or ():
-            for where, dirs, files in os.walk(folder):
-                dirs[:] = sorted(d for d in dirs if d not in _NOT_IMPORTED)
-                yield from (os.path.join(where, name) for name in sorted(files) if name.endswith(".py"))
+        lines.extend(f"P\t{folder}" for folder in getattr(spec, "submodule_search_locations", None) or ())
+    command = [sys.executable, "-I", "-S", os.path.join(os.path.dirname(os.path.abspath(pyc.__file__)), "pyc.py"),
+               root, str(sys.flags.optimize), "1" if sys.dont_write_bytecode else "0", sys.pycache_prefix or "",
+               str(min(PREPARE_MAX_HELPERS, cpus // PREPARE_CPUS_PER_HELPER)), str(PREPARE_MIN_SOURCES)]
+    thread = threading.Thread(target=_hand_out, args=(command, "\n".join(lines).encode("utf-8", "surrogateescape")),
+                              name="aiocompile-bytecode", daemon=True)
+    thread.start()
+    return thread
 
 
-# Folders of a package that its imports do not reach.
-_NOT_IMPORTED = frozenset(("__pycache__", "tests", "test", "testing", "benchmarks", "examples"))
+def _source_of(module: Any) -> str | None:
+    spec = getattr(module, "__spec__", None)
+    origin = getattr(spec, "origin", None)
+    if isinstance(origin, str) and origin.endswith(".py") and getattr(spec, "has_location", False):
+        return origin
+    return None
 
 
-def _lacking(root: str, sources: Iterable[str]) -> Iterator[tuple[str, str]]:
-    """(source, where its bytecode goes) for each source with no bytecode beside it (nor
-    written there by Python) and none current in ``root``, once each."""
-    seen: set[str] = set()
-    writable: dict[str, bool] = {}
-    for source in sources:
-        if source in seen:
-            continue
-        seen.add(source)
-        try:
-            beside = importlib.util.cache_from_source(source)
-            stat = os.stat(source)
-        except (NotImplementedError, ValueError, OSError):
-            continue
-        if os.path.exists(beside):
-            continue
-        folder = os.path.dirname(beside)
-        if folder not in writable:
-            writable[folder] = _writes_beside(beside)
-        if writable[folder]:
-            continue
-        target = _ours(root, source, beside)
-        if not pyc.current(target, stat):
-            yield source, target
+def _hand_out(command: list[str], listed: bytes) -> None:
+    try:
+        proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except OSError:
+        return
+    try:
+        proc.communicate(listed)
+    except OSError:
+        proc.kill()
+        proc.wait()
