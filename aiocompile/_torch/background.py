@@ -264,8 +264,10 @@ class BackgroundCompiled:
             parcel = self._parcel
             self._packing_users += 1
         if parcel is None:
-            from aiocompile._torch import parcel as _parcel
+            with collector.imports_settled(), threads.imports_yielding():
+                from aiocompile._torch import parcel as _parcel
 
+                _parcel.import_pickler()
             try:
                 with threads.handing_over():  # seconds of pickling, beside the caller's calls
                     parcel = _parcel.pack(self._model)

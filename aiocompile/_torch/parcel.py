@@ -164,6 +164,17 @@ def pack(obj: Any) -> Parcel:
     return _by_value(obj, f"{', '.join(sorted(pickler.main_names))} defined in the program's __main__")
 
 
+def import_pickler() -> None:
+    """Import ``cloudpickle`` now, where it is installed (a model of ``__main__`` travels
+    with it), so that the caller may do it where imports are made in the background
+    (``threads.imports_yielding``): compiling its source, where it has no bytecode, held
+    the interpreter lock 10 ms."""
+    try:
+        import cloudpickle  # noqa: F401
+    except ImportError:
+        pass
+
+
 def _by_value(obj: Any, why: str) -> Parcel:
     try:
         import cloudpickle
