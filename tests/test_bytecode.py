@@ -212,3 +212,18 @@ def test_package_imports_read_aiocompiles_bytecode_for_the_named_packages_only(p
         assert done.stdout.split() == ["CachedSourceLoader", "SourceFileLoader", "False"]
     assert ours(cache, package / "freshpkg" / "mod.py").is_file()
     assert not ours(cache, package / "otherpkg" / "__init__.py").exists()
+
+
+def test_a_benchmark_process_reads_aiocompiles_bytecode(package: Path, tmp_path: Path) -> None:
+    """A benchmark process (max-autotune's timings, ``autotune()``) imports torch and
+    Inductor as a worker does: through aiocompile's bytecode where there is none."""
+    cache = tmp_path / "bytecode"
+    env = subprocess_env(AIOCOMPILE_BYTECODE_DIR=str(cache), PYTHONDONTWRITEBYTECODE="1")
+    env["PYTHONPATH"] = os.pathsep.join((str(package), env["PYTHONPATH"]))
+    env.pop("PYTHONPYCACHEPREFIX", None)
+    script = ("from aiocompile._tuning import bench_main; bench_main.prepare_process(); import freshpkg.mod; "
+              "print(type(freshpkg.mod.__spec__.loader).__name__)")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "CachedSourceLoader"
+    assert ours(cache, package / "freshpkg" / "mod.py").is_file()

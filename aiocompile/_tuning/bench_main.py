@@ -163,7 +163,17 @@ def _exit_if_broken(timer: Any, conn: Connection) -> None:
         os._exit(4)
 
 
+def prepare_process() -> None:
+    """Before anything is imported: the imports of a benchmark process (torch, Inductor,
+    Triton: seconds of them) read aiocompile's bytecode where the installation has none,
+    as the compile workers' do, rather than compiling every module's source again."""
+    from aiocompile._base import bytecode
+
+    bytecode.install_for_process()
+
+
 def main() -> NoReturn:  # pragma: no cover - runs in a fresh interpreter
+    prepare_process()
     from aiocompile._pool.procs import die_with_parent
 
     began = time.time()
