@@ -9,6 +9,7 @@ empty Inductor and Triton caches. ``-s`` shows what each choice became.
 from __future__ import annotations
 
 import collections
+import concurrent.futures as cf
 import os
 
 import pytest
@@ -48,6 +49,15 @@ def compile_mlp(sched):
                            else None)
     try:
         with aiotorch.installed(sched), torch.no_grad():
+            # The workers ready first, as a server readies them (Inductor's warm_pool(),
+            # which install() turns into their start): until one has warmed up, Inductor is
+            # told its pool is not ready and precompiles the choices in its threads.
+            from torch._inductor.async_compile import AsyncCompile
+
+            from aiocompile._torch.installation import STATE
+
+            AsyncCompile.warm_pool()
+            cf.wait(STATE.current.warming, timeout=300)
             expected = model(x)
             got = torch.compile(model, mode="max-autotune")(x)
             torch.cuda.synchronize()
