@@ -19,6 +19,13 @@ checks its own (the source's modification time and size, the interpreter's magic
 and written whole or not at all. A module with bytecode of its own is imported as Python
 would. The directory is ``aiocompile/bytecode`` in the user's cache directory, or
 ``AIOCOMPILE_BYTECODE_DIR`` (``off`` for none).
+
+Two more uses of the same directory. ``prepare``: as a fork server starts, on a machine
+with CPUs to spare, helper processes (``pyc``) compile ahead, several at once, the sources
+the fork server and its workers are about to import, so that a host's first start does not
+compile them one after another. ``PackageImports``: under ``install()``, the program's own
+imports of Inductor's packages read it too (``torch.compile`` imports them in the calling
+thread); every other import of the program is left to Python.
 """
 
 from __future__ import annotations
