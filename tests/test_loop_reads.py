@@ -243,36 +243,47 @@ def test_runs_under_uvloop_are_read_in_the_loop(monkeypatch):
     uvloop.run(main())
 
 
-def test_the_loop_looks_for_an_answer_no_longer_than_its_linger_and_stops_when_it_is_there(monkeypatch):
+def test_the_loop_looks_for_an_answer_no_longer_than_its_linger_and_reads_it_when_it_is_there(monkeypatch):
     """``LoopReads.linger``, the loop's look at a worker's socket right after a job is sent:
-    it returns as soon as the answer is readable, at once when the answer is no longer the
-    loop's to read, and after ``LINGER`` seconds when nothing comes."""
+    it reads the answer as soon as it is readable (``on_readable``, without another turn
+    of the loop), returns at once when the answer is no longer the loop's to read, and
+    after ``LINGER`` seconds, reading nothing, when nothing comes."""
     import socket
     import types
 
     from aiocompile._pool import loop_reads
     from aiocompile._pool.handle import LoopReader
 
+    class Reads(loop_reads.LoopReads):
+        def __init__(self) -> None:
+            self.read: list[tuple] = []
+
+        def on_readable(self, worker, reader) -> None:
+            self.read.append((worker, reader))
+
+    reads = Reads()
     ours, workers_end = socket.socketpair()
     try:
         reader = LoopReader(None, os.dup(ours.fileno()))
         worker = types.SimpleNamespace(reader=reader)
         monkeypatch.setattr(loop_reads, "LINGER", 0.2)
         began = time.perf_counter()
-        loop_reads.LoopReads.linger(worker, reader)  # nothing comes: the whole linger
+        reads.linger(worker, reader)  # nothing comes: the whole linger, and nothing read
         assert 0.2 <= time.perf_counter() - began < 2.0
+        assert reads.read == []
 
         monkeypatch.setattr(loop_reads, "LINGER", 30.0)
         worker.reader = None  # read by someone else meanwhile: no look at all
         began = time.perf_counter()
-        loop_reads.LoopReads.linger(worker, reader)
-        assert time.perf_counter() - began < 1.0
+        reads.linger(worker, reader)
+        assert time.perf_counter() - began < 1.0 and reads.read == []
 
         worker.reader = reader
-        workers_end.send(b"answer")  # the answer is there: the look ends at once
+        workers_end.send(b"answer")  # the answer is there: the look ends at once, and reads it
         began = time.perf_counter()
-        loop_reads.LoopReads.linger(worker, reader)
+        reads.linger(worker, reader)
         assert time.perf_counter() - began < 1.0
+        assert reads.read == [(worker, reader)]
         reader.close()
     finally:
         ours.close()

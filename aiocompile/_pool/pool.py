@@ -26,7 +26,6 @@ from typing import Any, Callable
 from aiocompile._base import checks
 from aiocompile._base.bridge import running_loop
 from aiocompile._pool.job import Job, PoolCounters, Stop
-from aiocompile._pool.loop_reads import LoopReads
 from aiocompile._pool.roster import KillJob, Prepare, Shutdown, Submit
 from aiocompile._pool.supervisor import Supervisor
 from aiocompile.errors import SchedulerClosed
@@ -139,8 +138,8 @@ class WorkerPool(cf.Executor):
                          apart=True)
         loop = running_loop() if direct and not warm_only else None
         worker = None
+        reads = self._supervisor.loop_reads
         if not warm_only:
-            reads = self._supervisor.loop_reads
             reader = None if loop is None else (lambda w: reads.reader_for(w, loop))
             worker = self._roster.claim_for_new(job, reader)
         if worker is None:
@@ -155,7 +154,7 @@ class WorkerPool(cf.Executor):
             if wake:
                 self._supervisor.wake()
             if loop is not None and reader is not None:
-                loop.call_soon(LoopReads.linger, worker, reader)
+                loop.call_soon(reads.linger, worker, reader)
         return job
 
     def kill(self, job: Job, stop: Stop = Stop.CANCELLED) -> None:
