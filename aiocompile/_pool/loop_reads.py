@@ -10,9 +10,11 @@ loop does not read a waiting answer within ``LOOP_GRACE`` seconds (a loop that i
 blocked, stopped or closed).
 
 Right after such a job is sent, the loop looks at the socket for up to ``LINGER`` seconds
-before it goes to sleep in its selector (``linger``): a trivial job's answer comes back in
-a few tens of microseconds, and a loop that was already asleep then waits for the kernel
-to wake its thread as well. Jobs that take longer cost the loop ``LINGER`` once each.
+before it goes to sleep in its selector (``linger``), and reads the answer there if it
+came: a trivial job's answer comes back in a few tens of microseconds, and a loop that was
+already asleep then waits for the kernel to wake its thread as well (one that goes through
+its selector once more only to find the answer costs a turn too). Jobs that take longer
+cost the loop ``LINGER`` once each.
 """
 
 from __future__ import annotations
