@@ -34,7 +34,6 @@ import importlib.machinery
 import importlib.util
 import marshal
 import os
-import subprocess
 import sys
 import threading
 from collections.abc import Sequence
@@ -218,6 +217,8 @@ def _source_of(module: Any) -> str | None:
 
 
 def _hand_out(command: list[str], listed: bytes) -> None:
+    import subprocess  # here, in the thread: importing it costs the program's import 3 ms
+
     try:
         proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     except OSError:

@@ -19,7 +19,6 @@ import importlib.util
 import marshal
 import os
 import sys
-import tempfile
 import threading
 from collections.abc import Iterable, Iterator
 
@@ -54,6 +53,8 @@ def current(target: str, stat: os.stat_result) -> bool:
 def write(path: str, data: bytes) -> None:
     """``data`` at ``path``, whole (a temporary file renamed over it); a directory that
     cannot be written is left alone: the code was compiled, and the import goes on."""
+    import tempfile  # here: a program importing aiocompile may never write one
+
     folder = os.path.dirname(path)
     try:
         if folder not in _MADE.directories:
