@@ -450,12 +450,18 @@ def test_a_payload_naming_main_only_as_data_is_pickled_once(monkeypatch):
     assert len(carefully) == 1
 
 
-def test_a_large_job_is_written_in_parts_whole_and_in_order():
+@pytest.mark.parametrize("buffers", [0, 1500])
+def test_a_large_job_is_written_in_parts_whole_and_in_order(buffers):
+    """In parts, uncopied; with more out-of-band buffers than one ``writev`` takes (a
+    model of many large weights), in several."""
+    import pickle
+
     from aiocompile._pool import protocol, roster
 
     payload = os.urandom(3 * protocol.JOINED_MAX + 17)
-    parts = protocol.encode_job(7, {"A": "1"}, ["/x"], payload)
-    assert len(parts) == 2 and parts[1] is payload  # the payload itself, uncopied
+    extra = tuple(pickle.PickleBuffer(bytes([n % 256]) * 100) for n in range(buffers))
+    parts = protocol.encode_job(7, {"A": "1"}, ["/x"], payload, None, extra)
+    assert len(parts) == 2 + buffers and parts[1] is payload  # the payload itself, uncopied
     small = protocol.encode_job(7, {"A": "1"}, ["/x"], b"small")
     assert len(small) == 1
     read, write = os.pipe()
@@ -474,6 +480,8 @@ def test_a_large_job_is_written_in_parts_whole_and_in_order():
         reader.join(10)
         os.close(read)
     assert bytes(received) == b"".join(parts)
+    message = protocol.decode_job(memoryview(bytes(received))[4:])
+    assert bytes(message.payload) == payload and [bytes(b) for b in message.buffers] == [bytes(b) for b in extra]
 
 
 def test_a_large_parcel_goes_beside_the_jobs_pickle_and_arrives_whole():

@@ -268,6 +268,11 @@ def _any_worker(worker: Worker) -> bool:
     return True
 
 
+# The most parts one ``writev`` takes (a model of many large weights has more: a message of
+# a thousand out-of-band buffers).
+_IOV_MAX = 1024
+
+
 def _write_all(fd: int, parts: list[Any]) -> None:
     """Write ``parts`` whole, in order (one ``write`` for one part, else ``writev``)."""
     if len(parts) == 1:
@@ -277,7 +282,7 @@ def _write_all(fd: int, parts: list[Any]) -> None:
         return
     views = [memoryview(part) for part in parts if part]
     while views:
-        written = os.writev(fd, views)
+        written = os.writev(fd, views[:_IOV_MAX])
         while views and written >= len(views[0]):
             written -= len(views[0])
             views.pop(0)
