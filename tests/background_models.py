@@ -72,6 +72,13 @@ def compile_modules_loaded() -> list[str]:
     return [name for name in export._MODULES if name in sys.modules]
 
 
+def modules_loaded(names: list[str]) -> list[str]:
+    """Run in a worker: which of ``names`` it has imported."""
+    import sys
+
+    return [name for name in names if name in sys.modules]
+
+
 class Keyed(nn.Module):
     """A parameter, a buffer, a tensor constant made during tracing, a plain int argument
     and keyword inputs, with a structured output: every kind of input the Python form

@@ -135,9 +135,12 @@ async def test_a_start_up_that_fails_leaves_eager_serving_with_the_reason_in_sta
     assert status.error == shape.error
 
 
-# A server that pays the start-up ahead: warm(), then the model wrapped and compiled.
+# A server that pays the start-up ahead: warm(), then the model wrapped and compiled. It
+# has loaded model classes of an installed library (one module of it imports only once: a
+# worker's import fails) and of its own files.
 WARM_SCRIPT = textwrap.dedent('''
     import json
+    import os
     import sys
 
     import anyio
@@ -145,6 +148,11 @@ WARM_SCRIPT = textwrap.dedent('''
 
     import background_models
     import aiocompile.torch as aiotorch
+
+    sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "site-packages"))
+    import fancy_models.layers
+    import fancy_models.once
+    import own_models
 
     model, x = background_models.make_mlp()
 
@@ -154,6 +162,8 @@ WARM_SCRIPT = textwrap.dedent('''
         pids = sorted(scheduler.worker_pids())
         started = scheduler.statistics().workers_started
         paid = [await scheduler.run(background_models.first_compile_paid) for _ in pids]
+        names = ["fancy_models.layers", "fancy_models.once", "own_models"]
+        imported = [await scheduler.run(background_models.modules_loaded, names) for _ in pids]
         again = await aiotorch.warm()  # idempotent: the same scheduler, nothing started
         compiled = aiotorch.compile_in_background(model)
         with torch.no_grad():
@@ -163,7 +173,7 @@ WARM_SCRIPT = textwrap.dedent('''
         compiled.close()  # not its scheduler to close
         print(json.dumps({
             "same": again is scheduler and compiled.scheduler is scheduler, "pids": pids, "started": started,
-            "paid": paid,
+            "paid": paid, "imported": imported,
             "pids_after": sorted(scheduler.worker_pids()), "started_after": scheduler.statistics().workers_started,
             "state": shape.state, "error": shape.error, "compiled_calls": compiled.status().shapes[0].compiled_calls,
             "equal": bool(torch.allclose(out, expected, rtol=1e-4, atol=1e-4)), "open": not scheduler.closed}))
@@ -177,12 +187,32 @@ WARM_SCRIPT = textwrap.dedent('''
 @pytest.mark.timeout(TIMEOUT)
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_after_warm_a_background_compile_starts_no_process_and_compiles(tmp_path, backend):
+    library = tmp_path / "site-packages" / "fancy_models"
+    library.mkdir(parents=True)
+    (library / "__init__.py").write_text("")
+    (library / "layers.py").write_text("import torch\n\nclass Scale(torch.nn.Module):\n    pass\n")
+    (library / "once.py").write_text(textwrap.dedent('''
+        import pathlib
+        import torch
+
+        mark = pathlib.Path(__file__).with_suffix(".imported")
+        if mark.exists():
+            raise RuntimeError("imported once already")
+        mark.write_text("")
+
+        class Once(torch.nn.Module):
+            pass
+    '''))
+    (tmp_path / "own_models.py").write_text("import torch\n\nclass Own(torch.nn.Module):\n    pass\n")
     answer = _serve(tmp_path, WARM_SCRIPT, backend)
     # warm() returned with every worker started; the compile ran in one of them.
     assert answer["pids"] and answer["started"] == len(answer["pids"])
     # ... and had paid what a first compile for the CPU sets up once per process (each
     # worker asked answered so).
     assert answer["paid"] == [{"vec_isa": 1, "patterns": 1}] * len(answer["pids"])
+    # ... and imported the library's model modules, not the program's own files; the module
+    # that failed to import there left warm() to succeed.
+    assert answer["imported"] == [["fancy_models.layers"]] * len(answer["pids"])
     assert answer["same"] is True
     assert answer["pids_after"] == answer["pids"] and answer["started_after"] == answer["started"]
     assert answer["state"] == "compiled", answer["error"]

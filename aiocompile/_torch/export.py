@@ -103,7 +103,8 @@ def _threads(ours: list[threading.Thread]) -> int | None:
     return len(tasks - {str(thread.native_id) for thread in ours})
 
 
-def warm_up(device: str = "cpu", form: str = "package", ahead: bool = False) -> float:
+def warm_up(device: str = "cpu", form: str = "package", ahead: bool = False,
+            libraries: tuple[str, ...] = ()) -> float:
     """Import what a background compile needs in this worker (nothing, when the fork
     server preloaded it: ``prepare_fork_server``). Returns the seconds it took (about 0
     when done before).
@@ -118,7 +119,12 @@ def warm_up(device: str = "cpu", form: str = "package", ahead: bool = False) -> 
     compile is waiting), the compile makes them as it goes rather than queue behind them:
     a GPU compile's job starts the pool (``_start_inductor_pool``), and a worker forked
     from a fork server that made the CPU check (``prepare_fork_server``) has its answer
-    already. ``form`` is kept for the callers."""
+    already. ``form`` is kept for the callers.
+
+    ``libraries``: modules of model classes the serving process has loaded from installed
+    libraries (``warming.library_modules``), imported here as a model's unpacking would
+    (transformers' GPT-2: 1.7 s of a first job on a GPU host). One that fails to import is
+    left to the job that needs it, which reports the error."""
     import importlib
     import sys
 
@@ -127,6 +133,12 @@ def warm_up(device: str = "cpu", form: str = "package", ahead: bool = False) -> 
     for name in _MODULES:
         if name not in sys.modules:
             importlib.import_module(name)
+    for name in libraries:
+        if name not in sys.modules:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - the job that unpacks a model of it reports it
+                pass
     if ahead and device == "cuda" and device not in _warmed:
         _start_inductor_pool()
         _warm_cuda()

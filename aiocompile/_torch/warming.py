@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     # server's event loop, and the scheduler's stack is imported in warm()'s thread.
     from aiocompile._core.scheduler import Scheduler
 
-__all__ = ["MAX_OWN_WORKERS", "DEVICES", "scheduler_for", "warm"]
+__all__ = ["MAX_OWN_WORKERS", "DEVICES", "library_modules", "scheduler_for", "warm"]
 
 MAX_OWN_WORKERS = 4
 """Workers of a scheduler ``compile_in_background`` makes, at most: one compile per input
@@ -108,9 +108,11 @@ def scheduler_for(device: str = "cpu", form: str = "package", *,
     return threads.start(make, "aiocompile-start"), True
 
 
-def _new_scheduler(device: str, form: str, pay_ahead: bool = False) -> tuple[Scheduler, list[cf.Future[Any]]]:
+def _new_scheduler(device: str, form: str, pay_ahead: bool = False,
+                   libraries: tuple[str, ...] = ()) -> tuple[Scheduler, list[cf.Future[Any]]]:
     """A scheduler of aiocompile's for background compiles, and its workers' warm-ups
-    (``export.warm_up``; with ``pay_ahead``, the rest of a first compile's start-up too)."""
+    (``export.warm_up``; with ``pay_ahead``, the rest of a first compile's start-up too,
+    ``libraries`` imported)."""
     from aiocompile._base import bytecode
     from aiocompile._base.config import SchedulerConfig
     from aiocompile._core.scheduler import Scheduler
@@ -131,10 +133,10 @@ def _new_scheduler(device: str, form: str, pay_ahead: bool = False) -> tuple[Sch
     ours = (PRELOAD, export.PRELOAD) if device == "cpu" else (PRELOAD,)
     scheduler = Scheduler(config=config.with_changes(preload=(*config.preload, *ours),
                                                      workers=min(config.workers, MAX_OWN_WORKERS)))
-    return scheduler, scheduler.port.warm_workers(export.warm_up, (device, form, pay_ahead))
+    return scheduler, scheduler.port.warm_workers(export.warm_up, (device, form, pay_ahead, libraries))
 
 
-def _shared(device: str, form: str) -> tuple[Scheduler, list[Any]]:
+def _shared(device: str, form: str, libraries: tuple[str, ...]) -> tuple[Scheduler, list[Any]]:
     """The scheduler background compiles will use, made if need be, and its workers'
     warm-ups (in a thread: making a scheduler imports the pool's modules)."""
     from aiocompile._torch import export
@@ -148,11 +150,50 @@ def _shared(device: str, form: str) -> tuple[Scheduler, list[Any]]:
             found = _WARMED.current()
             if found is None:
                 # A server pays the start-up ahead, the first compile's included.
-                found, warming = _new_scheduler(device, form, pay_ahead=True)
+                found, warming = _new_scheduler(device, form, pay_ahead=True, libraries=libraries)
                 _WARMED.scheduler, _WARMED.pid = found, os.getpid()
                 return found, warming
         scheduler = found
-    return scheduler, scheduler.port.warm_workers(export.warm_up, (device, form, True))
+    return scheduler, scheduler.port.warm_workers(export.warm_up, (device, form, True, libraries))
+
+
+def library_modules() -> tuple[str, ...]:
+    """The modules that define the model classes (``torch.nn.Module``'s subclasses) this
+    process has loaded from installed libraries, torch's own left out: what unpacking a
+    model of theirs in a worker imports. The program's own files (under the working
+    directory or ``__main__``'s, outside a ``site-packages``) are left out too: a worker
+    imports those only for a model of theirs, as it would without ``warm()``."""
+    import sys
+
+    import torch
+
+    own = [os.path.realpath(os.getcwd())]
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    if main_file:
+        own.append(os.path.dirname(os.path.realpath(main_file)))
+    classes: set[type] = set()
+    pending: list[type] = [torch.nn.Module]
+    while pending:
+        subclasses: list[type] = type.__subclasses__(pending.pop())
+        for sub in subclasses:
+            if sub not in classes:
+                classes.add(sub)
+                pending.append(sub)
+    found = []
+    for name in sorted({cls.__module__ for cls in classes}):
+        if name == "__main__" or name.partition(".")[0] in ("torch", "aiocompile"):
+            continue
+        origin = getattr(sys.modules.get(name), "__file__", None)
+        if origin and _library_file(os.path.realpath(origin), own):
+            found.append(name)
+    return tuple(found)
+
+
+def _library_file(path: str, own: list[str]) -> bool:
+    parts = path.split(os.sep)
+    if "site-packages" in parts or "dist-packages" in parts:
+        return True
+    return not any(path.startswith(folder + os.sep) for folder in own)
 
 
 async def warm(device: str = "cpu") -> Scheduler:
@@ -163,7 +204,10 @@ async def warm(device: str = "cpu") -> Scheduler:
     It starts that scheduler, its fork server with torch and what a compile needs imported,
     and its workers (on a GPU, each compiles a small model there, its CUDA context made),
     and makes here what loading a compiled version needs (for the CPU, Inductor's vector-ISA
-    check; for a GPU, the Python form's modules); it returns once all of that is done.
+    check; for a GPU, the Python form's modules); the workers import the libraries of the
+    model classes loaded here by then (``library_modules``: a server that has built its
+    model before it warms up has them imported once, not by its first compile). It returns
+    once all of that is done.
     Nothing of it holds the event loop: torch is imported and the scheduler made in a
     thread, the rest is awaited. Calling it again returns at once once done (idempotent);
     it works under asyncio and trio.
@@ -183,7 +227,7 @@ async def warm(device: str = "cpu") -> Scheduler:
             import torch  # noqa: F401 - seconds of import, here in a thread rather than the loop
 
             ahead.start(form)
-            return _shared(device, form)
+            return _shared(device, form, library_modules())
 
     # A thread of aiocompile's rather than anyio's: its first moment is without the GIL,
     # so the loop's thread is not kept waiting for it (threads.start).
