@@ -644,11 +644,20 @@ def test_a_model_that_updates_a_buffer_in_place_updates_its_own_buffer_when_comp
 def test_the_python_form_of_a_model_a_call_leaves_as_it_was_is_called_once_before_the_switch(sched, monkeypatch):
     """Its first call's set-up is made in the load's thread, not by the caller's first
     call (a model that updates a buffer is not called there: the test above)."""
+    from torch._inductor import codecache
+
     from aiocompile._torch import loading
 
     made: list[str] = []
     real = loading.first_call
     monkeypatch.setattr(loading, "first_call", lambda runner, inputs: (made.append("call"), real(runner, inputs)))
+    # The wrapper's module is run from the code the worker compiled (``graph_code``):
+    # Inductor's own loader, which compiles its source, loads nothing here.
+    compiled_here: list[str] = []
+    load_module = codecache._reload_python_module
+    monkeypatch.setattr(codecache, "_reload_python_module",
+                        lambda key, path, *args, **kwargs: (compiled_here.append(path),
+                                                            load_module(key, path, *args, **kwargs))[1])
     model = background_models.Keyed().eval()
     args, kwargs = background_models.keyed_inputs()
     compiled = aiotorch.compile_in_background(model, scheduler=sched, artifact="python")
@@ -658,3 +667,4 @@ def test_the_python_form_of_a_model_a_call_leaves_as_it_was_is_called_once_befor
     assert (shape.state, shape.form) == ("compiled", "python"), shape.error
     assert made == ["call"]
     assert compiled.status().shapes[0].compiled_calls == 0  # the call made there is not the caller's
+    assert compiled_here == []

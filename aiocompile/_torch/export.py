@@ -40,7 +40,7 @@ import threading
 import time
 from typing import Any
 
-from aiocompile._torch import aoti, cxx, graph, isa
+from aiocompile._torch import aoti, cxx, graph, graph_code, isa
 from aiocompile._torch.job import ENV_PREFIXES, PACKAGE_CONFIGS, ExportJob
 from aiocompile._torch.parcel import unpack
 from aiocompile.errors import CompileError
@@ -248,6 +248,7 @@ def build_package(job: ExportJob) -> dict[str, Any]:
             form = "package"
             compiler, path = _compile_package(job.inductor_configs, program, workdir)
         else:
+            loaded_before = graph_code.mark()
             artifact, compiled, extra = graph.build(program, plan, tuple(args), kwargs, job.inductor_configs)
         times[stage] = time.perf_counter() - clock
 
@@ -268,7 +269,10 @@ def build_package(job: ExportJob) -> dict[str, Any]:
             harmless = not model.training \
                 and all(torch.equal(buffers[name], buffer) for name, buffer in model.named_buffers()) \
                 and all(versions[name] == parameter._version for name, parameter in model.named_parameters())
-            built = {"artifact": artifact, "plan": plan, "harmless_call": harmless}
+            # The code of the modules the compile and the call loaded (the wrapper's, the
+            # kernels'), for the serving process's load to run rather than compile.
+            built = {"artifact": artifact, "plan": plan, "harmless_call": harmless,
+                     "codes": graph_code.collect(loaded_before)}
         with torch.no_grad():
             expected = model(*args, **kwargs)
         difference = max_abs_difference(got, expected)

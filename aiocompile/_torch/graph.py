@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,11 +165,15 @@ class GraphRunner:
         return self._pytree.tree_unflatten(list(outputs), self._out_spec)
 
 
-def load(artifact: bytes, plan: Plan, tensors: dict[str, Any]) -> GraphRunner:
+def load(artifact: bytes, plan: Plan, tensors: dict[str, Any],
+         codes: Mapping[bytes, bytes] | None = None) -> GraphRunner:
     """The artifact loaded here (its kernels' binaries too), bound to ``tensors``: every
-    weight and constant the plan names."""
+    weight and constant the plan names. ``codes``: its modules' code, compiled in the
+    worker (:mod:`.graph_code`), run rather than compiling their source here."""
     from torch._inductor import config
     from torch._inductor.standalone_compile import AOTCompiledArtifact
+
+    from aiocompile._torch import graph_code
 
     fd, path = tempfile.mkstemp(prefix="aiocompile-graph-")
     try:
@@ -177,7 +182,7 @@ def load(artifact: bytes, plan: Plan, tensors: dict[str, Any]) -> GraphRunner:
         # The wrapper's code hands each kernel to Inductor's compiler, which finds its
         # binary; with more than one compile thread it would first start Inductor's
         # process pool here (a subprocess, and its workers) for binaries already built.
-        with config.patch(compile_threads=1):
+        with config.patch(compile_threads=1), graph_code.used(codes or {}):
             compiled = AOTCompiledArtifact.load(path=path, format="binary")  # checks the torch build it was made by
     finally:
         os.unlink(path)

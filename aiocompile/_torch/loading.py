@@ -44,7 +44,7 @@ def load(model: Any, answer: Mapping[str, Any], device_index: int,
         plan = answer["plan"]
         constants = {name: own[name].detach() if kind == "weight" else extra[name].to(device)
                      for kind, name in plan.inputs if kind != "input"}
-        return graph.load(answer["artifact"], plan, constants), constants
+        return graph.load(answer["artifact"], plan, constants, answer.get("codes")), constants
     fd, path = tempfile.mkstemp(prefix="aiocompile-", suffix=".pt2")
     try:
         with os.fdopen(fd, "wb") as f:
