@@ -14,7 +14,9 @@ waking the coroutine), not the job's. One worker each, in one event loop:
   notebook's functions do). anyio's workers run the main script once; aiocompile's never do,
   so it sends such a function by value.
 
-They take turns in rounds, so that drift of the machine hits them all alike; after a
+They take turns in rounds, so that drift of the machine hits them all alike (each round's
+order rotated, and reversed every other round, so that each way follows more than one
+other); after a
 warm-up of 200 calls each. Each round's medians are reported too, with aiocompile's ratio
 to anyio's in that round: on a shared machine a round's neighbours matter more than the
 whole run's. ``benchmarks/bench_metrics.py`` measures, the same way, what
@@ -78,6 +80,10 @@ async def measure(calls: int, rounds: int, config: dict[str, Any]) -> dict[str, 
         for round_ in range(rounds):
             names = list(ways)
             names = names[round_ % len(names):] + names[:round_ % len(names)]
+            if round_ % 2:
+                # Each way follows another in turn: a way's predecessor (what the machine
+                # was doing the moment before) is not always the same one.
+                names.reverse()
             this_round: dict[str, float] = {}
             for name in names:
                 call = ways[name]

@@ -5,7 +5,7 @@ Also the same ``run()`` with the scheduler's metrics off (no request records), a
 pool alone (the job submitted to ``WorkerPool`` and its future awaited: no admission, no
 cache, no record), which split aiocompile's round trip by layer.
 
-For aiocompile, three steps, from timestamps taken in this process: ``call -> written``
+For aiocompile (``abs``, and ``negate``, a function of this script's ``__main__``), three steps, from timestamps taken in this process: ``call -> written``
 (the parent's work before the job's write, the write included), ``written -> readable``
 (the worker's wake-up, its work and answer, the parent's wake-up) and ``readable ->
 resumed`` (the parent's work from the answer to the caller's next line). The timestamps
@@ -26,6 +26,11 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+
+def negate(x: int) -> int:
+    """A function of the program's ``__main__`` (run as a script): sent by value once."""
+    return -x
 
 
 def _bare_worker(jobs: int, answers: int) -> None:
@@ -96,28 +101,33 @@ async def measure(calls: int, rounds: int) -> dict[str, list[float]]:
 
         return await bridge.wait(pool.submit_job(abs, (-1,), direct=True).future)
 
+    split = ("call -> written", "written -> readable", "readable -> resumed", "aiocompile")
     steps: dict[str, list[float]] = {name: [] for name in (
-        "call -> written", "written -> readable", "readable -> resumed", "aiocompile", "aiocompile, metrics off",
-        "the pool alone", "anyio to_process", "bare")}
+        *split, *(f"{name}, __main__" for name in split), "aiocompile, metrics off",
+        "the pool alone", "anyio to_process", "anyio __main__", "bare")}
     try:
         for _ in range(200):
             await sched.run(abs, -1)
+            await sched.run(negate, -1)
+            await anyio.to_process.run_sync(negate, -1, limiter=limiter)
             await quiet.run(abs, -1)
             await pool_alone()
             await anyio.to_process.run_sync(abs, -1, limiter=limiter)
             await bare()
         for _ in range(rounds):
-            for _ in range(calls):
-                started = time.perf_counter()
-                await sched.run(abs, -1)
-                resumed = time.perf_counter()
-                steps["call -> written"].append(marks["written"] - started)
-                steps["written -> readable"].append(marks["readable"] - marks["written"])
-                steps["readable -> resumed"].append(resumed - marks["readable"])
-                steps["aiocompile"].append(resumed - started)
+            for fn, suffix in ((abs, ""), (negate, ", __main__")):
+                for _ in range(calls):
+                    started = time.perf_counter()
+                    await sched.run(fn, -1)
+                    resumed = time.perf_counter()
+                    steps["call -> written" + suffix].append(marks["written"] - started)
+                    steps["written -> readable" + suffix].append(marks["readable"] - marks["written"])
+                    steps["readable -> resumed" + suffix].append(resumed - marks["readable"])
+                    steps["aiocompile" + suffix].append(resumed - started)
             for name, call in (("aiocompile, metrics off", lambda: quiet.run(abs, -1)),
                                ("the pool alone", pool_alone),
                                ("anyio to_process", lambda: anyio.to_process.run_sync(abs, -1, limiter=limiter)),
+                               ("anyio __main__", lambda: anyio.to_process.run_sync(negate, -1, limiter=limiter)),
                                ("bare", bare)):
                 for _ in range(calls):
                     started = time.perf_counter()
@@ -143,7 +153,7 @@ def main() -> None:
     for name, values in steps.items():
         values.sort()
         pick = lambda p: values[int(p * (len(values) - 1))] * 1e6  # noqa: B023, E731
-        print(f"{name:25} p50 {pick(0.5):7.1f} µs   p10 {pick(0.1):7.1f}   p90 {pick(0.9):7.1f}")
+        print(f"{name:31} p50 {pick(0.5):7.1f} µs   p10 {pick(0.1):7.1f}   p90 {pick(0.9):7.1f}")
 
 
 if __name__ == "__main__":
