@@ -5,8 +5,9 @@ Also the same ``run()`` with the scheduler's metrics off (no request records), a
 pool alone (the job submitted to ``WorkerPool`` and its future awaited: no admission, no
 cache, no record), which split aiocompile's round trip by layer.
 
-For aiocompile (``abs``, and ``negate``, a function of this script's ``__main__``), three steps, from timestamps taken in this process: ``call -> written``
-(the parent's work before the job's write, the write included), ``written -> readable``
+For aiocompile (``abs``, and ``negate``, a function of this script's ``__main__``), three
+steps, from timestamps taken in this process: ``call -> written`` (the parent's work
+before the job's write, the write included), ``written -> readable``
 (the worker's wake-up, its work and answer, the parent's wake-up) and ``readable ->
 resumed`` (the parent's work from the answer to the caller's next line). The timestamps
 come from wrapping two internal functions (the job's write and the loop's read), so this is
