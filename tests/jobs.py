@@ -15,6 +15,18 @@ def pid():
     return os.getpid()
 
 
+def child_policy():
+    """The scheduling policy of a process this job starts (a compiler would be one)."""
+    import subprocess
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        return os.sched_getscheduler(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+
+
 def echo(value):
     return value
 

@@ -162,6 +162,7 @@ WARM_SCRIPT = textwrap.dedent('''
         pids = sorted(scheduler.worker_pids())
         started = scheduler.statistics().workers_started
         paid = [await scheduler.run(background_models.first_compile_paid) for _ in pids]
+        policies = [os.sched_getscheduler(pid) == os.SCHED_IDLE for pid in pids]
         names = ["fancy_models.layers", "fancy_models.once", "own_models"]
         imported = [await scheduler.run(background_models.modules_loaded, names) for _ in pids]
         again = await aiotorch.warm()  # idempotent: the same scheduler, nothing started
@@ -173,7 +174,7 @@ WARM_SCRIPT = textwrap.dedent('''
         compiled.close()  # not its scheduler to close
         print(json.dumps({
             "same": again is scheduler and compiled.scheduler is scheduler, "pids": pids, "started": started,
-            "paid": paid, "imported": imported,
+            "paid": paid, "imported": imported, "idle": policies,
             "pids_after": sorted(scheduler.worker_pids()), "started_after": scheduler.statistics().workers_started,
             "state": shape.state, "error": shape.error, "compiled_calls": compiled.status().shapes[0].compiled_calls,
             "equal": bool(torch.allclose(out, expected, rtol=1e-4, atol=1e-4)), "open": not scheduler.closed}))
@@ -213,6 +214,8 @@ def test_after_warm_a_background_compile_starts_no_process_and_compiles(tmp_path
     # ... and imported the library's model modules, not the program's own files; the module
     # that failed to import there left warm() to succeed.
     assert answer["imported"] == [["fancy_models.layers"]] * len(answer["pids"])
+    # Nobody waits on its compiles: its workers take only the CPU time the program leaves.
+    assert answer["idle"] == [True] * len(answer["pids"])
     assert answer["same"] is True
     assert answer["pids_after"] == answer["pids"] and answer["started_after"] == answer["started"]
     assert answer["state"] == "compiled", answer["error"]

@@ -370,6 +370,26 @@ def test_workers_run_nicer_than_this_process():
         aiocompile.SchedulerConfig(worker_nice=25)
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+def test_idle_workers_their_fork_server_and_their_compilers_run_under_sched_idle():
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    with WorkerPool(1, preload=(), worker_nice=3, worker_idle=True) as pool:
+        pid = pool.submit(jobs.pid).result(timeout=60)
+        assert os.sched_getscheduler(pid) == os.SCHED_IDLE
+        assert os.getpriority(os.PRIO_PROCESS, pid) == min(19, mine + 3)
+        fork_server = pool.submit(os.getppid).result(timeout=60)
+        assert fork_server != os.getpid() and os.sched_getscheduler(fork_server) == os.SCHED_IDLE
+        # What a worker starts (a compiler) inherits it.
+        assert pool.submit(jobs.child_policy).result(timeout=60) == os.SCHED_IDLE
+    with WorkerPool(1, preload=()) as pool:
+        pid = pool.submit(jobs.pid).result(timeout=60)
+        assert os.sched_getscheduler(pid) == os.sched_getscheduler(0) != os.SCHED_IDLE
+    assert aiocompile.SchedulerConfig().worker_idle is False
+    assert aiocompile.SchedulerConfig.from_env({"AIOCOMPILE_WORKER_IDLE": "yes"}).worker_idle is True
+    with pytest.raises(TypeError, match="worker_idle"):
+        aiocompile.SchedulerConfig(worker_idle=1)
+
+
 def test_jobs_submitted_from_many_threads_at_once_each_run_once_amid_crashes():
     """Idle workers are taken by whichever thread submits first, or by the supervisor:
     from four threads at once, with workers dying under some jobs, every job runs and

@@ -34,11 +34,11 @@ import urllib.parse
 from typing import Any
 
 __all__ = [
-    "BENCHMARK_TIMEOUT", "CALL_TIMEOUT", "CLOSE_GRACE", "COMPILER", "CRASHES", "DEVICE", "GPU_ARCHS", "GPU_OUTPUT",
-    "IDLE_TIMEOUT", "INCLUDE_DIRS", "JOB_TIMEOUT", "LIBRARIES", "MAX_SECONDS", "NATIVE_FLAGS", "NATIVE_NAME",
-    "NICE", "POOL_GRACE", "PRELOAD", "RSS", "SOURCE", "SPEC_KIND", "START_METHOD", "SYMBOL", "WORKERS", "Choice",
-    "Devices", "Each", "FilePath", "Flag", "Modules", "Number", "Rule", "Secret", "SwitchablePath", "Text", "Url",
-    "check_callable",
+    "BENCHMARK_TIMEOUT", "CALL_TIMEOUT", "CLOSE_GRACE", "COMPILER", "CRASHES", "DEVICE", "FLAG", "GPU_ARCHS",
+    "GPU_OUTPUT", "IDLE_TIMEOUT", "INCLUDE_DIRS", "JOB_TIMEOUT", "LIBRARIES", "MAX_SECONDS", "NATIVE_FLAGS",
+    "NATIVE_NAME", "NICE", "POOL_GRACE", "PRELOAD", "RSS", "SOURCE", "SPEC_KIND", "START_METHOD", "SYMBOL", "WORKERS",
+    "Choice", "Devices", "Each", "FilePath", "Flag", "Modules", "Number", "Rule", "Secret", "SwitchablePath", "Text",
+    "Url", "check_callable",
 ]
 
 MAX_SECONDS = 1_000_000
@@ -434,6 +434,7 @@ def check_callable(setting: str, value: Any) -> Any:
 WORKERS = Number(integer=True, at_least=1)
 CRASHES = Number(integer=True, at_least=1)
 NICE = Number(integer=True, at_least=0, at_most=19)
+FLAG = Flag()
 RSS = Number(integer=True, above=0, unit="bytes", none="no limit")
 START_METHOD = Choice(("forkserver", "spawn", "fork"), none="the best start method here")
 PRELOAD = Modules()

@@ -119,6 +119,12 @@ class SchedulerConfig:
     worker_nice: int = 10
     """How many steps nicer (lower CPU priority) than this process workers run, so that
     compiles on every core leave this process's event loop on time. 0 keeps them equal."""
+    worker_idle: bool = False
+    """Run workers (and their fork server, and the compilers they start) under Linux's
+    ``SCHED_IDLE`` policy: they get the CPU time the machine's other work leaves, and a
+    thread of this process that wakes takes a CPU from them at once. For compiles nobody
+    waits on (``compile_in_background``'s, whose schedulers turn it on); a machine that is
+    always busy leaves them almost nothing. Ignored where the policy does not exist."""
     metrics: bool = True
     """Keep a timing record per request, duration summaries and worker events, and report
     them (logging, ``event_log``, listeners). False keeps only the counters."""
@@ -218,6 +224,7 @@ SETTINGS: dict[str, checks.Rule] = {
     "max_worker_rss": checks.RSS,
     "idle_timeout": checks.IDLE_TIMEOUT,
     "worker_nice": checks.NICE,
+    "worker_idle": checks.Flag(),
     "metrics": checks.Flag(),
     "event_log": checks.FilePath(none="no event log"),
     "cost_history": checks.FilePath(none="costs.json in cache_dir, or memory only"),
@@ -252,6 +259,7 @@ ENVIRONMENT = (
     ("AIOCOMPILE_COST_HISTORY", "cost_history"),
     ("AIOCOMPILE_METRICS", "metrics"),
     ("AIOCOMPILE_WORKER_NICE", "worker_nice"),
+    ("AIOCOMPILE_WORKER_IDLE", "worker_idle"),
     ("AIOCOMPILE_BENCHMARK_TIMEOUT", "benchmark_timeout"),
     ("AIOCOMPILE_TUNING_DEVICES", "tuning_devices"),
     ("AIOCOMPILE_TUNING_SCREEN", "tuning_screen"),

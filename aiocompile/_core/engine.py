@@ -68,6 +68,7 @@ class Engine:
                 max_worker_rss=config.max_worker_rss,
                 idle_timeout=config.idle_timeout,
                 worker_nice=config.worker_nice,
+                worker_idle=config.worker_idle,
             )
         self._cache = KernelCache(config.cache_entries, config.cache_bytes, config.error_ttl)
         self._disk = None if config.cache_dir is None else DiskCache(

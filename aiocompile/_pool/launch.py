@@ -174,9 +174,11 @@ class ZygoteLauncher:
 
     name = "forkserver"
 
-    def __init__(self, preload: tuple[str, ...], start_timeout: float = 120.0, nice: int = 0) -> None:
+    def __init__(self, preload: tuple[str, ...], start_timeout: float = 120.0, nice: int = 0,
+                 idle: bool = False) -> None:
         self._preload = list(preload)
         self._nice = nice
+        self._idle = idle
         self._start_timeout = start_timeout
         self._ctrl: socket.socket | None = None
         self._proc: subprocess.Popen[bytes] | None = None
@@ -211,10 +213,10 @@ class ZygoteLauncher:
             )
         finally:
             child.close()
-        if self._nice:
+        if self._nice or self._idle:
             # Its start-up (seconds of imports) and the workers it forks run at the
             # workers' priority, behind the program's own threads.
-            lower_priority(self._proc.pid, self._nice)
+            lower_priority(self._proc.pid, self._nice, self._idle)
         self._ctrl = parent
         parent.send(encode_control(Init(list(sys.path), os.getcwd(), self._preload)))
         deadline = time.monotonic() + self._start_timeout
@@ -510,12 +512,14 @@ def default_start_method() -> str:
     return "spawn"
 
 
-def make_launcher(start_method: str | None, preload: tuple[str, ...], nice: int = 0) -> Launcher:
+def make_launcher(start_method: str | None, preload: tuple[str, ...], nice: int = 0,
+                  idle: bool = False) -> Launcher:
     """The launcher of a start method; ``nice``: how much nicer than this process a fork
-    server runs (workers are reniced by the supervisor whatever launches them)."""
+    server runs, ``idle``: whether under ``SCHED_IDLE`` (workers are lowered by the
+    supervisor whatever launches them)."""
     method = start_method or default_start_method()
     if method == "forkserver":
-        return ZygoteLauncher(preload, nice=nice)
+        return ZygoteLauncher(preload, nice=nice, idle=idle)
     if method == "spawn":
         return SpawnLauncher(preload)
     if method == "fork":

@@ -59,6 +59,7 @@ class WorkerPool(cf.Executor):
         max_worker_rss: int | None = None,
         idle_timeout: float | None = None,
         worker_nice: int = 0,
+        worker_idle: bool = False,
     ) -> None:
         # Checked here, in the caller: the supervisor thread trusts them.
         self.max_workers = checks.WORKERS.check("max_workers", max_workers)
@@ -70,6 +71,7 @@ class WorkerPool(cf.Executor):
             preload=checks.PRELOAD.check("preload", preload),
             idle_timeout=checks.IDLE_TIMEOUT.check("idle_timeout", idle_timeout),
             worker_nice=checks.NICE.check("worker_nice", worker_nice),
+            worker_idle=checks.FLAG.check("worker_idle", worker_idle),
             max_worker_rss=checks.RSS.check("max_worker_rss", max_worker_rss),
         )
         self._roster = self._supervisor.roster

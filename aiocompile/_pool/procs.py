@@ -236,9 +236,10 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def lower_priority(pid: int, nice: int) -> None:
+def lower_priority(pid: int, nice: int, idle: bool = False) -> None:
     """Make a process of the pool (a worker, a fork server) ``nice`` steps nicer than this
-    process.
+    process, and with ``idle`` put it under ``SCHED_IDLE``: it runs only on CPU time that
+    no other thread wants (a serving process's eager calls never wait for it).
 
     Compiles use every core they get; the event loop of the process that asked for them
     must still wake up on time. Done while the process is single-threaded (a worker that
@@ -251,3 +252,8 @@ def lower_priority(pid: int, nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, pid, min(19, mine + nice))
     except (OSError, AttributeError):
         pass
+    if idle:
+        try:
+            os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
+        except (OSError, AttributeError):
+            pass

@@ -43,10 +43,12 @@ class Supervisor:
     """The thread that drives one pool's workers (started on the first command)."""
 
     def __init__(self, *, max_workers: int, start_method: str | None, preload: tuple[str, ...],
-                 idle_timeout: float | None, worker_nice: int, max_worker_rss: int | None) -> None:
+                 idle_timeout: float | None, worker_nice: int, max_worker_rss: int | None,
+                 worker_idle: bool = False) -> None:
         self.max_workers = max_workers
         self.idle_timeout = idle_timeout
         self.worker_nice = worker_nice
+        self.worker_idle = worker_idle
         self._start_method = start_method
         self._preload = preload
         self._wake_r, self._wake_w = os.pipe()
@@ -284,7 +286,7 @@ class Supervisor:
     def _prepare_launcher(self) -> None:
         try:
             if self._launcher is None:
-                self._launcher = make_launcher(self._start_method, self._preload, self.worker_nice)
+                self._launcher = make_launcher(self._start_method, self._preload, self.worker_nice, self.worker_idle)
             self._launcher.prepare()
         except (LauncherError, OSError) as exc:
             # Not fatal here: the first launch tries again and reports.
@@ -293,7 +295,7 @@ class Supervisor:
     def _launch_worker(self) -> bool:
         try:
             if self._launcher is None:
-                self._launcher = make_launcher(self._start_method, self._preload, self.worker_nice)
+                self._launcher = make_launcher(self._start_method, self._preload, self.worker_nice, self.worker_idle)
             proc = self._launcher.launch()
             for problem in getattr(self._launcher, "problems", ()):
                 if problem not in self._reported_problems:
@@ -330,8 +332,8 @@ class Supervisor:
             return
         message = read_answer(data)
         if isinstance(message, Ready):
-            if self.worker_nice:
-                procs.lower_priority(worker.proc.pid, self.worker_nice)
+            if self.worker_nice or self.worker_idle:
+                procs.lower_priority(worker.proc.pid, self.worker_nice, self.worker_idle)
             with roster.lock:
                 worker.ready()
             self._start_failures = 0

@@ -114,7 +114,7 @@ def _new_scheduler(device: str, form: str, pay_ahead: bool = False,
     (``export.warm_up``; with ``pay_ahead``, the rest of a first compile's start-up too,
     ``libraries`` imported)."""
     from aiocompile._base import bytecode
-    from aiocompile._base.config import SchedulerConfig
+    from aiocompile._base.config import SchedulerConfig, named_in_env
     from aiocompile._core.scheduler import Scheduler
     from aiocompile._torch import export
     from aiocompile.backends.inductor._worker import PRELOAD, PRELOAD_PACKAGES
@@ -131,7 +131,10 @@ def _new_scheduler(device: str, form: str, pay_ahead: bool = False,
     # uninitialised, so what marks the forks is not known); workers for a GPU import them in
     # their warm-up.
     ours = (PRELOAD, export.PRELOAD) if device == "cpu" else (PRELOAD,)
-    scheduler = Scheduler(config=config.with_changes(preload=(*config.preload, *ours),
+    # Nobody waits on these compiles: they take only the CPU time the serving process
+    # leaves (``SCHED_IDLE``), unless the environment says otherwise.
+    idle = config.worker_idle if "worker_idle" in named_in_env() else True
+    scheduler = Scheduler(config=config.with_changes(preload=(*config.preload, *ours), worker_idle=idle,
                                                      workers=min(config.workers, MAX_OWN_WORKERS)))
     return scheduler, scheduler.port.warm_workers(export.warm_up, (device, form, pay_ahead, libraries))
 
