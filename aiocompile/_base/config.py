@@ -123,8 +123,9 @@ class SchedulerConfig:
     """Run workers (and their fork server, and the compilers they start) under Linux's
     ``SCHED_IDLE`` policy: they get the CPU time the machine's other work leaves, and a
     thread of this process that wakes takes a CPU from them at once. For compiles nobody
-    waits on (``compile_in_background``'s, whose schedulers turn it on); a machine that is
-    always busy leaves them almost nothing. Ignored where the policy does not exist."""
+    waits on (``compile_in_background``'s for a model on the CPU, whose schedulers turn it
+    on); a machine that is always busy leaves them almost nothing. Ignored where the policy
+    does not exist."""
     metrics: bool = True
     """Keep a timing record per request, duration summaries and worker events, and report
     them (logging, ``event_log``, listeners). False keeps only the counters."""

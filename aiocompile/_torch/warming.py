@@ -131,9 +131,12 @@ def _new_scheduler(device: str, form: str, pay_ahead: bool = False,
     # uninitialised, so what marks the forks is not known); workers for a GPU import them in
     # their warm-up.
     ours = (PRELOAD, export.PRELOAD) if device == "cpu" else (PRELOAD,)
-    # Nobody waits on these compiles: they take only the CPU time the serving process
-    # leaves (``SCHED_IDLE``), unless the environment says otherwise.
-    idle = config.worker_idle if "worker_idle" in named_in_env() else True
+    # Nobody waits on these compiles: for a model on the CPU, whose eager calls share the
+    # CPUs with them, they take only the CPU time the serving process leaves (``SCHED_IDLE``),
+    # unless the environment says otherwise. Not for a GPU: there the eager calls wait for
+    # the GPU the worker shares, not for a CPU, and a worker that ends holds the GPU driver
+    # for a moment (an eager call on a GPU host took 36 ms while the workers exited).
+    idle = config.worker_idle if "worker_idle" in named_in_env() else device == "cpu"
     scheduler = Scheduler(config=config.with_changes(preload=(*config.preload, *ours), worker_idle=idle,
                                                      workers=min(config.workers, MAX_OWN_WORKERS)))
     return scheduler, scheduler.port.warm_workers(export.warm_up, (device, form, pay_ahead, libraries))
