@@ -224,3 +224,90 @@ def test_calls_served_back_to_back_leave_a_thread_inside_handing_over_half_of_th
     during = [at for at in progress if began <= at <= ended]
     # Running, it appends about every 0.6 ms: at least a quarter of 0.4 s of it.
     assert len(during) >= 0.4 * 0.25 / 0.0006, len(during)
+
+
+def _inside_served_calls(patient: bool) -> tuple[int, int]:
+    """A thread inside ``handing_over`` (``patient`` or not) beside calls served 80% of
+    the time (4 ms, then 1 ms between): how many of its steps came inside a call, and
+    how many between."""
+    import time
+
+    progress: list[float] = []
+    stop = threading.Event()
+    started = threading.Event()
+
+    def step() -> None:
+        pass
+
+    def busy() -> None:
+        with threads.handing_over():
+            if patient:
+                aside.patient()
+            started.set()
+            try:
+                while not stop.is_set():
+                    for _ in range(20):
+                        step()
+                    progress.append(time.perf_counter())
+                    time.sleep(0.0002)
+            finally:
+                aside.hurried(threading.get_ident())
+
+    helper = threading.Thread(target=busy)
+    helper.start()
+    served: list[tuple[float, float]] = []
+    try:
+        started.wait(5)
+        time.sleep(0.12)  # a fresh window
+        began = time.perf_counter()
+        while time.perf_counter() - began < 0.6:
+            aside.serve_begin()
+            try:
+                start = time.perf_counter()
+                time.sleep(0.004)
+                served.append((start + 0.001, time.perf_counter()))  # its step under way at the start may end
+            finally:
+                aside.serve_end()
+            time.sleep(0.001)
+        ended = time.perf_counter()
+    finally:
+        stop.set()
+        helper.join(5)
+    steps = [at for at in progress if began <= at <= ended]
+    inside = sum(any(start <= at <= end for start, end in served) for at in steps)
+    return inside, len(steps) - inside
+
+
+def test_a_patient_thread_runs_between_served_calls_and_not_beside_them_until_hurried():
+    """A thread whose work nobody waits for yet (``aside.patient``: the modules a load will
+    need) stands aside for up to ``PATIENT_SHARE`` of each window: calls served 80% of the
+    time leave it the gaps between them. Once hurried, it takes ``STAND_ASIDE_SHARE``
+    only, and runs beside the calls for the rest."""
+    patient_inside, patient_between = _inside_served_calls(patient=True)
+    usual_inside, usual_between = _inside_served_calls(patient=False)
+    assert patient_between > 0 and usual_between > 0  # neither starves
+    assert usual_inside > 4 * max(patient_inside, 5), (patient_inside, usual_inside)
+
+
+def test_ahead_work_is_patient_until_something_asks_for_it():
+    from aiocompile._torch.ahead import Ahead
+
+    seen: list[bool] = []
+    go_on = threading.Event()
+
+    def work() -> None:
+        seen.append(threading.get_ident() in aside._SERVING.patient)
+        go_on.wait(5)
+        seen.append(threading.get_ident() in aside._SERVING.patient)
+
+    made = Ahead("test-patience", work)
+    made.start()
+    for _ in range(500):
+        if seen:
+            break
+        threading.Event().wait(0.01)
+    finished = made.finished()  # someone is about to wait: no longer patient
+    go_on.set()
+    assert finished is not None and finished.result(5) is None
+    assert seen == [True, False]
+    assert not aside._SERVING.patient

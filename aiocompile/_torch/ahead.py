@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from aiocompile._base import collector, threads
+from aiocompile._base import aside, collector, threads
 
 _logger = logging.getLogger("aiocompile")
 
@@ -35,6 +35,8 @@ class Ahead:
         self._work = work
         self._lock = threading.Lock()
         self._finished: cf.Future[None] = cf.Future()
+        self._thread: int | None = None
+        self._waited_for = False
         self.started = False
         self.seconds: float | None = None
         """How long it took, once it has run without raising."""
@@ -49,6 +51,12 @@ class Ahead:
 
     def _run(self) -> None:
         began = time.perf_counter()
+        with self._lock:
+            # Until a load (or warm()) asks for it, nobody waits for it: it stands aside for
+            # the serving process's calls more than aiocompile's other threads do.
+            self._thread = threading.get_ident()
+            if not self._waited_for:
+                aside.patient()
         try:
             with collector.imports_settled(), threads.imports_yielding():
                 self._work()
@@ -57,12 +65,17 @@ class Ahead:
         except Exception as exc:  # noqa: BLE001 - whoever needs it next meets the failure and reports it
             _logger.debug("%s, made for loads here, failed: %s: %s", self.name, type(exc).__name__, exc)
         finally:
+            aside.hurried(threading.get_ident())
             self._finished.set_result(None)
 
     def finished(self) -> cf.Future[None] | None:
         """A future done when the work has ended (whether or not it raised); None when it
-        has not begun."""
+        has not begun. Asked by whoever is about to wait for it: from then on the work
+        stands aside for the serving process's calls no more than the rest."""
         with self._lock:
+            self._waited_for = True
+            if self._thread is not None:
+                aside.hurried(self._thread)
             return self._finished if self.started else None
 
     def wait(self, timeout: float | None = None) -> bool:
