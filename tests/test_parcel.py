@@ -167,3 +167,21 @@ def test_a_gpu_models_weights_are_copied_to_the_host_and_placed_back_on_its_devi
         return module.transposed.untyped_storage().data_ptr() == module.table.untyped_storage().data_ptr()
 
     assert shared(copy) == shared(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_gpu_models_weights_written_just_before_packing_are_packed_as_written():
+    """The copies run on a stream of their own (the serving thread's later kernels do not
+    wait behind them), after what the current stream held when the packing began: a
+    write queued behind a tenth of a second of work is in the parcel."""
+    model = torch.nn.Linear(1024, 1024).cuda()
+    busy = torch.randn(4096, 4096, device="cuda")
+    for _ in range(40):  # queued, not yet run, when the packing begins
+        busy = torch.tanh(busy @ busy)
+    with torch.no_grad():
+        model.weight.fill_(3.0)
+        model.bias.copy_(busy[0, :1024] * 0 + 7.0)
+    copy = _parcel.unpack(_parcel.pack(model))
+    assert bool((copy.weight == 3.0).all()) and bool((copy.bias == 7.0).all())
+    assert copy.weight.device == model.weight.device
