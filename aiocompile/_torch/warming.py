@@ -186,7 +186,7 @@ def library_modules() -> tuple[str, ...]:
                 classes.add(sub)
                 pending.append(sub)
     found = []
-    for name in sorted({cls.__module__ for cls in classes}):
+    for name in sorted({cls.__module__ for cls in classes if isinstance(cls.__module__, str)}):
         if name == "__main__" or name.partition(".")[0] in ("torch", "aiocompile"):
             continue
         origin = getattr(sys.modules.get(name), "__file__", None)
