@@ -417,7 +417,7 @@ def test_a_package_built_by_a_compiler_without_a_shared_cxx_library_does_not_loa
     # host), and eager keeps serving.
     model, x = background_models.make_mlp()
     compiled = aiotorch.compile_in_background(model, options={"cpp.cxx": (None, static_gxx), **NO_HEADERS},
-                                              scheduler=sched)
+                                              scheduler=sched, artifact="package")
     shape = asyncio.run(compiled.ready(x))
     assert shape.state == "failed", shape
     assert "trial failed" in shape.error or shape.error.startswith("WorkerCrashed"), shape.error
@@ -436,7 +436,7 @@ def test_a_default_compiler_without_a_shared_cxx_library_is_stood_in_for(static_
     own = aiocompile.Scheduler(config=config)
     try:
         model, x = background_models.make_mlp()
-        compiled = aiotorch.compile_in_background(model, scheduler=own)
+        compiled = aiotorch.compile_in_background(model, scheduler=own, artifact="package")
         shape = asyncio.run(compiled.ready(x))
         assert shape.state == "compiled", shape.error
         assert shape.compiler is not None and f"in place of {static_gxx}" in shape.compiler

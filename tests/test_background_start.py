@@ -52,7 +52,7 @@ SCRIPT = textwrap.dedent('''
     async def serve():
         with torch.no_grad():
             expected = model(x)
-            compiled = aiotorch.compile_in_background(model)
+            compiled = aiotorch.compile_in_background(model, artifact=sys.argv[3])
             in_constructor = [name for name, thread in seen if thread == "MainThread"]
             first = compiled(x)
             state = compiled.state(x)
@@ -90,8 +90,10 @@ def _serve(tmp_path, script_text: str, backend: str, *args: str) -> dict:
 @pytest.mark.timeout(TIMEOUT)
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_the_constructor_and_first_call_import_no_compiler_and_wait_for_no_worker(tmp_path, backend):
-    # Under asyncio the compile is also followed to its end.
-    answer = _serve(tmp_path, SCRIPT, backend, "to-the-end" if backend == "asyncio" else "first-call")
+    # Under asyncio the compile of a package is also followed to its end; under trio the
+    # default form's first call.
+    answer = _serve(tmp_path, SCRIPT, backend, *(("to-the-end", "package") if backend == "asyncio"
+                                                  else ("first-call", "auto")))
     # The scheduler's stack is imported in a thread of aiocompile's, Inductor and Dynamo
     # only by workers: the caller's thread imports none of them.
     assert answer["in_constructor"] == [] and answer["on_the_caller"] == []

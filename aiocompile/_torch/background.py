@@ -510,10 +510,10 @@ def compile_in_background(
     - ``artifact``: what the worker builds. ``"package"``: an AOTInductor package (a C++
       wrapper, loaded with a ``dlopen``); ``"python"``: Inductor's Python wrapper and
       kernels, as ``torch.compile`` runs them (a program it cannot run gets a package
-      all the same, ``ShapeStatus.form_reason`` says why); ``"auto"`` (default): the Python form for inputs on a GPU,
-      where a package's C++ build costs several times the whole compile, the package
-      for inputs on the CPU, where the Python form's load costs the serving process
-      seconds of CPU (``docs/torch.md``).
+      all the same, ``ShapeStatus.form_reason`` says why); ``"auto"`` (default): the
+      Python form, on a GPU (where a package's C++ build costs several times the whole
+      compile) and on the CPU (where it costs the compile about three times), its load's
+      imports made in a thread that stands aside for the calls (``docs/torch.md``).
 
     The whole compile (``torch.export``, Inductor's lowering and compile, a trial
     run) happens in a worker process; this process only packs the model, loads the

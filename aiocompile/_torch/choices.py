@@ -18,11 +18,10 @@ ARTIFACTS = ("auto", "package", "python")
 
 
 def form_for(artifact: str, *, on_gpu: bool) -> str:
-    """What ``artifact`` asks the worker to build: ``"auto"`` is the Python form on a GPU,
-    the package on the CPU."""
-    if artifact != "auto":
-        return artifact
-    return "python" if on_gpu else "package"
+    """What ``artifact`` asks the worker to build: ``"auto"`` is the Python form, what
+    ``torch.compile`` runs, on a GPU and on the CPU."""
+    del on_gpu
+    return "python" if artifact == "auto" else artifact
 
 
 def model_device(model: Any) -> str:

@@ -226,7 +226,7 @@ async def warm(device: str = "cpu") -> Scheduler:
         raise TypeError(f"device must be 'cpu' or 'cuda', got {device!r} ({type(device).__name__})")
     if device not in DEVICES:
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    form = "python" if device == "cuda" else "package"
+    form = "python"
 
     def start() -> tuple[Scheduler, list[Any]]:
         with collector.imports_settled(), threads.imports_yielding():
