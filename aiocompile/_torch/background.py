@@ -226,7 +226,7 @@ class BackgroundCompiled:
             inputs = io.BytesIO()
             torch.save((tuple(args), dict(kwargs)), inputs)
             device_index = _device_index(torch, args, kwargs)
-            form = choices.form_for(self._artifact, on_gpu=device_index >= 0)
+            form = choices.form_for(self._artifact)
             job = ExportJob(
                 name=self._name, signature=entry.text, parcel=parcel, inputs=inputs.getvalue(),
                 inductor_configs=self._inductor_configs(), device_index=device_index,
@@ -564,7 +564,7 @@ def compile_in_background(
         choices.check_options(options)
     owned = False
     device = choices.model_device(model)
-    form = choices.form_for(artifact, on_gpu=device == "cuda")
+    form = choices.form_for(artifact)
     # What loading the compiled version will need here is made ahead (a server wraps its
     # model at start-up), not beside the first compile's eager calls: the Python form's
     # imports hold the interpreter lock for seconds. For a scheduler of its own, once its

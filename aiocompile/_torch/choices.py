@@ -17,10 +17,9 @@ version is not run under CUDA graph trees)."""
 ARTIFACTS = ("auto", "package", "python")
 
 
-def form_for(artifact: str, *, on_gpu: bool) -> str:
+def form_for(artifact: str) -> str:
     """What ``artifact`` asks the worker to build: ``"auto"`` is the Python form, what
     ``torch.compile`` runs, on a GPU and on the CPU."""
-    del on_gpu
     return "python" if artifact == "auto" else artifact
 
 

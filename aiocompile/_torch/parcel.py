@@ -152,8 +152,7 @@ class _HostCopies:
         device = tensor.device
         if device.type != "cuda":
             return tensor.cpu().untyped_storage()
-        import torch
-
+        torch = sys.modules["torch"]  # a GPU tensor: torch is imported
         stream = self._streams.get(device)
         if stream is None:
             stream = torch.cuda.Stream(device=device)
