@@ -312,3 +312,31 @@ async def test_a_run_that_takes_long_holds_the_loop_no_longer_than_the_linger():
             assert await sched.run(sleep_then, 0.3, "late") == "late"
             done.set()
     assert max(gaps) < 0.1, max(gaps)
+
+
+async def test_runs_back_to_back_let_the_loop_go_now_and_then():
+    """A run's answer that is back by the time the task looks for it returns without a
+    turn of the loop; runs awaited back to back still let the loop go every
+    ``Turns.HOLD_MAX`` seconds, so that another task keeps running beside them."""
+    turns = 0
+    done = False
+
+    async def other() -> None:
+        nonlocal turns
+        while not done:
+            await anyio.sleep(0)
+            turns += 1
+
+    async with aiocompile.Scheduler(workers=1) as sched:
+        await sched.run(echo, 0)
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(other)
+            await anyio.sleep(0)
+            began = time.perf_counter()
+            for i in range(400):
+                assert await sched.run(echo, i) == i
+            took = time.perf_counter() - began
+            seen = turns
+            done = True
+    # Each run takes tens of microseconds at least: 400 of them span many HOLD_MAX.
+    assert seen >= max(2, int(took / 0.0005 / 4)), (seen, took)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import sys
 import threading
+import time
 from typing import Any, Callable, TypeVar
 
 T = TypeVar("T")
@@ -60,6 +61,11 @@ async def wait(future: cf.Future[T]) -> T:
             await waiter
         elif current_library() == "trio":  # raises where neither runs
             await _wait_trio(future)
+    return settled(future)
+
+
+def settled(future: cf.Future[T]) -> T:
+    """The result of ``future``, which is done, or its exception raised."""
     try:
         return future.result()  # one look under the future's lock, where most answers end
     except BaseException as exc:
@@ -67,6 +73,30 @@ async def wait(future: cf.Future[T]) -> T:
     # The same exception object reaches every caller that shared the job; start its
     # traceback afresh here, or each raise would pile its frames onto the last one's.
     raise error.with_traceback(None)
+
+
+class Turns:
+    """Letting an asyncio event loop go now and then, for awaits that often have their
+    answer without waiting (``Scheduler.run``'s, whose answer the task looks for itself):
+    such an await returns at once, as a stream's read of data already buffered does,
+    unless this thread's loop was last let go through here ``HOLD_MAX`` seconds ago or
+    more; then it yields once. A task awaiting such answers back to back holds its loop
+    for about that long at a time, at most."""
+
+    HOLD_MAX = 0.0005
+
+    def __init__(self) -> None:
+        self._last = threading.local()
+
+    def let_go(self) -> None:
+        """This thread's loop has just been let go (the task waited)."""
+        self._last.time = time.monotonic()
+
+    async def now_and_then(self) -> None:
+        last = self._last
+        if time.monotonic() - getattr(last, "time", 0.0) >= self.HOLD_MAX:
+            await sys.modules["asyncio"].sleep(0)
+            last.time = time.monotonic()
 
 
 class Once:

@@ -88,6 +88,7 @@ class Requests:
         self._costs = costs
         self._check_open = check_open
         self._gates = Gates()
+        self._turns = bridge.Turns()
 
     async def execute(self, request: Request, timeout: float | None) -> Any:
         """A request's result: admitted in its turn (``admission``), answered by a cache, a
@@ -154,8 +155,25 @@ class Requests:
         if how is Found.ERROR:
             raise found.with_traceback(None)
         entry: Entry = found
+        job = entry.job
+        # Started by this request, in this thread, and its answer read by this loop: the
+        # records left for later are made while its worker runs, then the answer is
+        # looked for here, before this task sleeps (a trivial job's answer is back by
+        # then, and waking the task again cost a turn of the loop). The loop is still let
+        # go now and then.
+        looked = how is Found.STARTED and job is not None and job.look is not None
+        if looked:
+            self._metrics.drain()
+            job.look_for_answer()  # type: ignore[union-attr]
         try:
-            result = await bridge.wait(entry.future)
+            if not looked:
+                result = await bridge.wait(entry.future)
+            elif entry.future.done():
+                await self._turns.now_and_then()
+                result = bridge.settled(entry.future)
+            else:
+                result = await bridge.wait(entry.future)
+                self._turns.let_go()
         except BaseException as exc:
             if isinstance(exc, JobError) and exc.kernel_name == request.name:
                 # Made where only the job's name is known (its worker's death, its timeout).
@@ -196,7 +214,7 @@ class Requests:
         size = getattr(result, "size", None)
         if metrics.later(functools.partial(self._record, request, outcome, wall, arrived, entry, size=size,
                                            clock=clock)):
-            loop.call_soon(metrics.drain)
+            loop.call_soon(metrics.scheduled_drain)
         return True
 
     def _stop_abandoned(self, entry: Entry) -> bool:

@@ -99,20 +99,30 @@ class Metrics:
         self.benchmark_records: collections.deque[BenchmarkRecord] = collections.deque(maxlen=keep_records)
         # Records whose bookkeeping waits for the event loop's next turn (``later``).
         self._later: collections.deque[Callable[[], None]] = collections.deque()
+        # Whether a ``scheduled_drain`` is on its way (a loop's callback, not yet run).
+        self._drain_scheduled = False
 
     def later(self, bookkeeping: Callable[[], None]) -> bool:
         """Keep ``bookkeeping`` (a record's making, counting and emitting) for ``drain``;
-        returns whether it is the first waiting, i.e. whether a drain should be scheduled.
-        Every read of these metrics drains first, so nothing kept here is ever missing
-        from what they say. A drain scheduled on a loop that stopped before running it
-        leaves the records waiting; past ``_LATER_MAX`` of them they are made here and now,
-        so that they never pile up."""
+        returns whether the caller is to schedule :meth:`scheduled_drain` (none is on its
+        way). Every read of these metrics drains first, so nothing kept here is ever
+        missing from what they say. A drain scheduled on a loop that stopped before
+        running it leaves the records waiting; past ``_LATER_MAX`` of them they are made
+        here and now, so that they never pile up."""
         later = self._later
         later.append(bookkeeping)
         if len(later) > _LATER_MAX:
             self.drain()
             return False
-        return len(later) == 1
+        if self._drain_scheduled:
+            return False
+        self._drain_scheduled = True
+        return True
+
+    def scheduled_drain(self) -> None:
+        """``drain``, as the callback that ``later`` asked for."""
+        self._drain_scheduled = False
+        self.drain()
 
     def drain(self) -> None:
         """Do the bookkeeping kept by ``later``, oldest first (from any thread)."""

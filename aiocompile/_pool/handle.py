@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import enum
 import os
+import select
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -213,12 +214,22 @@ class LoopReader:
     unregisters and closes (or the supervisor, once the loop is closed). Closing the
     worker's own socket thus never leaves a stale registration in a loop's selector."""
 
-    __slots__ = ("loop", "fd", "waiting_since")
+    __slots__ = ("loop", "fd", "waiting_since", "_poller")
 
     def __init__(self, loop: Any, fd: int) -> None:
         self.loop = loop
         self.fd = fd
         self.waiting_since: float | None = None  # the supervisor's: when it saw an answer unread
+        self._poller: Any = None
+
+    def poller(self) -> Any:
+        """A ``select.poll`` object for the descriptor, made once: the loop looks at it
+        after every job it sends (``loop_reads.LoopReads.linger``)."""
+        poller = self._poller
+        if poller is None:
+            poller = self._poller = select.poll()
+            poller.register(self.fd, select.POLLIN)
+        return poller
 
     def close(self) -> None:
         try:

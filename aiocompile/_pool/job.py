@@ -71,6 +71,9 @@ class Job:
     output_size: int = 0
     last_exitcode: int | None = None
     last_output: str = ""
+    look: Callable[[], None] | None = None
+    """A look for the answer, left by a job sent from an event loop that reads the answer
+    itself (``loop_reads.LoopReads.linger``): taken once, by :meth:`look_for_answer`."""
     # Whether ``future`` was moved out of PENDING by ``mark_running`` (see there).
     _marked: bool = field(default=False, init=False, repr=False)
     _mark_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
@@ -105,6 +108,13 @@ class Job:
             self.finished_at = time.monotonic()
         # A queued job never started is RUNNING once it has an outcome.
         return self.mark_running()
+
+    def look_for_answer(self) -> None:
+        """In the event loop that sent the job: look for its answer now, for a few tens of
+        microseconds at most, and settle the job if it came (once; later calls do nothing)."""
+        look, self.look = self.look, None
+        if look is not None:
+            look()
 
     def mark_running(self) -> bool:
         """Move the future from PENDING to RUNNING, once in the job's life: whether the job

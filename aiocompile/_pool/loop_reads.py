@@ -9,12 +9,13 @@ but one whole, small answer (the worker's end, a partial or large message), or w
 loop does not read a waiting answer within ``LOOP_GRACE`` seconds (a loop that is
 blocked, stopped or closed).
 
-Right after such a job is sent, the loop looks at the socket for up to ``LINGER`` seconds
-before it goes to sleep in its selector (``linger``), and reads the answer there if it
-came: a trivial job's answer comes back in a few tens of microseconds, and a loop that was
-already asleep then waits for the kernel to wake its thread as well (one that goes through
-its selector once more only to find the answer costs a turn too). Jobs that take longer
-cost the loop ``LINGER`` once each.
+Right after such a job is sent, the task that awaits it looks at the socket for up to
+``LINGER`` seconds before it sleeps (``linger``, through ``Job.look_for_answer``), and
+reads the answer there if it came: a trivial job's answer comes back in a few tens of
+microseconds, and a loop that was already asleep then waits for the kernel to wake its
+thread as well (one that goes through its selector once more only to find the answer, and
+once more to resume the task, costs a turn each). Jobs that take longer cost the loop
+``LINGER`` once each.
 """
 
 from __future__ import annotations
@@ -93,19 +94,19 @@ class LoopReads:
         return reader
 
     def linger(self, worker: Worker, reader: LoopReader) -> None:
-        """A loop callback, scheduled as a job this loop is to read is sent: look at the
-        worker's socket until the answer is there, for ``LINGER`` seconds at most, and read
-        it at once if it came (as ``on_readable`` would, a turn of the loop later: that
-        turn, a pass through the selector, cost more than the whole look on the machines
-        measured); else the selector finds it when it comes."""
+        """In the loop's thread, right after a job this loop is to read was sent (the
+        job's ``look``): look at the worker's socket until the answer is there, for
+        ``LINGER`` seconds at most, and read it at once if it came (as ``on_readable``
+        would, a turn of the loop later: that turn, a pass through the selector, cost more
+        than the whole look on the machines measured); else the selector finds it when it
+        comes."""
         if worker.reader is not reader:
             return  # answered already, or taken back by the supervisor
         try:
-            poller = select.poll()
-            poller.register(reader.fd, select.POLLIN)
+            poll = reader.poller().poll
         except (OSError, ValueError):  # pragma: no cover - a closed descriptor
             return
-        poll, clock = poller.poll, time.perf_counter
+        clock = time.perf_counter
         end = clock() + LINGER
         while not poll(0):
             if clock() >= end:

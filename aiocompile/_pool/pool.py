@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures as cf
+import functools
 import itertools
 import os
 import weakref
@@ -156,7 +157,7 @@ class WorkerPool(cf.Executor):
             if wake:
                 self._supervisor.wake()
             if loop is not None and reader is not None:
-                loop.call_soon(reads.linger, worker, reader)
+                job.look = functools.partial(reads.linger, worker, reader)
         return job
 
     def kill(self, job: Job, stop: Stop = Stop.CANCELLED) -> None:

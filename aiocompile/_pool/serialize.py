@@ -174,12 +174,19 @@ class _Kept(NamedTuple):
     blob: bytes
 
     def matches(self, fn: types.FunctionType) -> bool:
+        # Looked at on every run() of the function: loops only where there is something
+        # to look at (most such functions close over nothing).
         if fn.__code__ is not self.code or fn.__defaults__ is not self.defaults \
-                or fn.__kwdefaults__ is not self.kwdefaults \
-                or not all(now is then for now, then in zip(_cells(fn), self.cells, strict=True)):
+                or fn.__kwdefaults__ is not self.kwdefaults:
             return False
-        namespace = fn.__globals__
-        return all(namespace.get(name, _MISSING) is value for name, value in self.globals)
+        if self.cells and not all(now is then for now, then in zip(_cells(fn), self.cells, strict=True)):
+            return False
+        if self.globals:
+            namespace = fn.__globals__
+            for name, value in self.globals:
+                if namespace.get(name, _MISSING) is not value:
+                    return False
+        return True
 
 
 class _ByDigest:
