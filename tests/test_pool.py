@@ -150,6 +150,27 @@ def test_a_main_function_goes_to_each_worker_once_and_again_to_a_new_worker(monk
         assert [definition in frame for frame in written] == [True]
 
 
+def test_a_main_function_named_by_digest_takes_any_keyword_and_raises_its_own_error():
+    """A job of a __main__ function names it by digest as its first argument: the
+    function's own keywords (even ``digest``) reach it as given, and what it raises comes
+    back with its own frame in the worker's traceback."""
+    pytest.importorskip("cloudpickle")
+    namespace = {"__name__": "__main__"}
+    exec(
+        "def keyed(x, digest=None, **rest):\n"
+        "    if x < 0:\n"
+        "        raise ValueError(f'negative: {x}')\n"
+        "    return x, digest, rest\n",
+        namespace,
+    )
+    keyed = namespace["keyed"]
+    with WorkerPool(1, preload=()) as pool:
+        assert pool.submit(keyed, 1, digest="mine", other=2).result(timeout=60) == (1, "mine", {"other": 2})
+        with pytest.raises(ValueError, match="negative: -1") as caught:
+            pool.submit(keyed, -1).result(timeout=60)
+        assert "in keyed" in str(caught.value.__cause__)
+
+
 def _function_from_main():
     namespace = {"__name__": "__main__"}
     exec("def plus_one(x):\n    return x + 1\n", namespace)

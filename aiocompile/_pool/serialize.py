@@ -9,9 +9,10 @@ A job whose function is itself defined in ``__main__`` (``run(f, x)`` from a scr
 notebook) is the common case of those, and the same function is sent again and again. Its
 by-value pickle is made once and kept beside the function (weakly); a worker keeps the
 function it loaded from those bytes, under their digest. For the pool's own workers the
-bytes go apart from the job (``dumps_apart``): the job names the function by digest, and the
-pool sends each worker a definition once, as it sends the environment (``Definitions``).
-For any other executor the job carries the bytes itself (``dumps``). The kept pickle is made again when
+bytes go apart from the job (``dumps_apart``): the job is a call of ``call_defined`` with the
+digest as its first argument, and the pool sends each worker a definition once, as it sends
+the environment (``Definitions``). For any other executor the job carries the bytes itself
+(``dumps``). The kept pickle is made again when
 the function no longer matches it: another code object, defaults or closure cells, or a
 global it refers to bound to another object (a notebook cell that sets ``scale = 3``). A
 global object changed in place (an item added to a dict) after the first send is not seen:
@@ -47,7 +48,7 @@ Definition = tuple[bytes, bytes]
 
 def dumps(obj: object) -> bytes:
     """Pickle ``obj`` for a worker. Raises ``TypeError`` if that cannot be done."""
-    return _dumps(obj, _ByDigest)[0]
+    return _dumps(obj, apart=False)[0]
 
 
 def dumps_apart(obj: object, buffers: list[pickle.PickleBuffer] | None = None) -> tuple[bytes, Definition | None]:
@@ -56,7 +57,7 @@ def dumps_apart(obj: object, buffers: list[pickle.PickleBuffer] | None = None) -
     (``Definitions``); None for every other job. With ``buffers``, the large values that
     offer themselves out of band (:func:`out_of_band`) are appended there rather than
     copied into the pickle, to be sent beside it."""
-    return _dumps(obj, _DigestOnly, buffers)
+    return _dumps(obj, apart=True, buffers=buffers)
 
 
 OUT_OF_BAND_MIN = 256 * 1024
@@ -80,11 +81,11 @@ def as_bytes(data: Any) -> bytes:
     return data if type(data) is bytes else bytes(data)
 
 
-def _dumps(obj: object, by: type[_ByDigest],
+def _dumps(obj: object, *, apart: bool,
            buffers: list[pickle.PickleBuffer] | None = None) -> tuple[bytes, Definition | None]:
     if type(obj) is tuple and len(obj) == 3 and type(obj[0]) is types.FunctionType \
             and obj[0].__module__ == "__main__":
-        shipped = _with_main_function_kept(obj, by, buffers)
+        shipped = _with_main_function_kept(obj, apart, buffers)
         return shipped if shipped is not None else (_dumps_carefully(obj), None)
     return _dumps_plain(obj, buffers), None
 
@@ -201,23 +202,15 @@ class _ByDigest:
         return load_main_function, (self.kept.digest, self.kept.blob)
 
 
-class _DigestOnly(_ByDigest):
-    """Pickles as a call that finds the function among the worker's definitions."""
-
-    __slots__ = ()
-
-    def __reduce__(self) -> tuple[Any, tuple[bytes]]:  # type: ignore[override]
-        return defined_function, (self.kept.digest,)
-
-
 _kept: weakref.WeakKeyDictionary[types.FunctionType, _Kept] = weakref.WeakKeyDictionary()
 
 
-def _with_main_function_kept(obj: object, by: type[_ByDigest],
+def _with_main_function_kept(obj: object, apart: bool,
                              buffers: list[pickle.PickleBuffer] | None = None) -> tuple[bytes, Definition] | None:
-    """``obj`` pickled with its __main__ function sent through the kept pickle (``by`` says
-    how the job refers to it), and the function's definition; None where ``obj`` is not a
-    job of that kind (or refers to __main__ elsewhere too)."""
+    """``obj`` pickled with its __main__ function sent through the kept pickle, and the
+    function's definition; None where ``obj`` is not a job of that kind (or refers to
+    __main__ elsewhere too). ``apart``: the job names the function by digest alone, for a
+    worker sent the definition apart; else it carries the pickle, loaded once per worker."""
     if not (isinstance(obj, tuple) and len(obj) == 3):
         return None
     fn, args, kwargs = obj
@@ -247,7 +240,13 @@ def _with_main_function_kept(obj: object, by: type[_ByDigest],
                      tuple((name, namespace[name]) for name in names),
                      hashlib.blake2b(blob, digest_size=16).digest(), blob)
         _kept[fn] = kept
-    return pickle.dumps((by(kept), args, kwargs), protocol=pickle.HIGHEST_PROTOCOL,
+    if apart:
+        # The job is a call of ``call_defined``, pickled by reference, with the digest as
+        # its first argument: no Python-level reduce on each job's way.
+        job: tuple[Any, tuple[Any, ...], dict[str, Any]] = (call_defined, (kept.digest, *args), kwargs)
+    else:
+        job = (_ByDigest(kept), args, kwargs)
+    return pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL,
                         buffer_callback=None if buffers is None else buffers.append), (kept.digest, kept.blob)
 
 
@@ -309,6 +308,11 @@ def define(digest: bytes, blob: bytes) -> None:
         _defined[digest] = _Undefinable(exc)
     while len(_defined) > DEFINED_MAX:
         _defined.popitem(last=False)
+
+
+def call_defined(digest: bytes, /, *args: Any, **kwargs: Any) -> Any:
+    """Call the function defined under ``digest`` (a job ``dumps_apart`` made)."""
+    return defined_function(digest)(*args, **kwargs)
 
 
 def defined_function(digest: bytes) -> Any:
