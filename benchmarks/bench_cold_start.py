@@ -330,7 +330,8 @@ def child(way: str, pause: float, model_name: str, device: str, artifact: str, s
             wrapped(x)
             sync()
             result["first_call_ms"] = (time.perf_counter() - began) * 1e3
-            latencies = []
+            latencies: list[float] = []
+            began_at: list[float] = []  # when each began, from the program's start
             if way != "stock":
                 timeline.append((time.time() - T0_WALL, "first call answered (eager), compile started"))
                 while wrapped.state(x) == "compiling":
@@ -339,6 +340,7 @@ def child(way: str, pause: float, model_name: str, device: str, artifact: str, s
                     wrapped(x)
                     sync()
                     latencies.append(time.perf_counter() - began)
+                    began_at.append(began - T0)
                 began = time.perf_counter()
                 status = wrapped.status()
                 result["status_ms"] = (time.perf_counter() - began) * 1e3
@@ -356,6 +358,9 @@ def child(way: str, pause: float, model_name: str, device: str, artifact: str, s
                 ordered = sorted(latencies)
                 result["eager_p99_ms"] = ordered[int(0.99 * (len(ordered) - 1))] * 1e3
                 result["eager_max_ms"] = ordered[-1] * 1e3
+                slowest = sorted(range(len(latencies)), key=latencies.__getitem__)[-SLOWEST_CALLS:]
+                result["slowest_calls"] = [f"{began_at[i]:6.2f} s: {latencies[i] * 1e3:.2f} ms"
+                                           for i in sorted(slowest)]
             if way != "stock":
                 began = time.perf_counter()
                 wrapped.close()
@@ -396,6 +401,10 @@ def child(way: str, pause: float, model_name: str, device: str, artifact: str, s
 
     return asyncio.run(main())
 
+
+SLOWEST_CALLS = 12
+"""The slowest eager calls while compiling, printed with when they began: where the p99 comes
+from (with ``--stall-stacks``/``--long-calls``, what ran beside them)."""
 
 ALONE_CALLS = 300
 """Eager calls made after the compile, with nothing beside them: the p99 baseline."""
@@ -489,9 +498,13 @@ def main() -> None:
             timeline = result.pop("timeline", ())
             stall_stacks = result.pop("stall_stacks", "")
             long = result.pop("long_calls", ())
+            slowest = result.pop("slowest_calls", ())
             print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in result.items()}))
             for line in timeline:
                 print(f"  {result['way']}: {line}")
+            if slowest:
+                print(f"  {result['way']}: the slowest eager calls while compiling, when they began:",
+                      ", ".join(line.strip() for line in slowest))
             if long:
                 print(f"  {result['way']}: the longest C calls outside the loop's thread:")
             for line in long:
