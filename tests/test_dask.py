@@ -39,14 +39,30 @@ def cluster_client():
     import dask
 
     with dask.config.set({"distributed.deploy.lost-worker-timeout": "1h"}):
-        with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
-                                      silence_logs=logging.CRITICAL) as cluster:
+        cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
+                                           silence_logs=logging.CRITICAL)
+        try:
             with distributed.Client(cluster, set_as_default=False) as client:
                 yield client
                 # A worker a test killed may still be restarting: closing the cluster
-                # then races its registration (distributed's SpecCluster raised KeyError
-                # for its address in one run), so the close waits for both to be up.
+                # then races its registration, so the close waits for both to be up.
                 client.wait_for_workers(2, timeout=120)
+        finally:
+            _close(cluster)
+
+
+def _close(cluster) -> None:
+    """Close a LocalCluster whose workers the tests killed over and over. Closing,
+    distributed's ``Cluster`` looks up each removed worker's name by its address in its
+    own view of the scheduler; a worker restarted by its nanny can be gone from that view
+    already, and the lookup raises ``KeyError`` for its address (two CI runs out of many).
+    That comes after the scheduler and the workers are closed: it is let go only then."""
+    try:
+        cluster.close()
+    except KeyError:
+        assert cluster.scheduler.status.name == "closed", cluster.scheduler.status
+        assert all(worker.status.name == "closed" for worker in cluster.workers.values()), [
+            worker.status for worker in cluster.workers.values()]
 
 
 @pytest.fixture
