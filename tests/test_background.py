@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -650,7 +651,7 @@ def test_the_python_form_of_a_model_a_call_leaves_as_it_was_is_called_once_befor
 
     made: list[str] = []
     real = loading.first_call
-    monkeypatch.setattr(loading, "first_call", lambda runner, inputs: (made.append("call"), real(runner, inputs)))
+    monkeypatch.setattr(loading, "first_call", lambda runner, inputs: (made.append("call"), real(runner, inputs))[1])
     # The wrapper's module is run from the code the worker compiled (``graph_code``):
     # Inductor's own loader, which compiles its source, loads nothing here.
     compiled_here: list[str] = []
@@ -668,3 +669,65 @@ def test_the_python_form_of_a_model_a_call_leaves_as_it_was_is_called_once_befor
     assert made == ["call"]
     assert compiled.status().shapes[0].compiled_calls == 0  # the call made there is not the caller's
     assert compiled_here == []
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.usefixtures("fresh_inductor")
+def test_the_convolutions_of_the_first_call_are_made_one_per_call_in_the_serving_thread_before_the_switch(
+        sched, monkeypatch):
+    """The load's first call records its convolutions (on a GPU: cuDNN keeps their plans per
+    thread; recorded here on the CPU); after the switch each call with these inputs is
+    answered eagerly while it makes one of them in its own thread, then compiled."""
+    from aiocompile._torch import priming
+
+    real = priming.recording
+    monkeypatch.setattr(priming, "recording", lambda device_type="cuda": real("cpu"))
+    _served_compiled_after_priming(sched, monkeypatch, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.usefixtures("fresh_inductor")
+@pytest.mark.timeout(TIMEOUT)
+def test_on_a_gpu_the_serving_thread_makes_the_convolutions_plans_before_the_switch(sched, monkeypatch):
+    _served_compiled_after_priming(sched, monkeypatch, "cuda")
+
+
+def _served_compiled_after_priming(sched, monkeypatch, device: str) -> None:
+    from aiocompile._torch import loading, priming
+
+    made: list[int] = []
+    real_prime = priming.Prime.__call__
+
+    def noted(prime):
+        made.append(threading.get_ident())
+        real_prime(prime)
+
+    monkeypatch.setattr(priming.Prime, "__call__", noted)
+    recorded: list[int] = []
+    first_call = loading.first_call
+    monkeypatch.setattr(loading, "first_call",
+                        lambda runner, inputs: (lambda primes: (recorded.append(len(primes)), primes)[1])(
+                            first_call(runner, inputs)))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3, padding=1),
+                                torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 1)).eval().to(device)
+    x = torch.randn(2, 3, 16, 16, device=device)
+    with torch.no_grad():
+        expected = model(x)
+    compiled = aiotorch.compile_in_background(model, scheduler=sched, artifact="python")
+    with torch.no_grad():
+        compiled(x)
+    shape = asyncio.run(compiled.ready(x))
+    assert (shape.state, shape.form) == ("compiled", "python"), shape.error
+    assert recorded and recorded[0] >= 2, recorded  # its distinct convolutions
+    eager_before = compiled.status().shapes[0].eager_calls
+    tolerance = {"rtol": 1e-4, "atol": 1e-5} if device == "cpu" else {"rtol": 1e-2, "atol": 1e-2}
+    with torch.no_grad():
+        for _ in range(recorded[0]):
+            torch.testing.assert_close(compiled(x), expected, **tolerance)
+        status = compiled.status().shapes[0]
+        assert (status.eager_calls - eager_before, status.compiled_calls) == (recorded[0], 0)
+        assert made == [threading.get_ident()] * recorded[0]
+        torch.testing.assert_close(compiled(x), expected, **tolerance)
+    assert compiled.status().shapes[0].compiled_calls == 1

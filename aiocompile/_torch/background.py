@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from aiocompile._base import aside, bridge, collector, threads
-from aiocompile._torch import ahead, choices, loading, warming
+from aiocompile._torch import ahead, choices, loading, priming, warming
 from aiocompile._torch.states import TRANSITIONS, BackgroundStatus, ShapeStatus, _Entry, describe
 from aiocompile.errors import CompileError, JobTimeout, SchedulerClosed, WorkerCrashed
 
@@ -125,6 +125,13 @@ class BackgroundCompiled:
                 entry.eager_calls += 1
             return out
         runner = entry.runner
+        if runner is not None and entry.primes:
+            # What the compiled version's first call would make in this thread, one piece
+            # per call, this call answered eagerly (``priming``).
+            out = self._model(*args, **kwargs)
+            entry.eager_calls += 1
+            priming.make_next(entry.primes)
+            return out
         if runner is not None and not self._records_grad(args, kwargs):
             try:
                 out = runner(*args, **kwargs)
@@ -318,14 +325,16 @@ class BackgroundCompiled:
         entry.form = answer["form"]
         entry.form_reason = answer.get("form_reason")
         try:
+            primes: list[Any] = []
             with collector.imports_settled(), threads.imports_yielding():
                 runner, constants = loading.load(self._model, answer, job.device_index, self._timeout)
                 if answer.get("harmless_call"):
-                    loading.first_call(runner, job.inputs)
+                    primes = loading.first_call(runner, job.inputs)
         except Exception as load_error:
             self._fail(entry, self._load_failure(job, load_error))
             return
         with self._lock:
+            entry.primes.extend(primes)
             entry.runner, entry.constants = runner, constants
             entry.move("compiled")
 

@@ -3,7 +3,9 @@
 ``BackgroundStatus``).
 
 A signature is ``compiling`` from its first call until its compile ends: ``compiled``
-once the package is loaded and in use, ``failed`` otherwise; ``compiled`` becomes
+once the package is loaded and in use (its first calls in a thread may still be answered
+eagerly while that thread makes what the compiled version's first call would: ``priming``),
+``failed`` otherwise; ``compiled`` becomes
 ``failed`` if the compiled version ever raises at a call. ``eager`` is for a signature that
 is never compiled (``disable=True``). ``TRANSITIONS`` names every move there is; anything
 else is refused.
@@ -11,6 +13,7 @@ else is refused.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import time
 from collections.abc import Mapping
@@ -96,8 +99,8 @@ class _Entry:
     """One signature's life (see the module docstring). A plain class, not a dataclass:
     this module is imported by the first ``compile_in_background``, in the serving loop."""
 
-    __slots__ = ("text", "state", "error", "runner", "constants", "started", "seconds", "stages", "difference",
-                 "compiler", "form", "form_reason", "eager_calls", "compiled_calls", "done")
+    __slots__ = ("text", "state", "error", "runner", "constants", "primes", "started", "seconds", "stages",
+                 "difference", "compiler", "form", "form_reason", "eager_calls", "compiled_calls", "done")
 
     def __init__(self, text: str) -> None:
         self.text = text
@@ -106,6 +109,9 @@ class _Entry:
         self.runner: Any = None
         self.constants: Mapping[str, Any] | None = None
         """What the loaded package reads its weights from: kept alive here."""
+        self.primes: collections.deque[Any] = collections.deque()
+        """What the compiled version's first call would make in the calling thread, made
+        one per call before it is used there (``priming``)."""
         self.started = time.monotonic()
         self.seconds: float | None = None
         self.stages: tuple[tuple[str, float], ...] = ()
