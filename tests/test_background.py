@@ -678,10 +678,10 @@ def test_the_convolutions_of_the_first_call_are_made_one_per_call_in_the_serving
     """The load's first call records its convolutions (on a GPU: cuDNN keeps their plans per
     thread; recorded here on the CPU); after the switch each call with these inputs is
     answered eagerly while it makes one of them in its own thread, then compiled."""
-    from aiocompile._torch import priming
+    from aiocompile._torch import thread_plans
 
-    real = priming.recording
-    monkeypatch.setattr(priming, "recording", lambda device_type="cuda": real("cpu"))
+    real = thread_plans.recording
+    monkeypatch.setattr(thread_plans, "recording", lambda device_type="cuda": real("cpu"))
     _served_compiled_after_priming(sched, monkeypatch, "cpu")
 
 
@@ -694,16 +694,16 @@ def test_on_a_gpu_the_serving_thread_makes_the_convolutions_plans_before_the_swi
 
 
 def _served_compiled_after_priming(sched, monkeypatch, device: str) -> None:
-    from aiocompile._torch import loading, priming
+    from aiocompile._torch import loading, thread_plans
 
     made: list[int] = []
-    real_prime = priming.Prime.__call__
+    real_prime = thread_plans.Prime.__call__
 
     def noted(prime):
         made.append(threading.get_ident())
         real_prime(prime)
 
-    monkeypatch.setattr(priming.Prime, "__call__", noted)
+    monkeypatch.setattr(thread_plans.Prime, "__call__", noted)
     recorded: list[int] = []
     first_call = loading.first_call
     monkeypatch.setattr(loading, "first_call",

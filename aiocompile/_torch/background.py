@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from aiocompile._base import aside, bridge, collector, threads
-from aiocompile._torch import ahead, choices, loading, priming, warming
+from aiocompile._torch import ahead, choices, loading, thread_plans, warming
 from aiocompile._torch.states import TRANSITIONS, BackgroundStatus, ShapeStatus, _Entry, describe
 from aiocompile.errors import CompileError, JobTimeout, SchedulerClosed, WorkerCrashed
 
@@ -127,10 +127,10 @@ class BackgroundCompiled:
         runner = entry.runner
         if runner is not None and entry.primes:
             # What the compiled version's first call would make in this thread, one piece
-            # per call, this call answered eagerly (``priming``).
+            # per call, this call answered eagerly (``thread_plans``).
             out = self._model(*args, **kwargs)
             entry.eager_calls += 1
-            priming.make_next(entry.primes)
+            thread_plans.make_next(entry.primes)
             return out
         if runner is not None and not self._records_grad(args, kwargs):
             try:

@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
-from aiocompile._torch import ahead, priming
+from aiocompile._torch import ahead, thread_plans
 
 
 def load(model: Any, answer: Mapping[str, Any], device_index: int,
@@ -58,11 +58,11 @@ def load(model: Any, answer: Mapping[str, Any], device_index: int,
     return runner, constants
 
 
-def first_call(runner: Any, inputs: bytes) -> list[priming.Prime]:
+def first_call(runner: Any, inputs: bytes) -> list[thread_plans.Prime]:
     """Call a freshly loaded Python form once, here, with a copy of the inputs it was
     compiled for (``inputs``, as the job carried them), and drop what it returns. Returns
     the GPU convolutions it made, for the serving thread to make their plans of its own
-    ahead (``priming``).
+    ahead (``thread_plans``).
 
     Its first call does what Inductor's runtime and Triton leave to it (each kernel's
     binary loaded on the GPU, its launcher made): made by the first call the serving
@@ -73,6 +73,6 @@ def first_call(runner: Any, inputs: bytes) -> list[priming.Prime]:
     import torch
 
     args, kwargs = torch.load(io.BytesIO(inputs), weights_only=True)
-    with torch.no_grad(), priming.recording("cuda") as primes:
+    with torch.no_grad(), thread_plans.recording("cuda") as primes:
         runner(*args, **kwargs)
     return primes

@@ -4,7 +4,7 @@
 
 A signature is ``compiling`` from its first call until its compile ends: ``compiled``
 once the package is loaded and in use (its first calls in a thread may still be answered
-eagerly while that thread makes what the compiled version's first call would: ``priming``),
+eagerly while that thread makes what the compiled version's first call would: ``thread_plans``),
 ``failed`` otherwise; ``compiled`` becomes
 ``failed`` if the compiled version ever raises at a call. ``eager`` is for a signature that
 is never compiled (``disable=True``). ``TRANSITIONS`` names every move there is; anything
@@ -111,7 +111,7 @@ class _Entry:
         """What the loaded package reads its weights from: kept alive here."""
         self.primes: collections.deque[Any] = collections.deque()
         """What the compiled version's first call would make in the calling thread, made
-        one per call before it is used there (``priming``)."""
+        one per call before it is used there (``thread_plans``)."""
         self.started = time.monotonic()
         self.seconds: float | None = None
         self.stages: tuple[tuple[str, float], ...] = ()

@@ -1,5 +1,5 @@
 """Recording a call's convolutions and making them again, one at a time, in another thread
-(``aiocompile._torch.priming``): what the serving thread does after a switch so that the
+(``aiocompile._torch.thread_plans``): what the serving thread does after a switch so that the
 compiled version's first call there has no per-thread plans left to make. On the CPU here
 (the GPU's cuDNN is what needs it; the recording and the replay are the same)."""
 
@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from aiocompile._torch import priming  # noqa: E402
+from aiocompile._torch import thread_plans  # noqa: E402
 
 
 def _model() -> torch.nn.Module:
@@ -22,22 +22,22 @@ def _model() -> torch.nn.Module:
 
 def test_each_distinct_convolution_is_recorded_once_with_its_tensors_shapes_and_nothing_else():
     model, x = _model(), torch.randn(2, 3, 16, 16).to(memory_format=torch.channels_last)
-    with torch.no_grad(), priming.recording("cpu") as primes:
+    with torch.no_grad(), thread_plans.recording("cpu") as primes:
         model(x)
         model(x)  # the same convolutions again: nothing new
         torch.relu(x) + 1  # not a convolution
     assert len(primes) == 2
-    assert {prime.op.overloadpacket.__name__ for prime in primes} <= priming.CONVOLUTIONS
+    assert {prime.op.overloadpacket.__name__ for prime in primes} <= thread_plans.CONVOLUTIONS
     first = primes[0].args[0]
     assert (first.size, first.stride, first.dtype) == (tuple(x.shape), tuple(x.stride()), x.dtype)
 
 
 def test_nothing_on_another_device_or_in_another_thread_is_recorded():
     model, x = _model(), torch.randn(2, 3, 16, 16)
-    with torch.no_grad(), priming.recording("cuda") as on_gpu:
+    with torch.no_grad(), thread_plans.recording("cuda") as on_gpu:
         model(x)
     assert on_gpu == []
-    with torch.no_grad(), priming.recording("cpu") as primes:
+    with torch.no_grad(), thread_plans.recording("cpu") as primes:
         other = threading.Thread(target=lambda: model(x))
         other.start()
         other.join()
@@ -46,12 +46,12 @@ def test_nothing_on_another_device_or_in_another_thread_is_recorded():
 
 def test_a_prime_makes_the_same_operator_call_on_empty_tensors_of_the_same_shapes():
     model, x = _model(), torch.randn(2, 3, 16, 16).to(memory_format=torch.channels_last)
-    with torch.no_grad(), priming.recording("cpu") as primes:
+    with torch.no_grad(), thread_plans.recording("cpu") as primes:
         model(x)
-    made: list[priming.Prime] = []
+    made: list[thread_plans.Prime] = []
 
     def replay() -> None:
-        with priming.recording("cpu") as again:
+        with thread_plans.recording("cpu") as again:
             for prime in primes:
                 prime()
         made.extend(again)
@@ -65,7 +65,7 @@ def test_a_prime_makes_the_same_operator_call_on_empty_tensors_of_the_same_shape
 def test_make_next_makes_one_and_a_failure_ends_the_rest():
     calls: list[str] = []
 
-    class Named(priming.Prime):
+    class Named(thread_plans.Prime):
         def __init__(self, name: str, fails: bool = False) -> None:
             super().__init__(op=name, args=(), kwargs={})
             self.fails = fails
@@ -76,9 +76,9 @@ def test_make_next_makes_one_and_a_failure_ends_the_rest():
                 raise RuntimeError("out of memory")
 
     primes = collections.deque([Named("a"), Named("b", fails=True), Named("c")])
-    priming.make_next(primes)
+    thread_plans.make_next(primes)
     assert calls == ["a"] and len(primes) == 2
-    priming.make_next(primes)
+    thread_plans.make_next(primes)
     assert calls == ["a", "b"] and not primes  # the failure left nothing to make
-    priming.make_next(primes)  # nothing left: nothing happens
+    thread_plans.make_next(primes)  # nothing left: nothing happens
     assert calls == ["a", "b"]
