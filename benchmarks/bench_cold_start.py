@@ -347,14 +347,33 @@ def child(way: str, pause: float, model_name: str, device: str, artifact: str, s
                 result["status_ms"] = (time.perf_counter() - began) * 1e3
                 result["state"] = status.shapes[0].state
                 result["stages"] = {stage: round(seconds, 2) for stage, seconds in status.shapes[0].stages}
+                timeline.append((time.time() - T0_WALL, "state compiled"))
+                # On a GPU the first calls after the switch may still be answered eagerly,
+                # each making one of the compiled version's convolution plans in this
+                # thread: they count as eager calls, and compiled answers begin with the
+                # first call the compiled version answers (its ``compiled_calls``).
+                result["calls_after_the_switch_eager"] = 0
+                while result["state"] == "compiled" and wrapped.status().shapes[0].compiled_calls == 0:
+                    await asyncio.sleep(pause)
+                    began = time.perf_counter()
+                    out = wrapped(x)
+                    sync()
+                    taken = time.perf_counter() - began
+                    if wrapped.status().shapes[0].compiled_calls:
+                        result["first_compiled_call_ms"] = taken * 1e3
+                        break
+                    latencies.append(taken)
+                    began_at.append(began - T0)
+                    result["calls_after_the_switch_eager"] += 1
             result["compiled_from_s"] = time.perf_counter() - clock
             if way != "stock":
                 timeline.append((time.time() - T0_WALL, "compiled answers from"))
                 result["timeline"] = [f"{at:6.2f} s {what}" for at, what in sorted(timeline)]
-            began = time.perf_counter()
-            out = wrapped(x)
-            sync()
-            result["first_compiled_call_ms"] = (time.perf_counter() - began) * 1e3
+            if "first_compiled_call_ms" not in result:
+                began = time.perf_counter()
+                out = wrapped(x)
+                sync()
+                result["first_compiled_call_ms"] = (time.perf_counter() - began) * 1e3
             if latencies:
                 ordered = sorted(latencies)
                 result["eager_p99_ms"] = ordered[int(0.99 * (len(ordered) - 1))] * 1e3
