@@ -12,11 +12,10 @@ function it loaded from those bytes, under their digest. For the pool's own work
 bytes go apart from the job (``dumps_apart``): the job is a call of ``call_defined`` with the
 digest as its first argument, and the pool sends each worker a definition once, as it sends
 the environment (``Definitions``). For any other executor the job carries the bytes itself
-(``dumps``). The kept pickle is made again when
-the function no longer matches it: another code object, defaults or closure cells, or a
-global it refers to bound to another object (a notebook cell that sets ``scale = 3``). A
-global object changed in place (an item added to a dict) after the first send is not seen:
-as in a worker that imported the script once.
+(``dumps``). The kept pickle is made again when the function no longer matches it: another
+code object, defaults or closure cells, or a global it refers to bound to another object (a
+notebook cell that sets ``scale = 3``). A global object changed in place (an item added to
+a dict) after the first send is not seen: as in a worker that imported the script once.
 """
 
 from __future__ import annotations
