@@ -27,6 +27,25 @@ def child_policy():
         child.wait()
 
 
+def child_group():
+    """The process group of a process this job starts (a compiler would be one)."""
+    import subprocess
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        return os.getpgid(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+
+
+def start_sleeper():
+    """Start a process that sleeps (as a compiler would run) and leave it running; its pid."""
+    import subprocess
+
+    return subprocess.Popen(["sleep", "30"]).pid
+
+
 def echo(value):
     return value
 

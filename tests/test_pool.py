@@ -411,6 +411,58 @@ def test_idle_workers_their_fork_server_and_their_compilers_run_under_sched_idle
         aiocompile.SchedulerConfig(worker_idle=1)
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="Python 3.10's Popen makes no group without a session")
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_pool_processes_lead_groups_of_their_own_in_this_session(start_method):
+    """A fork server and the workers lead process groups of their own (a Ctrl-C for the
+    application does not reach them; killing a group kills its compilers) but stay in this
+    process's session: where Linux groups each session for the scheduler (autogroup), a
+    pool in a session of its own took the CPU as an equal of the serving process,
+    SCHED_IDLE or not."""
+    with WorkerPool(1, preload=(), start_method=start_method, worker_idle=True) as pool:
+        worker = pool.submit(jobs.pid).result(timeout=60)
+        parent = pool.submit(os.getppid).result(timeout=60)
+        processes = [worker] if parent == os.getpid() else [worker, parent]
+        if start_method == "forkserver":
+            assert parent != os.getpid()  # the fork server
+        for pid in processes:
+            assert os.getsid(pid) == os.getsid(0), pid
+            assert os.getpgid(pid) == pid != os.getpgid(0), pid
+        # What a worker starts stays in its group.
+        assert pool.submit(jobs.child_group).result(timeout=60) == worker
+
+
+_CTRL_C = """
+import os, signal, time, sys
+sys.path.insert(0, os.environ["TESTS_DIR"])
+import jobs
+from aiocompile._pool.pool import WorkerPool
+signal.signal(signal.SIGINT, lambda *_: print("interrupted", flush=True))
+def running(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
+with WorkerPool(1, preload=(), start_method=sys.argv[1]) as pool:
+    worker = pool.submit(jobs.pid).result(timeout=60)
+    compiler = pool.submit(jobs.start_sleeper).result(timeout=60)
+    os.killpg(os.getpgid(0), signal.SIGINT)  # what a terminal's Ctrl-C does to its foreground group
+    time.sleep(0.5)
+    print(pool.submit(jobs.pid).result(timeout=60) == worker, pool.counters.worker_crashes, running(compiler),
+          flush=True)
+    os.kill(compiler, signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_a_ctrl_c_for_the_application_does_not_reach_its_pool(start_method):
+    """The program's process group gets the SIGINT; its fork server, its workers and what
+    they run (a compiler), in groups of their own, go on: the same worker answers the next
+    job, and the compiler still runs."""
+    run = subprocess.run([sys.executable, "-c", _CTRL_C, start_method], capture_output=True, text=True, timeout=120,
+                         env=subprocess_env(TESTS_DIR=os.path.dirname(__file__)), start_new_session=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["interrupted", "True", "0", "True"], (run.stdout, run.stderr[-2000:])
+
+
 def test_jobs_submitted_from_many_threads_at_once_each_run_once_amid_crashes():
     """Idle workers are taken by whichever thread submits first, or by the supervisor:
     from four threads at once, with workers dying under some jobs, every job runs and

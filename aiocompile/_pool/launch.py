@@ -28,7 +28,15 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Protocol
 
-from aiocompile._pool.procs import capture_file, child_env, file_tail, kill_group, kill_leftovers, lower_priority
+from aiocompile._pool.procs import (
+    capture_file,
+    child_env,
+    file_tail,
+    group_of_its_own,
+    kill_group,
+    kill_leftovers,
+    lower_priority,
+)
 from aiocompile._pool.protocol import (
     CONTROL_MAX,
     Exited,
@@ -208,8 +216,8 @@ class ZygoteLauncher:
                 stdout=self._output_fd,
                 stderr=self._output_fd,
                 env=child_env(),
-                # Its own session: a Ctrl-C meant for the application does not reach it.
-                start_new_session=True,
+                # A process group of its own, in this session (see group_of_its_own).
+                **group_of_its_own(),
             )
         finally:
             child.close()
@@ -399,7 +407,7 @@ class SpawnLauncher(_DirectChildren):
                 stderr=fds.output_fd,
                 env=child_env(),
                 cwd=os.getcwd(),
-                start_new_session=True,
+                **group_of_its_own(),
             )
         except OSError as exc:
             fds.close_parent_fds()
@@ -412,7 +420,7 @@ class SpawnLauncher(_DirectChildren):
     def kill(self, worker: WorkerProcess) -> None:
         proc = self._procs.get(worker.pid)
         if proc is not None and proc.returncode is None:
-            kill_group(proc.pid)  # a session of its own: its compilers with it
+            kill_group(proc.pid)  # a group of its own: its compilers with it
 
     def wait_exit(self, worker: WorkerProcess, timeout: float) -> int | None:
         proc = self._procs.get(worker.pid)
