@@ -15,28 +15,26 @@ def pid():
     return os.getpid()
 
 
-def child_policy():
-    """The scheduling policy of a process this job starts (a compiler would be one)."""
+def _of_a_child(look):
+    """``look(pid)`` of a process this job starts (a compiler would be one)."""
     import subprocess
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        return os.sched_getscheduler(child.pid)
+        return look(child.pid)
     finally:
         child.kill()
         child.wait()
+
+
+def child_policy():
+    """The scheduling policy of a process this job starts."""
+    return _of_a_child(os.sched_getscheduler)
 
 
 def child_group():
-    """The process group of a process this job starts (a compiler would be one)."""
-    import subprocess
-
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-    try:
-        return os.getpgid(child.pid)
-    finally:
-        child.kill()
-        child.wait()
+    """The process group of a process this job starts."""
+    return _of_a_child(os.getpgid)
 
 
 def start_sleeper():
