@@ -9,8 +9,12 @@ seconds until a call is answered by the compiled version. Reported per way:
 latency beside eager's, when compiled answers began (seconds from the program's start),
 the eager calls' p99/max meanwhile (on a GPU each call is synchronised, so its latency is
 the GPU's too) and their p99 alone (as many calls as were made while compiling, 300 to
-3,000, made the same way after the compile, nothing beside them), the slowest eager calls
-while compiling with when they began, the loop's longest stall from the wrapper's making on
+3,000, made the same way after the compile, nothing beside them), and their p50s, the
+slowest eager calls while compiling with when they began (on a GPU, each split into the
+time to return, its launches, and the wait for the GPU), how many calls over 1.3x the p99
+alone began in each half second (which stage the p99 comes from; ``--slow-call-stacks MS``
+prints what every thread ran during the calls that passed MS ms, ``--stall-stacks`` and
+``--long-calls`` what held the loop), the loop's longest stall from the wrapper's making on
 (the ticker's longest gap less its 1 ms; the ``import aiocompile.torch`` made in the loop
 just before, and for the ``server`` way ``warm()``, have theirs printed apart) and its
 stalls over 10 ms with when they began, the interpreter's full garbage collections over
@@ -33,6 +37,7 @@ as output; ``pip install transformers``).
 
     python benchmarks/bench_cold_start.py [--model conv1d] [--device cpu|cuda] [--repeat 1]
         [--pause 0.005] [--ways stock,background,server] [--artifact auto|package|python]
+        [--stall-stacks MS] [--slow-call-stacks MS] [--long-calls MS]
 """
 
 from __future__ import annotations
@@ -169,25 +174,32 @@ class _StallSampler:
 
     _IDLE = ("threading.py", "selectors.py", "queue.py", "thread.py", "connection.py", "base_events.py")
 
-    def __init__(self, late: float) -> None:
+    def __init__(self, late: float, call_late: float = 0.0) -> None:
         import threading
 
-        self.late = late
+        self.late = late or float("inf")
         self.beat = time.perf_counter()
         self.stalls: dict[float, dict] = {}
+        # With ``call_late``: an eager call in progress (when it began, or None) noted once
+        # it has run that long, every thread's stack with it.
+        self.call_late = call_late
+        self.call_began: float | None = None
+        self.slow_calls: dict[float, list] = {}
         self.stop = False
         self._main = threading.main_thread().ident
         threading.Thread(target=self._run, name="bench-sampler", daemon=True).start()
 
     def _run(self) -> None:
-        import sys
-        import threading
 
         looked = time.perf_counter()
         while not self.stop:
             time.sleep(0.001)
             now = time.perf_counter()
             own_wait, looked = now - looked - 0.001, now
+            call_began = self.call_began
+            if self.call_late and call_began is not None and now - call_began >= self.call_late \
+                    and len(self.slow_calls) < 60 and len(self.slow_calls.get(call_began, ())) < 2:
+                self.slow_calls.setdefault(call_began, []).append((now - call_began, self._sample()))
             beat = self.beat
             if now - beat < self.late:
                 continue
@@ -196,16 +208,23 @@ class _StallSampler:
             stall["late"] = now - beat
             if len(stall["samples"]) >= 3 or len(self.stalls) > 40:
                 continue
-            names = {thread.ident: thread.name for thread in threading.enumerate()}
-            sample = []
-            for ident, frame in sys._current_frames().items():
-                if ident == threading.get_ident():
-                    continue
-                where = _where(frame, 6, lines=True)
-                if ident != self._main and where and where[0].split(":")[0] in self._IDLE:
-                    continue
-                sample.append(f"{'LOOP' if ident == self._main else names.get(ident, ident)}: {' <- '.join(where)}")
-            stall["samples"].append((now - T0, sample))
+            stall["samples"].append((now - T0, self._sample()))
+
+    def _sample(self) -> list[str]:
+        """Every other thread's innermost frames; the idle ones left out."""
+        import sys
+        import threading
+
+        names = {thread.ident: thread.name for thread in threading.enumerate()}
+        sample = []
+        for ident, frame in sys._current_frames().items():
+            if ident == threading.get_ident():
+                continue
+            where = _where(frame, 6, lines=True)
+            if ident != self._main and where and where[0].split(":")[0] in self._IDLE:
+                continue
+            sample.append(f"{'LOOP' if ident == self._main else names.get(ident, ident)}: {' <- '.join(where)}")
+        return sample
 
     def report(self) -> str:
         lines = []
@@ -215,11 +234,15 @@ class _StallSampler:
             for at, sample in stall["samples"][:2]:
                 lines.append(f"    at {at:.2f} s:")
                 lines.extend(f"      {line}" for line in sample)
+        for began, samples in sorted(self.slow_calls.items()):
+            for into, sample in samples:
+                lines.append(f"  eager call from {began - T0:.2f} s, {into * 1e3:.1f} ms into it:")
+                lines.extend(f"      {line}" for line in sample)
         return "\n".join(lines)
 
 
 def child(way: str, pause: float, model_name: str, device: str, artifact: str, stall_stacks: float,
-          long_calls: float = 0.0) -> dict:
+          long_calls: float = 0.0, call_stacks: float = 0.0) -> dict:
     import asyncio
     import gc
 
@@ -278,8 +301,8 @@ def child(way: str, pause: float, model_name: str, device: str, artifact: str, s
             gaps.clear()
             stalls.clear()
             collections.clear()
-            if stall_stacks:
-                sampler = _StallSampler(stall_stacks / 1e3)
+            if stall_stacks or call_stacks:
+                sampler = _StallSampler(stall_stacks / 1e3, call_stacks / 1e3)
             clock = T0
             calls: list[tuple[float, float, str, str]] = []
             if long_calls:
@@ -333,14 +356,21 @@ def child(way: str, pause: float, model_name: str, device: str, artifact: str, s
             result["first_call_ms"] = (time.perf_counter() - began) * 1e3
             latencies: list[float] = []
             began_at: list[float] = []  # when each began, from the program's start
+            launches: list[float] = []  # how long each took to return, before the sync
             if way != "stock":
                 timeline.append((time.time() - T0_WALL, "first call answered (eager), compile started"))
                 while wrapped.state(x) == "compiling":
                     await asyncio.sleep(pause)
                     began = time.perf_counter()
+                    if sampler is not None:
+                        sampler.call_began = began
                     wrapped(x)
+                    launched = time.perf_counter()
                     sync()
                     latencies.append(time.perf_counter() - began)
+                    launches.append(launched - began)
+                    if sampler is not None:
+                        sampler.call_began = None
                     began_at.append(began - T0)
                 began = time.perf_counter()
                 status = wrapped.status()
@@ -356,13 +386,19 @@ def child(way: str, pause: float, model_name: str, device: str, artifact: str, s
                 while result["state"] == "compiled" and wrapped.status().shapes[0].compiled_calls == 0:
                     await asyncio.sleep(pause)
                     began = time.perf_counter()
+                    if sampler is not None:
+                        sampler.call_began = began
                     out = wrapped(x)
+                    launched = time.perf_counter()
                     sync()
                     taken = time.perf_counter() - began
+                    if sampler is not None:
+                        sampler.call_began = None
                     if wrapped.status().shapes[0].compiled_calls:
                         result["first_compiled_call_ms"] = taken * 1e3
                         break
                     latencies.append(taken)
+                    launches.append(launched - began)
                     began_at.append(began - T0)
                     result["calls_after_the_switch_eager"] += 1
             result["compiled_from_s"] = time.perf_counter() - clock
@@ -378,9 +414,17 @@ def child(way: str, pause: float, model_name: str, device: str, artifact: str, s
                 ordered = sorted(latencies)
                 result["eager_p99_ms"] = ordered[int(0.99 * (len(ordered) - 1))] * 1e3
                 result["eager_max_ms"] = ordered[-1] * 1e3
+                result["eager_p50_ms"] = ordered[len(ordered) // 2] * 1e3
                 slowest = sorted(range(len(latencies)), key=latencies.__getitem__)[-SLOWEST_CALLS:]
-                result["slowest_calls"] = [f"{began_at[i]:6.2f} s: {latencies[i] * 1e3:.2f} ms"
+                # On a GPU: the time to return (the launches) + the wait for the GPU.
+                def split(i: int) -> str:
+                    waited = latencies[i] - launches[i]
+                    return f" ({launches[i] * 1e3:.2f} + {waited * 1e3:.2f})" if device == "cuda" else ""
+
+                result["slowest_calls"] = [f"{began_at[i]:6.2f} s: {latencies[i] * 1e3:.2f} ms{split(i)}"
                                            for i in sorted(slowest)]
+                ordered_launches = sorted(launches)
+                result["eager_p99_launch_ms"] = ordered_launches[int(0.99 * (len(ordered_launches) - 1))] * 1e3
             if way != "stock":
                 began = time.perf_counter()
                 wrapped.close()
@@ -390,16 +434,30 @@ def child(way: str, pause: float, model_name: str, device: str, artifact: str, s
                 # every --pause seconds, the ticker running): what the p99 while
                 # compiling is held against.
                 alone = []
+                alone_launches = []
                 # As many as were made while compiling (within bounds): a p99 is held
                 # against one of as many samples, not the 3rd slowest of 300.
                 for _ in range(min(max(len(latencies), ALONE_CALLS), ALONE_CALLS_MAX)):
                     await asyncio.sleep(pause)
                     began = time.perf_counter()
                     model(x)
+                    launched = time.perf_counter()
                     sync()
                     alone.append(time.perf_counter() - began)
+                    alone_launches.append(launched - began)
                 alone.sort()
+                alone_launches.sort()
+                result["eager_alone_p99_launch_ms"] = alone_launches[int(0.99 * (len(alone_launches) - 1))] * 1e3
                 result["eager_alone_p99_ms"] = alone[int(0.99 * (len(alone) - 1))] * 1e3
+                result["eager_alone_p50_ms"] = alone[len(alone) // 2] * 1e3
+                # Where the calls over 1.3x the p99 alone were made: how many began in each
+                # half second (from the program's start), which stage the p99 comes from.
+                over = 1.3 * alone[int(0.99 * (len(alone) - 1))]
+                bins: dict[float, int] = {}
+                for at, taken in zip(began_at, latencies):
+                    if taken > over:
+                        bins[int(at * 2) / 2] = bins.get(int(at * 2) / 2, 0) + 1
+                result["calls_over_1_3x_by_half_second"] = " ".join(f"{at:.1f}:{n}" for at, n in sorted(bins.items()))
         stop = True
         await task
         # After the ticker: a first comparison's own start (its kernels loaded) is the
@@ -435,12 +493,12 @@ many as were made while compiling, at least ``ALONE_CALLS`` and at most ``ALONE_
 
 
 def measure(way: str, pause: float, model: str, device: str, artifact: str, stall_stacks: float,
-            long_calls: float) -> dict:
+            long_calls: float, call_stacks: float = 0.0) -> dict:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="bench-inductor-"),
                TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="bench-triton-"))
     run = subprocess.run([sys.executable, __file__, "--child", way, "--pause", str(pause), "--model", model,
                           "--device", device, "--artifact", artifact, "--stall-stacks", str(stall_stacks),
-                          "--long-calls", str(long_calls)],
+                          "--long-calls", str(long_calls), "--slow-call-stacks", str(call_stacks)],
                          capture_output=True, text=True, env=env, timeout=900)
     if run.returncode != 0:
         raise RuntimeError(f"{way} failed:\n{run.stderr[-3000:]}")
@@ -470,6 +528,9 @@ def main() -> None:
                         help="print the C calls of this many ms or more made by threads started after the model's "
                              "warm-up (those of the wrapper, its scheduler and the pool): what can hold the "
                              "interpreter lock away from the loop (a diagnostic: the profiling slows those threads)")
+    parser.add_argument("--slow-call-stacks", type=float, default=0.0, metavar="MS",
+                        help="print every thread's Python stack whenever an eager call made while compiling has "
+                             "run this many ms (at most 60 calls): what ran beside the slowest calls")
     parser.add_argument("--bytecode", action="store_true",
                         help="first compile the bytecode of every installed package into a directory of the run's "
                              "own, read by every way (PYTHONPYCACHEPREFIX): as pip leaves an install, for machines "
@@ -479,7 +540,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.pause, args.model, args.device, args.artifact, args.stall_stacks,
-                               args.long_calls)))
+                               args.long_calls, args.slow_call_stacks)))
         return
     # As an installed package has it: aiocompile's modules compiled to bytecode (where
     # PYTHONDONTWRITEBYTECODE is set, each import would compile the source, holding the
@@ -516,7 +577,7 @@ def main() -> None:
         files = sum(len(names) for _, _, names in os.walk(folder)) if os.path.isdir(folder) else 0
         print(f"round {round_ + 1}: aiocompile's bytecode directory {folder} holds {files} files")
         runs = {way: measure(way, args.pause, args.model, args.device, args.artifact, args.stall_stacks,
-                             args.long_calls)
+                             args.long_calls, args.slow_call_stacks)
                 for way in ways}
         for result in runs.values():
             timeline = result.pop("timeline", ())

@@ -186,6 +186,51 @@ def test_a_thread_inside_handing_over_stands_aside_while_a_call_is_served_and_fo
         helper.join(5)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
+def test_a_thread_standing_aside_sleeps_until_the_call_ends_rather_than_looking():
+    """Standing aside, a thread waits to be woken at the end of the call: were it to look
+    every so often, each look would take the interpreter lock from the call being served.
+    The kernel counts the thread's wake-ups (its voluntary context switches)."""
+    import time
+
+    progress: list[float] = []
+    stop = threading.Event()
+
+    def busy() -> None:
+        with threads.handing_over():
+            while not stop.is_set():
+                progress.append(time.perf_counter())
+                time.sleep(0.0005)
+
+    def switches(native_id: int) -> int:
+        with open(f"/proc/self/task/{native_id}/status") as status:
+            for line in status:
+                if line.startswith("voluntary_ctxt_switches:"):
+                    return int(line.split()[1])
+        raise AssertionError("no voluntary_ctxt_switches line")
+
+    helper = threading.Thread(target=busy)
+    helper.start()
+    try:
+        time.sleep(0.05)
+        assert progress, "the helper never ran"
+        aside.serve_begin()
+        try:
+            time.sleep(0.003)  # the helper's next call comes and it stands aside
+            count, before = len(progress), switches(helper.native_id)
+            time.sleep(0.012)  # within STAND_ASIDE_MAX
+            woken = switches(helper.native_id) - before
+            assert len(progress) == count  # it stood aside throughout
+        finally:
+            aside.serve_end()
+        assert woken <= 2, f"the thread standing aside woke {woken} times in 12 ms"
+        time.sleep(0.02)
+        assert len(progress) > count  # woken once the call ended
+    finally:
+        stop.set()
+        helper.join(5)
+
+
 def test_calls_served_back_to_back_leave_a_thread_inside_handing_over_half_of_the_time():
     """Calls one after another, with no gap between them, are each a run of their own: a
     thread that stood aside for each would never run. It stands aside for at most
