@@ -241,8 +241,86 @@ class _StallSampler:
         return "\n".join(lines)
 
 
+_THREAD_TIMES_SIDECAR = """
+import os, signal, sys, time
+pid, out = int(sys.argv[1]), sys.argv[2]
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+rows = []
+tasks = f"/proc/{pid}/task"
+try:
+    while os.path.exists(f"/proc/{pid}") and len(rows) < 4_000_000:
+        now = time.monotonic()
+        for tid in os.listdir(tasks):
+            try:
+                with open(f"{tasks}/{tid}/schedstat") as f:
+                    run, wait, _ = f.read().split()
+            except OSError:
+                continue
+            rows.append(f"{now:.6f} {tid} {run} {wait}")
+        time.sleep(0.0005)
+finally:
+    with open(out, "w") as f:
+        f.write("\\n".join(rows))
+"""
+
+
+class _ThreadTimes:
+    """Each thread's time on a CPU and waiting for one, read every half millisecond by a
+    process of its own from ``/proc/PID/task/*/schedstat`` (Linux): that process takes
+    nothing from this one, not even the interpreter lock, so it sees what a sampler in
+    this process could not, what ran while an eager call was slow."""
+
+    def __init__(self) -> None:
+        import threading
+
+        handle, self.path = tempfile.mkstemp(prefix="bench-thread-times-")
+        os.close(handle)
+        self.names: dict[int, str] = {threading.main_thread().native_id: "LOOP"}  # type: ignore[dict-item]
+        self.process = subprocess.Popen([sys.executable, "-c", _THREAD_TIMES_SIDECAR, str(os.getpid()), self.path])
+
+    def note_names(self) -> None:
+        import threading
+
+        for thread in threading.enumerate():
+            if thread.native_id is not None and thread.native_id not in self.names:
+                self.names[thread.native_id] = thread.name
+
+    def report(self, calls: list[tuple[float, float]]) -> list[str]:
+        """For each (began, length) call, perf_counter seconds: every thread that was on a
+        CPU for 0.1 ms or more during it, and the loop's thread's wait for a CPU."""
+        self.process.terminate()
+        self.process.wait(10)
+        samples: dict[int, list[tuple[float, int, int]]] = {}
+        with open(self.path) as rows:
+            for row in rows:
+                at, tid, run, wait = row.split()
+                samples.setdefault(int(tid), []).append((float(at), int(run), int(wait)))
+        os.unlink(self.path)
+
+        def at_time(series: list[tuple[float, int, int]], when: float) -> tuple[int, int]:
+            import bisect
+
+            i = bisect.bisect_right(series, (when, 1 << 62, 0)) - 1
+            return series[max(i, 0)][1:]
+
+        lines = []
+        for began, length in calls:
+            parts = []
+            for tid, series in samples.items():
+                run0, wait0 = at_time(series, began)
+                run1, wait1 = at_time(series, began + length + 0.0005)
+                name = self.names.get(tid, f"tid {tid}")
+                if run1 - run0 >= 100_000 or name == "LOOP":
+                    part = f"{name} {(run1 - run0) / 1e6:.2f}"
+                    if name == "LOOP":
+                        part += f" (waited for a CPU {(wait1 - wait0) / 1e6:.2f})"
+                    parts.append(part)
+            lines.append(f"{began - T0:6.2f} s, {length * 1e3:.2f} ms: on a CPU (ms): " + ", ".join(sorted(parts)))
+        return lines
+
+
 def child(way: str, pause: float, model_name: str, device: str, artifact: str, stall_stacks: float,
-          long_calls: float = 0.0, call_stacks: float = 0.0) -> dict:
+          long_calls: float = 0.0, call_stacks: float = 0.0, thread_times: bool = False) -> dict:
     import asyncio
     import gc
 
@@ -278,12 +356,15 @@ def child(way: str, pause: float, model_name: str, device: str, artifact: str, s
                 now = time.perf_counter()
                 if sampler is not None:
                     sampler.beat = now
+                if times is not None and len(gaps) % 20 == 0:
+                    times.note_names()
                 gaps.append(now - last - 0.001)
                 if now - last - 0.001 > 0.01:
                     stalls.append((now - last - 0.001, last - T0))
                 last = now
 
         sampler = None
+        times = _ThreadTimes() if thread_times else None
         task = asyncio.create_task(ticker())
         await asyncio.sleep(0.02)
         result: dict = {"way": way}
@@ -471,6 +552,9 @@ def child(way: str, pause: float, model_name: str, device: str, artifact: str, s
                                       for length, began in sorted(stalls, reverse=True)[:5]]
         result["full_collections_over_10ms"] = [f"{began:.2f} s: {length * 1e3:.0f} ms"
                                                 for length, began in sorted(collections, reverse=True)[:5]]
+        if times is not None:
+            slowest = sorted(range(len(latencies)), key=latencies.__getitem__)[-SLOWEST_CALLS * 2:]
+            result["thread_times"] = times.report([(began_at[i] + T0, latencies[i]) for i in sorted(slowest)])
         if long_calls:
             result["long_calls"] = [f"{began:.2f} s: {length * 1e3:.0f} ms in {thread}: {what}"
                                     for began, length, thread, what in sorted(calls)[:60]]
@@ -493,12 +577,13 @@ many as were made while compiling, at least ``ALONE_CALLS`` and at most ``ALONE_
 
 
 def measure(way: str, pause: float, model: str, device: str, artifact: str, stall_stacks: float,
-            long_calls: float, call_stacks: float = 0.0) -> dict:
+            long_calls: float, call_stacks: float = 0.0, thread_times: bool = False) -> dict:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="bench-inductor-"),
                TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="bench-triton-"))
     run = subprocess.run([sys.executable, __file__, "--child", way, "--pause", str(pause), "--model", model,
                           "--device", device, "--artifact", artifact, "--stall-stacks", str(stall_stacks),
-                          "--long-calls", str(long_calls), "--slow-call-stacks", str(call_stacks)],
+                          "--long-calls", str(long_calls), "--slow-call-stacks", str(call_stacks)]
+                         + (["--thread-times"] if thread_times else []),
                          capture_output=True, text=True, env=env, timeout=900)
     if run.returncode != 0:
         raise RuntimeError(f"{way} failed:\n{run.stderr[-3000:]}")
@@ -531,6 +616,9 @@ def main() -> None:
     parser.add_argument("--slow-call-stacks", type=float, default=0.0, metavar="MS",
                         help="print every thread's Python stack whenever an eager call made while compiling has "
                              "run this many ms (at most 60 calls): what ran beside the slowest calls")
+    parser.add_argument("--thread-times", action="store_true",
+                        help="for the slowest eager calls while compiling, how long each thread of the process "
+                             "was on a CPU during the call (read by a process of its own from /proc, Linux)")
     parser.add_argument("--bytecode", action="store_true",
                         help="first compile the bytecode of every installed package into a directory of the run's "
                              "own, read by every way (PYTHONPYCACHEPREFIX): as pip leaves an install, for machines "
@@ -540,7 +628,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.pause, args.model, args.device, args.artifact, args.stall_stacks,
-                               args.long_calls, args.slow_call_stacks)))
+                               args.long_calls, args.slow_call_stacks, args.thread_times)))
         return
     # As an installed package has it: aiocompile's modules compiled to bytecode (where
     # PYTHONDONTWRITEBYTECODE is set, each import would compile the source, holding the
@@ -577,12 +665,13 @@ def main() -> None:
         files = sum(len(names) for _, _, names in os.walk(folder)) if os.path.isdir(folder) else 0
         print(f"round {round_ + 1}: aiocompile's bytecode directory {folder} holds {files} files")
         runs = {way: measure(way, args.pause, args.model, args.device, args.artifact, args.stall_stacks,
-                             args.long_calls, args.slow_call_stacks)
+                             args.long_calls, args.slow_call_stacks, args.thread_times)
                 for way in ways}
         for result in runs.values():
             timeline = result.pop("timeline", ())
             stall_stacks = result.pop("stall_stacks", "")
             long = result.pop("long_calls", ())
+            thread_times = result.pop("thread_times", ())
             slowest = result.pop("slowest_calls", ())
             print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in result.items()}))
             for line in timeline:
@@ -590,6 +679,10 @@ def main() -> None:
             if slowest:
                 print(f"  {result['way']}: the slowest eager calls while compiling, when they began:",
                       ", ".join(line.strip() for line in slowest))
+            if thread_times:
+                print(f"  {result['way']}: each thread's time on a CPU during the slowest eager calls while compiling:")
+            for line in thread_times:
+                print(f"    {line}")
             if long:
                 print(f"  {result['way']}: the longest C calls outside the loop's thread:")
             for line in long:

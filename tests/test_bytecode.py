@@ -227,3 +227,44 @@ def test_a_benchmark_process_reads_aiocompiles_bytecode(package: Path, tmp_path:
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "CachedSourceLoader"
     assert ours(cache, package / "freshpkg" / "mod.py").is_file()
+
+
+def test_the_loader_stands_aside_between_reading_bytecode_and_unmarshalling_it(
+        package: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The read lets the interpreter lock go and the unmarshalling holds it for
+    milliseconds, with no Python call between them: a call served meanwhile is looked for
+    there (``aside.before_holding``), or it would wait for the whole unmarshalling."""
+    from aiocompile._base import bytecode, pyc
+
+    source = package / "freshpkg" / "mod.py"
+    monkeypatch.setattr(pyc, "writes_beside", lambda python_own, dont_write: False)
+    loader = bytecode.CachedSourceLoader("freshpkg.mod", str(source), str(tmp_path / "bytecode"))
+    assert loader.get_code("freshpkg.mod") is not None  # compiled, and written to ours
+    steps: list[str] = []
+    real_open, real_marshal = open, bytecode.marshal
+
+    class Reading:
+        def __init__(self, path: str, mode: str) -> None:
+            self.file = real_open(path, mode)
+
+        def __enter__(self) -> Reading:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.file.close()
+
+        def read(self) -> bytes:
+            steps.append("read")
+            return self.file.read()
+
+    def loads(data: object) -> object:
+        steps.append("unmarshal")
+        return real_marshal.loads(data)
+
+    monkeypatch.setattr(bytecode, "open", Reading, raising=False)
+    monkeypatch.setattr(bytecode, "marshal", type("Marshal", (), {"loads": staticmethod(loads),
+                                                                   "dumps": staticmethod(real_marshal.dumps)}))
+    monkeypatch.setattr(bytecode.aside, "before_holding", lambda: steps.append("stand aside if serving"))
+    code = loader.get_code("freshpkg.mod")
+    assert code is not None and "VALUE" in code.co_names
+    assert steps == ["read", "stand aside if serving", "unmarshal"]

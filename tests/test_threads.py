@@ -356,3 +356,40 @@ def test_ahead_work_is_patient_until_something_asks_for_it():
     assert finished is not None and finished.result(5) is None
     assert seen == [True, False]
     assert not aside._SERVING.patient
+
+
+def test_before_holding_stands_an_attached_thread_aside_while_a_call_is_served():
+    """``aside.before_holding``: an attached thread about to hold the lock in a C call
+    waits for the call being served to end; a thread not attached does not wait."""
+    import time
+
+    ended_at: list[float] = []
+    went_on_at: dict[str, float] = {}
+
+    def attached() -> None:
+        with threads.handing_over():
+            ready.wait(5)
+            aside.before_holding()
+            went_on_at["attached"] = time.perf_counter()
+
+    def loose() -> None:
+        ready.wait(5)
+        aside.before_holding()
+        went_on_at["loose"] = time.perf_counter()
+
+    ready = threading.Event()
+    helpers = [threading.Thread(target=attached), threading.Thread(target=loose)]
+    for helper in helpers:
+        helper.start()
+    time.sleep(0.01)  # both waiting for ready, nothing served yet
+    aside.serve_begin()
+    try:
+        ready.set()
+        time.sleep(0.008)  # within STAND_ASIDE_MAX
+    finally:
+        ended_at.append(time.perf_counter())
+        aside.serve_end()
+    for helper in helpers:
+        helper.join(5)
+    assert went_on_at["loose"] < ended_at[0]
+    assert went_on_at["attached"] >= ended_at[0]

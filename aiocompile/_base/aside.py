@@ -26,8 +26,8 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["PATIENT_SHARE", "STAND_ASIDE_MAX", "STAND_ASIDE_SHARE", "STAND_ASIDE_WINDOW", "attach", "detach",
-           "hurried", "patient", "serve_begin", "serve_end"]
+__all__ = ["PATIENT_SHARE", "STAND_ASIDE_MAX", "STAND_ASIDE_SHARE", "STAND_ASIDE_WINDOW", "attach",
+           "before_holding", "detach", "hurried", "patient", "serve_begin", "serve_end"]
 
 
 class _Serving:
@@ -186,6 +186,21 @@ class _Monitoring:
 
 
 _MONITORING = _Monitoring() if sys.version_info[:2] == (3, 12) else None
+
+
+def before_holding() -> None:
+    """This thread is about to make a C call that holds the interpreter lock for
+    milliseconds (unmarshalling a module's bytecode) right after one that let it go (the
+    file's read): an attached thread stands aside first while a call is being served.
+    Otherwise it would find out only at its next Python call, after the C call, and a call
+    begun during the read would wait for all of it."""
+    if not _SERVING.calls:
+        return
+    if _MONITORING is not None:
+        if threading.get_ident() in _MONITORING.threads:
+            _stand_aside()
+    elif sys.gettrace() is _on_call:
+        _stand_aside()
 
 
 def attach() -> bool:

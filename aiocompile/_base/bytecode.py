@@ -41,7 +41,7 @@ from importlib.machinery import ModuleSpec
 from types import CodeType
 from typing import Any
 
-from aiocompile._base import paths, pyc
+from aiocompile._base import aside, paths, pyc
 
 __all__ = ["CachedSourceLoader", "PackageImports", "directory", "find_spec_after", "install_for_process", "prepare"]
 
@@ -90,6 +90,7 @@ class CachedSourceLoader(importlib.machinery.SourceFileLoader):
         except OSError:
             data = b""
         if data[:16] == header:
+            aside.before_holding()  # the read let the lock go; the unmarshalling holds it
             try:
                 code = marshal.loads(memoryview(data)[16:])
             except (EOFError, ValueError, TypeError):
