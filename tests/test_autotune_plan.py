@@ -4,6 +4,7 @@ the same kernels and arguments. A stand-in driver reports an H100, so Triton's r
 runs here; its benchmarking and launching are replaced by recorders, nothing else."""
 
 import copy
+import sys
 
 import pytest
 import tuning_kernels as tk
@@ -227,3 +228,23 @@ def test_a_benchmark_process_moves_only_as_its_table_allows():
     # Every state but GONE can end; GONE is final.
     assert all((state, Move.ENDED) in TRANSITIONS for state in State if state is not State.GONE)
     assert not any(state is State.GONE for state, _ in TRANSITIONS)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX process groups")
+def test_a_benchmark_process_leads_a_group_of_its_own_in_this_session():
+    """As the pool's processes do: a Ctrl-C meant for the program does not reach it, and
+    where Linux groups each session for the scheduler it does not get the CPU as an equal
+    of the serving process."""
+    import os
+
+    from aiocompile._tuning import benchproc
+
+    process = benchproc.launch(0, {})
+    try:
+        assert os.getpgid(process.pid) == process.pid
+        if sys.version_info >= (3, 11):
+            assert os.getsid(process.pid) == os.getsid(0)
+    finally:
+        process.kill()
+        process.ended(30)
+        process.close()

@@ -18,8 +18,8 @@
   (its configuration crashed it), KILLING or EXITING (a death that was expected).
 
 A process is started as a fresh interpreter (never forked: this process may hold a CUDA
-context), in a session of its own (a Ctrl-C meant for the application does not reach
-it), with the read end of an "alive" pipe whose only writer is this process: it dies with
+context), leading a process group of its own in this session (a Ctrl-C meant for the
+application does not reach it), with the read end of an "alive" pipe whose only writer is this process: it dies with
 this process.
 """
 
@@ -35,7 +35,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from aiocompile._pool.procs import child_env, file_tail, kill_group
+from aiocompile._pool.procs import child_env, file_tail, group_of_its_own, kill_group
 from aiocompile._pool.state import Transitions, from_every
 from aiocompile._tuning.task import FromProcess, Stop, ToProcess
 
@@ -211,7 +211,9 @@ def launch(device: int, env: dict[str, str]) -> BenchProcess:
             stderr=output_fd,
             env={**child_env(), **env},
             cwd=os.getcwd(),
-            start_new_session=True,
+            # A group of its own (a Ctrl-C does not reach it; the group is killed whole),
+            # in this session, as the pool's processes are (procs.group_of_its_own).
+            **group_of_its_own(),
         )
     except OSError:
         parent_sock.close()
