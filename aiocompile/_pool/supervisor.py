@@ -283,21 +283,24 @@ class Supervisor:
         if self._start_failures >= _MAX_START_FAILURES:
             self._fail_queued(RuntimeError(f"aiocompile could not start worker processes: {error}"))
 
+    def _the_launcher(self) -> Launcher:
+        """The launcher, made on first use (it may start a fork server)."""
+        if self._launcher is None:
+            self._launcher = make_launcher(self._start_method, self._preload, self.worker_nice, self.worker_idle)
+        return self._launcher
+
     def _prepare_launcher(self) -> None:
         try:
-            if self._launcher is None:
-                self._launcher = make_launcher(self._start_method, self._preload, self.worker_nice, self.worker_idle)
-            self._launcher.prepare()
+            self._the_launcher().prepare()
         except (LauncherError, OSError) as exc:
             # Not fatal here: the first launch tries again and reports.
             logger.warning("aiocompile could not prepare its workers: %s", exc)
 
     def _launch_worker(self) -> bool:
         try:
-            if self._launcher is None:
-                self._launcher = make_launcher(self._start_method, self._preload, self.worker_nice, self.worker_idle)
-            proc = self._launcher.launch()
-            for problem in getattr(self._launcher, "problems", ()):
+            launcher = self._the_launcher()
+            proc = launcher.launch()
+            for problem in getattr(launcher, "problems", ()):
                 if problem not in self._reported_problems:
                     self._reported_problems.add(problem)
                     logger.warning("aiocompile workers start without a preload: %s", problem)
