@@ -626,6 +626,8 @@ def main() -> None:
                              "every import compiles its module's source, holding the interpreter lock")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.thread_times and not os.path.isdir(f"/proc/{os.getpid()}/task"):
+        parser.error("--thread-times reads /proc/PID/task (Linux)")
     if args.child:
         print(json.dumps(child(args.child, args.pause, args.model, args.device, args.artifact, args.stall_stacks,
                                args.long_calls, args.slow_call_stacks, args.thread_times)))
