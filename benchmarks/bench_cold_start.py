@@ -54,6 +54,8 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 
+import _cold_start_watch as watch  # noqa: E402
+
 WAYS = ("stock", "background", "server")
 
 
@@ -113,212 +115,6 @@ def build(name: str, device: str) -> tuple:
     return LogitsOf(inner).eval().to(device), torch.randint(0, 8192, (4, 128), device=device)
 
 
-def _long_calls(threshold: float, found: list[tuple[float, float, str, str]]) -> None:
-    """Have every thread started from now on note its C calls that last ``threshold``
-    seconds or more and run no Python meanwhile: (began, from the program's start; length;
-    thread; the call and the Python frames it was made from). Such a call holds the
-    interpreter lock throughout unless it lets it go, so these are what can stall the loop
-    from another thread (waits, which let it go, are left out)."""
-    import sys
-    import threading
-
-    waits = {"acquire", "get", "recv", "recv_into", "poll", "select", "read", "readinto", "sleep", "waitpid",
-             "accept", "wait", "communicate", "result", "join", "synchronize"}
-
-    def profile_of_thread() -> object:
-        began: list[tuple[float, int]] = []
-        python_calls = [0]
-
-        def profile(frame: object, event: str, arg: object) -> None:
-            if event == "call":
-                python_calls[0] += 1
-            elif event == "c_call":
-                began.append((time.perf_counter(), python_calls[0]))
-            elif event in ("c_return", "c_exception") and began:
-                start, calls = began.pop()
-                length = time.perf_counter() - start
-                if length >= threshold and calls == python_calls[0] and getattr(arg, "__name__", "") not in waits:
-                    where = _where(frame, 5, lines=False)
-                    name = getattr(arg, "__qualname__", None) or repr(arg)[:60]
-                    found.append((start - T0, length, threading.current_thread().name,
-                                  f"{name} <- {' <- '.join(where)}"))
-        return profile
-
-    def start(frame: object, event: str, arg: object) -> None:
-        # threading.setprofile's function is the first call's: give the thread its own.
-        sys.setprofile(profile_of_thread())  # type: ignore[arg-type]
-
-    threading.setprofile(start)
-
-
-def _where(frame: object, depth: int, *, lines: bool) -> list[str]:
-    """The innermost ``depth`` frames from ``frame`` out, ``file:function`` (and
-    ``:line``); without lines, importlib's frozen frames are skipped."""
-    where: list[str] = []
-    while frame is not None and len(where) < depth:
-        code = frame.f_code  # type: ignore[attr-defined]
-        if lines:
-            where.append(f"{os.path.basename(code.co_filename)}:{code.co_name}:{frame.f_lineno}")  # type: ignore[attr-defined]
-        elif not code.co_filename.startswith("<frozen"):
-            where.append(f"{os.path.basename(code.co_filename)}:{code.co_name}")
-        frame = frame.f_back  # type: ignore[attr-defined]
-    return where
-
-
-class _StallSampler:
-    """A thread that looks at the loop's ticker every millisecond and, when the ticker is
-    ``late`` seconds late, notes every thread's Python stack: the loop's thread shows the
-    call it is in (its own work, or a C call waiting for a lock, the GPU or the interpreter
-    lock), the others what they run. Its own wake-ups come late too when another thread
-    holds the interpreter lock throughout, which it notes as its own longest wait."""
-
-    _IDLE = ("threading.py", "selectors.py", "queue.py", "thread.py", "connection.py", "base_events.py")
-
-    def __init__(self, late: float, call_late: float = 0.0) -> None:
-        import threading
-
-        self.late = late or float("inf")
-        self.beat = time.perf_counter()
-        self.stalls: dict[float, dict] = {}
-        # With ``call_late``: an eager call in progress (when it began, or None) noted once
-        # it has run that long, every thread's stack with it.
-        self.call_late = call_late
-        self.call_began: float | None = None
-        self.slow_calls: dict[float, list] = {}
-        self.stop = False
-        self._main = threading.main_thread().ident
-        threading.Thread(target=self._run, name="bench-sampler", daemon=True).start()
-
-    def _run(self) -> None:
-
-        looked = time.perf_counter()
-        while not self.stop:
-            time.sleep(0.001)
-            now = time.perf_counter()
-            own_wait, looked = now - looked - 0.001, now
-            call_began = self.call_began
-            if self.call_late and call_began is not None and now - call_began >= self.call_late \
-                    and len(self.slow_calls) < 60 and len(self.slow_calls.get(call_began, ())) < 2:
-                self.slow_calls.setdefault(call_began, []).append((now - call_began, self._sample()))
-            beat = self.beat
-            if now - beat < self.late:
-                continue
-            stall = self.stalls.setdefault(beat, {"own_wait": 0.0, "samples": []})
-            stall["own_wait"] = max(stall["own_wait"], own_wait)
-            stall["late"] = now - beat
-            if len(stall["samples"]) >= 3 or len(self.stalls) > 40:
-                continue
-            stall["samples"].append((now - T0, self._sample()))
-
-    def _sample(self) -> list[str]:
-        """Every other thread's innermost frames; the idle ones left out."""
-        import sys
-        import threading
-
-        names = {thread.ident: thread.name for thread in threading.enumerate()}
-        sample = []
-        for ident, frame in sys._current_frames().items():
-            if ident == threading.get_ident():
-                continue
-            where = _where(frame, 6, lines=True)
-            if ident != self._main and where and where[0].split(":")[0] in self._IDLE:
-                continue
-            sample.append(f"{'LOOP' if ident == self._main else names.get(ident, ident)}: {' <- '.join(where)}")
-        return sample
-
-    def report(self) -> str:
-        lines = []
-        for beat, stall in sorted(self.stalls.items(), key=lambda item: -item[1]["late"])[:8]:
-            lines.append(f"  stall from {beat - T0:.2f} s, {stall['late'] * 1e3:.0f} ms; the sampler's own longest "
-                         f"wait for the lock {stall['own_wait'] * 1e3:.0f} ms")
-            for at, sample in stall["samples"][:2]:
-                lines.append(f"    at {at:.2f} s:")
-                lines.extend(f"      {line}" for line in sample)
-        for began, samples in sorted(self.slow_calls.items()):
-            for into, sample in samples:
-                lines.append(f"  eager call from {began - T0:.2f} s, {into * 1e3:.1f} ms into it:")
-                lines.extend(f"      {line}" for line in sample)
-        return "\n".join(lines)
-
-
-_THREAD_TIMES_SIDECAR = """
-import os, signal, sys, time
-pid, out = int(sys.argv[1]), sys.argv[2]
-signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-rows = []
-tasks = f"/proc/{pid}/task"
-try:
-    while os.path.exists(f"/proc/{pid}") and len(rows) < 4_000_000:
-        now = time.monotonic()
-        for tid in os.listdir(tasks):
-            try:
-                with open(f"{tasks}/{tid}/schedstat") as f:
-                    run, wait, _ = f.read().split()
-            except OSError:
-                continue
-            rows.append(f"{now:.6f} {tid} {run} {wait}")
-        time.sleep(0.0005)
-finally:
-    with open(out, "w") as f:
-        f.write("\\n".join(rows))
-"""
-
-
-class _ThreadTimes:
-    """Each thread's time on a CPU and waiting for one, read every half millisecond by a
-    process of its own from ``/proc/PID/task/*/schedstat`` (Linux): that process takes
-    nothing from this one, not even the interpreter lock, so it sees what a sampler in
-    this process could not, what ran while an eager call was slow."""
-
-    def __init__(self) -> None:
-        import threading
-
-        handle, self.path = tempfile.mkstemp(prefix="bench-thread-times-")
-        os.close(handle)
-        self.names: dict[int, str] = {threading.main_thread().native_id: "LOOP"}  # type: ignore[dict-item]
-        self.process = subprocess.Popen([sys.executable, "-c", _THREAD_TIMES_SIDECAR, str(os.getpid()), self.path])
-
-    def note_names(self) -> None:
-        import threading
-
-        for thread in threading.enumerate():
-            if thread.native_id is not None and thread.native_id not in self.names:
-                self.names[thread.native_id] = thread.name
-
-    def report(self, calls: list[tuple[float, float]]) -> list[str]:
-        """For each (began, length) call, perf_counter seconds: every thread that was on a
-        CPU for 0.1 ms or more during it, and the loop's thread's wait for a CPU."""
-        self.process.terminate()
-        self.process.wait(10)
-        samples: dict[int, list[tuple[float, int, int]]] = {}
-        with open(self.path) as rows:
-            for row in rows:
-                at, tid, run, wait = row.split()
-                samples.setdefault(int(tid), []).append((float(at), int(run), int(wait)))
-        os.unlink(self.path)
-
-        def at_time(series: list[tuple[float, int, int]], when: float) -> tuple[int, int]:
-            import bisect
-
-            i = bisect.bisect_right(series, (when, 1 << 62, 0)) - 1
-            return series[max(i, 0)][1:]
-
-        lines = []
-        for began, length in calls:
-            parts = []
-            for tid, series in samples.items():
-                run0, wait0 = at_time(series, began)
-                run1, wait1 = at_time(series, began + length + 0.0005)
-                name = self.names.get(tid, f"tid {tid}")
-                if run1 - run0 >= 100_000 or name == "LOOP":
-                    part = f"{name} {(run1 - run0) / 1e6:.2f}"
-                    if name == "LOOP":
-                        part += f" (waited for a CPU {(wait1 - wait0) / 1e6:.2f})"
-                    parts.append(part)
-            lines.append(f"{began - T0:6.2f} s, {length * 1e3:.2f} ms: on a CPU (ms): " + ", ".join(sorted(parts)))
-        return lines
-
-
 def child(way: str, pause: float, model_name: str, device: str, artifact: str, stall_stacks: float,
           long_calls: float = 0.0, call_stacks: float = 0.0, thread_times: bool = False) -> dict:
     import asyncio
@@ -364,7 +160,7 @@ def child(way: str, pause: float, model_name: str, device: str, artifact: str, s
                 last = now
 
         sampler = None
-        times = _ThreadTimes() if thread_times else None
+        times = watch.ThreadTimes(T0) if thread_times else None
         task = asyncio.create_task(ticker())
         await asyncio.sleep(0.02)
         result: dict = {"way": way}
@@ -383,11 +179,11 @@ def child(way: str, pause: float, model_name: str, device: str, artifact: str, s
             stalls.clear()
             collections.clear()
             if stall_stacks or call_stacks:
-                sampler = _StallSampler(stall_stacks / 1e3, call_stacks / 1e3)
+                sampler = watch.StallSampler(T0, stall_stacks / 1e3, call_stacks / 1e3)
             clock = T0
             calls: list[tuple[float, float, str, str]] = []
             if long_calls:
-                _long_calls(long_calls / 1e3, calls)
+                watch.long_calls(long_calls / 1e3, calls, T0)
             if way != "stock":
                 began = time.perf_counter()
                 import aiocompile.torch as aiotorch
