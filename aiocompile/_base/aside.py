@@ -74,7 +74,6 @@ up to 19 ms with those imports beside them). Back to ``STAND_ASIDE_SHARE`` once 
 waits for it (:func:`hurried`)."""
 
 
-
 def serve_begin() -> None:
     """A call is being served in this thread (an eager model call): until
     :func:`serve_end`, the attached threads stand aside at their next Python call."""

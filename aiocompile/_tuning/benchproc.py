@@ -19,8 +19,8 @@
 
 A process is started as a fresh interpreter (never forked: this process may hold a CUDA
 context), leading a process group of its own in this session (a Ctrl-C meant for the
-application does not reach it), with the read end of an "alive" pipe whose only writer is this process: it dies with
-this process.
+application does not reach it), with the read end of an "alive" pipe whose only writer is
+this process: it dies with this process.
 """
 
 from __future__ import annotations
