@@ -3,8 +3,10 @@ have the GIL between modules."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
+from collections.abc import Iterator
 
 import pytest
 
@@ -138,10 +140,10 @@ def test_handing_over_lowers_the_switch_interval_while_any_block_runs_and_puts_i
         sys.setswitchinterval(before)
 
 
-def test_a_thread_inside_handing_over_stands_aside_while_a_call_is_served_and_for_a_bounded_time():
-    """While a call is served (``serve_begin``..``serve_end``), a thread inside
-    ``handing_over`` runs no Python at its calls: it waits without the lock, until the
-    call ends or for ``STAND_ASIDE_MAX`` of that run at most."""
+@contextlib.contextmanager
+def busy_inside_handing_over() -> Iterator[tuple[list[float], threading.Thread]]:
+    """A thread inside ``handing_over`` noting the time at each turn of its loop (a Python
+    call each turn: where it stands aside), running by the time the block begins."""
     import time
 
     progress: list[float] = []
@@ -150,7 +152,7 @@ def test_a_thread_inside_handing_over_stands_aside_while_a_call_is_served_and_fo
     def busy() -> None:
         with threads.handing_over():
             while not stop.is_set():
-                progress.append(time.perf_counter())  # a Python call each turn: where it stands aside
+                progress.append(time.perf_counter())
                 time.sleep(0.0005)
 
     helper = threading.Thread(target=busy)
@@ -158,6 +160,19 @@ def test_a_thread_inside_handing_over_stands_aside_while_a_call_is_served_and_fo
     try:
         time.sleep(0.05)
         assert progress, "the helper never ran"
+        yield progress, helper
+    finally:
+        stop.set()
+        helper.join(5)
+
+
+def test_a_thread_inside_handing_over_stands_aside_while_a_call_is_served_and_for_a_bounded_time():
+    """While a call is served (``serve_begin``..``serve_end``), a thread inside
+    ``handing_over`` runs no Python at its calls: it waits without the lock, until the
+    call ends or for ``STAND_ASIDE_MAX`` of that run at most."""
+    import time
+
+    with busy_inside_handing_over() as (progress, _):
         aside.serve_begin()
         try:
             time.sleep(0.005)  # the helper's next call comes and it stands aside
@@ -181,9 +196,6 @@ def test_a_thread_inside_handing_over_stands_aside_while_a_call_is_served_and_fo
             aside.serve_end()
         time.sleep(0.02)
         assert len(progress) > count  # going again once the call ended
-    finally:
-        stop.set()
-        helper.join(5)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
@@ -193,15 +205,6 @@ def test_a_thread_standing_aside_sleeps_until_the_call_ends_rather_than_looking(
     The kernel counts the thread's wake-ups (its voluntary context switches)."""
     import time
 
-    progress: list[float] = []
-    stop = threading.Event()
-
-    def busy() -> None:
-        with threads.handing_over():
-            while not stop.is_set():
-                progress.append(time.perf_counter())
-                time.sleep(0.0005)
-
     def switches(native_id: int) -> int:
         with open(f"/proc/self/task/{native_id}/status") as status:
             for line in status:
@@ -209,11 +212,7 @@ def test_a_thread_standing_aside_sleeps_until_the_call_ends_rather_than_looking(
                     return int(line.split()[1])
         raise AssertionError("no voluntary_ctxt_switches line")
 
-    helper = threading.Thread(target=busy)
-    helper.start()
-    try:
-        time.sleep(0.05)
-        assert progress, "the helper never ran"
+    with busy_inside_handing_over() as (progress, helper):
         aside.serve_begin()
         try:
             time.sleep(0.003)  # the helper's next call comes and it stands aside
@@ -226,9 +225,6 @@ def test_a_thread_standing_aside_sleeps_until_the_call_ends_rather_than_looking(
         assert woken <= 2, f"the thread standing aside woke {woken} times in 12 ms"
         time.sleep(0.02)
         assert len(progress) > count  # woken once the call ended
-    finally:
-        stop.set()
-        helper.join(5)
 
 
 def test_calls_served_back_to_back_leave_a_thread_inside_handing_over_half_of_the_time():
