@@ -234,20 +234,27 @@ def child(way: str, pause: float, model_name: str, device: str, artifact: str, s
             latencies: list[float] = []
             began_at: list[float] = []  # when each began, from the program's start
             launches: list[float] = []  # how long each took to return, before the sync
+
+            def timed_call(fn: object) -> tuple[object, float, float, float]:
+                """``fn(x)``, synchronised: (its output, when it began, how long it took to
+                return, how long in all); the sampler, if any, told of the call."""
+                began = time.perf_counter()
+                if sampler is not None:
+                    sampler.call_began = began
+                out = fn(x)  # type: ignore[operator]
+                launched = time.perf_counter()
+                sync()
+                taken = time.perf_counter() - began
+                if sampler is not None:
+                    sampler.call_began = None
+                return out, began, launched - began, taken
             if way != "stock":
                 timeline.append((time.time() - T0_WALL, "first call answered (eager), compile started"))
                 while wrapped.state(x) == "compiling":
                     await asyncio.sleep(pause)
-                    began = time.perf_counter()
-                    if sampler is not None:
-                        sampler.call_began = began
-                    wrapped(x)
-                    launched = time.perf_counter()
-                    sync()
-                    latencies.append(time.perf_counter() - began)
-                    launches.append(launched - began)
-                    if sampler is not None:
-                        sampler.call_began = None
+                    _, began, launch, taken = timed_call(wrapped)
+                    latencies.append(taken)
+                    launches.append(launch)
                     began_at.append(began - T0)
                 began = time.perf_counter()
                 status = wrapped.status()
@@ -262,20 +269,12 @@ def child(way: str, pause: float, model_name: str, device: str, artifact: str, s
                 result["calls_after_the_switch_eager"] = 0
                 while result["state"] == "compiled" and wrapped.status().shapes[0].compiled_calls == 0:
                     await asyncio.sleep(pause)
-                    began = time.perf_counter()
-                    if sampler is not None:
-                        sampler.call_began = began
-                    out = wrapped(x)
-                    launched = time.perf_counter()
-                    sync()
-                    taken = time.perf_counter() - began
-                    if sampler is not None:
-                        sampler.call_began = None
+                    out, began, launch, taken = timed_call(wrapped)
                     if wrapped.status().shapes[0].compiled_calls:
                         result["first_compiled_call_ms"] = taken * 1e3
                         break
                     latencies.append(taken)
-                    launches.append(launched - began)
+                    launches.append(launch)
                     began_at.append(began - T0)
                     result["calls_after_the_switch_eager"] += 1
             result["compiled_from_s"] = time.perf_counter() - clock
