@@ -194,8 +194,13 @@ def prepare() -> None:
     launcher module), so that the load itself has little left to do here."""
     import importlib
 
-    for name in LOAD_MODULES:
-        importlib.import_module(name)
+    from aiocompile._torch import cia
+
+    # One of them walks torch's CompositeImplicitAutograd operators once per namespace of
+    # torch.ops, each walk milliseconds of C calls that cannot stand aside (``cia``).
+    with cia.in_pieces():
+        for name in LOAD_MODULES:
+            importlib.import_module(name)
     from torch.utils._triton import has_triton
 
     if has_triton():
