@@ -693,6 +693,60 @@ def test_on_a_gpu_the_serving_thread_makes_the_convolutions_plans_before_the_swi
     _served_compiled_after_priming(sched, monkeypatch, "cuda")
 
 
+@pytest.mark.usefixtures("fresh_inductor")
+async def test_in_an_event_loop_the_plans_are_made_between_calls_not_inside_them(sched, monkeypatch):
+    """Calls made from a loop's task: each call after the switch returns without making a
+    plan; the loop makes it, in the same thread, once the task's step is done. Two calls
+    in one step (no step between them): the second makes the plan the first asked for."""
+    import anyio
+
+    from aiocompile._torch import thread_plans
+
+    real = thread_plans.recording
+    monkeypatch.setattr(thread_plans, "recording", lambda device_type="cuda": real("cpu"))
+    made: list[int] = []
+    real_prime = thread_plans.Prime.__call__
+
+    def noted(prime):
+        made.append(threading.get_ident())
+        real_prime(prime)
+
+    monkeypatch.setattr(thread_plans.Prime, "__call__", noted)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3, padding=1),
+                                torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 1), torch.nn.ReLU(),
+                                torch.nn.Conv2d(4, 4, 3, padding=1)).eval()
+    x = torch.randn(2, 3, 16, 16)
+    compiled = aiotorch.compile_in_background(model, scheduler=sched, artifact="python")
+    with torch.no_grad():
+        compiled(x)
+        shape = await compiled.ready(x)
+        assert (shape.state, shape.form) == ("compiled", "python"), shape.error
+        here = threading.get_ident()
+
+        async def made_by_the_loop(count: int) -> None:
+            for _ in range(2000):
+                if len(made) >= count:
+                    return
+                await anyio.sleep(0.001)
+            raise AssertionError(f"the loop made {len(made)} plans, not {count}")
+
+        compiled(x)
+        assert made == []  # not inside the call
+        await made_by_the_loop(1)
+        assert made == [here]
+        compiled(x)
+        compiled(x)  # the same step: makes the one the call before asked for
+        assert made == [here, here]
+        await made_by_the_loop(3)
+        assert made == [here] * 3
+        while compiled.status().shapes[0].compiled_calls == 0:
+            compiled(x)
+            await anyio.sleep(0.001)
+    assert set(made) == {here}
+    assert len(made) >= 4  # one per distinct convolution (four here)
+
+
 def _served_compiled_after_priming(sched, monkeypatch, device: str) -> None:
     from aiocompile._torch import loading, thread_plans
 

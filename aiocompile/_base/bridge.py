@@ -51,6 +51,26 @@ def current_library() -> str:
     raise RuntimeError("aiocompile must be awaited from a running asyncio or trio event loop")
 
 
+def soon_here(fn: Callable[[], Any]) -> bool:
+    """Have the event loop running in this thread call ``fn``, in this thread, once it is
+    done with what it runs now (a task's step, a callback); False where none runs here
+    (asyncio and loops of its API, such as uvloop's, or trio). Asked without importing
+    either: a process that never imported one runs none of its loops."""
+    loop = running_loop()
+    if loop is not None:
+        loop.call_soon(fn)
+        return True
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        try:
+            token = trio.lowlevel.current_trio_token()
+        except RuntimeError:
+            return False
+        token.run_sync_soon(fn)
+        return True
+    return False
+
+
 async def wait(future: cf.Future[T]) -> T:
     """The result of ``future``, waiting without blocking the event loop."""
     if not future.done():

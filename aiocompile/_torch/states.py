@@ -99,8 +99,8 @@ class _Entry:
     """One signature's life (see the module docstring). A plain class, not a dataclass:
     this module is imported by the first ``compile_in_background``, in the serving loop."""
 
-    __slots__ = ("text", "state", "error", "runner", "constants", "primes", "started", "seconds", "stages",
-                 "difference", "compiler", "form", "form_reason", "eager_calls", "compiled_calls", "done")
+    __slots__ = ("text", "state", "error", "runner", "constants", "primes", "prime_pending", "started", "seconds",
+                 "stages", "difference", "compiler", "form", "form_reason", "eager_calls", "compiled_calls", "done")
 
     def __init__(self, text: str) -> None:
         self.text = text
@@ -112,6 +112,8 @@ class _Entry:
         self.primes: collections.deque[Any] = collections.deque()
         """What the compiled version's first call would make in the calling thread, made
         one per call before it is used there (``thread_plans``)."""
+        self.prime_pending = False
+        """One of them is to be made by the calling thread's event loop, between calls."""
         self.started = time.monotonic()
         self.seconds: float | None = None
         self.stages: tuple[tuple[str, float], ...] = ()

@@ -12,8 +12,11 @@ thread's own first call (``loading.first_call``) makes them for that thread only
 So that first call records the convolutions it makes (:func:`recording`: each operator's
 arguments, tensors kept as their size, strides, dtype and device), and the serving thread
 makes one plan per call after the switch (:class:`Prime`: the same operator on empty
-tensors of that shape), answering those calls eagerly, until none is left. Each call then
-takes one plan's time more, not all of them.
+tensors of that shape), answering those calls eagerly, until none is left. Where the
+serving thread runs an event loop, the plan is made by the loop once the call's step is
+done, between calls rather than inside one; elsewhere (or when calls come back to back,
+the one asked for not made yet) the call makes it before it returns, taking one plan's
+time more, not all of them.
 """
 
 from __future__ import annotations
