@@ -266,6 +266,30 @@ async def test_signatures_beyond_the_bound_are_served_eagerly_and_start_nothing(
         aiotorch.compile_in_background(model, scheduler=sched, max_signatures=0)
 
 
+def test_the_whole_submission_hands_the_lock_over_and_stands_aside_for_calls(sched, monkeypatch):
+    """The lane's thread that packs the model and hands the job to the scheduler runs
+    beside the calls after the first: all of it at the lowered switch interval and
+    standing aside while a call is served, not only the packing."""
+    from aiocompile._base import aside, threads
+    from aiocompile._torch import background
+
+    seen: list[tuple[float, bool]] = []
+    form_for = background.choices.form_for
+
+    def noted(artifact):
+        if threading.current_thread().name.startswith("aiocompile-background"):  # not the constructor's
+            seen.append((sys.getswitchinterval(), aside.attached()))
+        return form_for(artifact)
+
+    monkeypatch.setattr(background.choices, "form_for", noted)
+    model, x = background_models.make_mlp()
+    compiled = aiotorch.compile_in_background(model, scheduler=sched)
+    with torch.no_grad():
+        compiled(x)
+    asyncio.run(compiled.ready(x))
+    assert seen == [(pytest.approx(threads.HANDOVER_INTERVAL), True)]
+
+
 def test_disable_keeps_every_call_eager(sched):
     model, x = background_models.make_mlp()
     compiled = aiotorch.compile_in_background(model, scheduler=sched, disable=True)

@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 __all__ = ["PATIENT_SHARE", "STAND_ASIDE_MAX", "STAND_ASIDE_SHARE", "STAND_ASIDE_WINDOW", "attach",
-           "before_holding", "detach", "hurried", "patient", "serve_begin", "serve_end"]
+           "attached", "before_holding", "detach", "hurried", "patient", "serve_begin", "serve_end"]
 
 
 class _Serving:
@@ -195,11 +195,15 @@ def before_holding() -> None:
     begun during the read would wait for all of it."""
     if not _SERVING.calls:
         return
-    if _MONITORING is not None:
-        if threading.get_ident() in _MONITORING.threads:
-            _stand_aside()
-    elif sys.gettrace() is _on_call:
+    if attached():
         _stand_aside()
+
+
+def attached() -> bool:
+    """Whether this thread stands aside while a call is being served (:func:`attach`)."""
+    if _MONITORING is not None:
+        return threading.get_ident() in _MONITORING.threads
+    return sys.gettrace() is _on_call
 
 
 def attach() -> bool:

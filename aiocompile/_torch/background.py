@@ -226,7 +226,14 @@ class BackgroundCompiled:
 
     def _submit(self, entry: _Entry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Pack the model and the inputs and hand the compile to the scheduler (in a
-        lane's thread)."""
+        lane's thread). Begun right after a call, beside the calls that follow: all of it,
+        not only the packing, hands the interpreter lock over often and stands aside
+        while a call is served (``threads.handing_over``). At the interpreter's own switch
+        interval, each operator of a call made meanwhile could wait 5 ms for the lock."""
+        with threads.handing_over():
+            self._hand_over(entry, args, kwargs)
+
+    def _hand_over(self, entry: _Entry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         from aiocompile._observe import repro as _repro
         from aiocompile._torch import export
         from aiocompile._torch.job import ENV_PREFIXES, ExportJob
@@ -292,8 +299,7 @@ class BackgroundCompiled:
 
                 _parcel.import_pickler()
             try:
-                with threads.handing_over():  # seconds of pickling, beside the caller's calls
-                    parcel = _parcel.pack(self._model)
+                parcel = _parcel.pack(self._model)  # seconds, handing over (``_submit``)
             except BaseException:
                 self._release_parcel()
                 raise
