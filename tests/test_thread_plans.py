@@ -82,3 +82,46 @@ def test_make_next_makes_one_and_a_failure_ends_the_rest():
     assert calls == ["a", "b"] and not primes  # the failure left nothing to make
     thread_plans.make_next(primes)  # nothing left: nothing happens
     assert calls == ["a", "b"]
+
+
+class _Counted(thread_plans.Prime):
+    def __init__(self, made: list[int]) -> None:
+        super().__init__(op="counted", args=(), kwargs={})
+        self.made = made
+
+    def __call__(self) -> None:
+        self.made.append(threading.get_ident())
+
+
+def test_without_an_event_loop_each_is_made_at_once():
+    made: list[int] = []
+    primes = thread_plans.Primes()
+    primes.extend([_Counted(made), _Counted(made)])
+    primes.make_one()
+    assert made == [threading.get_ident()] and primes
+    primes.make_one()
+    assert len(made) == 2 and not primes
+
+
+async def test_in_an_event_loop_each_is_made_by_the_loop_after_the_step_or_by_the_next_call():
+    import anyio
+
+    made: list[int] = []
+    primes = thread_plans.Primes()
+    primes.extend([_Counted(made) for _ in range(4)])
+    primes.make_one()
+    assert made == []  # asked of the loop, not made in the call
+    for _ in range(100):
+        if made:
+            break
+        await anyio.sleep(0)
+    assert made == [threading.get_ident()]
+    primes.make_one()
+    primes.make_one()  # the same step: makes the one asked for before
+    assert len(made) == 2
+    for _ in range(100):
+        if len(made) == 3:
+            break
+        await anyio.sleep(0)
+    assert made == [threading.get_ident()] * 3
+    assert primes  # one left

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from aiocompile._base import aside, bridge, collector, threads
-from aiocompile._torch import ahead, choices, loading, thread_plans, warming
+from aiocompile._torch import ahead, choices, loading, warming
 from aiocompile._torch.states import TRANSITIONS, BackgroundStatus, ShapeStatus, _Entry, describe
 from aiocompile.errors import CompileError, JobTimeout, SchedulerClosed, WorkerCrashed
 
@@ -130,7 +130,7 @@ class BackgroundCompiled:
             # per call, this call answered eagerly (``thread_plans``).
             out = self._model(*args, **kwargs)
             entry.eager_calls += 1
-            self._prime(entry)
+            entry.primes.make_one()
             return out
         if runner is not None and not self._records_grad(args, kwargs):
             try:
@@ -144,22 +144,6 @@ class BackgroundCompiled:
                 return out
         entry.eager_calls += 1
         return self._model(*args, **kwargs)
-
-    def _prime(self, entry: _Entry) -> None:
-        """Make the next of ``entry``'s primes in this thread: after the call, once the
-        event loop running here is done with the present step (between calls, rather than
-        inside one: a plan takes milliseconds), or now where no loop runs here, or where
-        the one asked for after the call before has not been made yet (calls made back to
-        back, with no step between them to make it in)."""
-        if entry.prime_pending or not bridge.soon_here(lambda: self._prime_now(entry)):
-            thread_plans.make_next(entry.primes)
-            return
-        entry.prime_pending = True
-
-    @staticmethod
-    def _prime_now(entry: _Entry) -> None:
-        entry.prime_pending = False
-        thread_plans.make_next(entry.primes)
 
     def _key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
         """The call's signature as a dict key, or None when an input is neither a plain

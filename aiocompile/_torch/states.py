@@ -13,12 +13,13 @@ else is refused.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures as cf
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from aiocompile._torch import thread_plans
 
 __all__ = ["STATES", "TRANSITIONS", "BackgroundStatus", "ShapeStatus"]
 
@@ -99,8 +100,8 @@ class _Entry:
     """One signature's life (see the module docstring). A plain class, not a dataclass:
     this module is imported by the first ``compile_in_background``, in the serving loop."""
 
-    __slots__ = ("text", "state", "error", "runner", "constants", "primes", "prime_pending", "started", "seconds",
-                 "stages", "difference", "compiler", "form", "form_reason", "eager_calls", "compiled_calls", "done")
+    __slots__ = ("text", "state", "error", "runner", "constants", "primes", "started", "seconds", "stages",
+                 "difference", "compiler", "form", "form_reason", "eager_calls", "compiled_calls", "done")
 
     def __init__(self, text: str) -> None:
         self.text = text
@@ -109,11 +110,9 @@ class _Entry:
         self.runner: Any = None
         self.constants: Mapping[str, Any] | None = None
         """What the loaded package reads its weights from: kept alive here."""
-        self.primes: collections.deque[Any] = collections.deque()
+        self.primes = thread_plans.Primes()
         """What the compiled version's first call would make in the calling thread, made
-        one per call before it is used there (``thread_plans``)."""
-        self.prime_pending = False
-        """One of them is to be made by the calling thread's event loop, between calls."""
+        one per call before it is used there."""
         self.started = time.monotonic()
         self.seconds: float | None = None
         self.stages: tuple[tuple[str, float], ...] = ()

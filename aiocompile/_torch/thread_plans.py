@@ -27,7 +27,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["CONVOLUTIONS", "Prime", "make_next", "recording"]
+from aiocompile._base import bridge
+
+__all__ = ["CONVOLUTIONS", "Prime", "Primes", "make_next", "recording"]
 
 _logger = logging.getLogger("aiocompile")
 
@@ -141,3 +143,33 @@ def make_next(primes: collections.deque[Prime]) -> None:
         primes.clear()
         _logger.debug("aiocompile: making %s ahead in the serving thread failed: %s: %s", prime.op,
                       type(exc).__name__, exc)
+
+
+class Primes:
+    """The primes a compiled version's first call left for the serving thread, and whether
+    one of them is to be made by that thread's event loop."""
+
+    def __init__(self) -> None:
+        self._left: collections.deque[Prime] = collections.deque()
+        self._pending = False
+
+    def __bool__(self) -> bool:
+        return bool(self._left)
+
+    def extend(self, primes: list[Prime]) -> None:
+        self._left.extend(primes)
+
+    def make_one(self) -> None:
+        """Make the next one in this thread, just after the call being answered: once the
+        event loop running here is done with the present step (between calls, rather than
+        inside one: a plan takes milliseconds), or now where no loop runs here, or where
+        the one asked for after the call before has not been made yet (calls made back to
+        back, with no step between them to make it in)."""
+        if self._pending or not bridge.soon_here(self._make_asked):
+            make_next(self._left)
+            return
+        self._pending = True
+
+    def _make_asked(self) -> None:
+        self._pending = False
+        make_next(self._left)
