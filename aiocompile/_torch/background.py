@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiocompile._base import aside, bridge, collector, threads
 from aiocompile._torch import ahead, choices, loading, warming
+from aiocompile._torch.packed import PackedModel
 from aiocompile._torch.states import TRANSITIONS, BackgroundStatus, ShapeStatus, _Entry, describe
 from aiocompile.errors import CompileError, JobTimeout, SchedulerClosed, WorkerCrashed
 
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
     # load need for the lane's threads that do them.
     from aiocompile._core.scheduler import Scheduler
     from aiocompile._torch.job import ExportJob
-    from aiocompile._torch.parcel import Parcel
 
 __all__ = ["TRANSITIONS", "BackgroundCompiled", "BackgroundStatus", "ShapeStatus", "compile_in_background"]
 
@@ -82,8 +82,7 @@ class BackgroundCompiled:
         self._entries: dict[Any, _Entry] = {}
         self._unkeyed_calls = 0
         self._needs_grad: bool | None = None
-        self._parcel: Parcel | None = None
-        self._packing_users = 0
+        self._packed = PackedModel(model)
         self._closing: threading.Thread | None = None
 
     @property
@@ -230,7 +229,7 @@ class BackgroundCompiled:
             self._fail(entry, exc)
             return
         try:
-            parcel = self._take_parcel()
+            parcel = self._packed.take()
         except Exception as exc:
             error = CompileError(f"the model cannot be compiled in a worker: {exc}", kernel_name=self._name)
             error.__cause__ = exc
@@ -254,7 +253,7 @@ class BackgroundCompiled:
             )
             answer = scheduler.port.execute_sync(request, self._timeout)
         except BaseException as exc:
-            self._release_parcel()
+            self._packed.release()
             self._fail(entry, exc)
             return
         answer.add_done_callback(lambda done: _LANE.submit(lambda: self._finish(entry, job, done)))
@@ -271,39 +270,11 @@ class BackgroundCompiled:
                 self._configs = choices.inductor_configs(self._torch, self._mode, self._options)
         return dict(self._configs)
 
-    def _take_parcel(self) -> Parcel:
-        """The model packed, shared by the compiles under way (packed again once none is:
-        its bytes are a copy of every weight)."""
-        with self._lock:
-            parcel = self._parcel
-            self._packing_users += 1
-        if parcel is None:
-            with collector.imports_settled(), threads.imports_yielding():
-                from aiocompile._torch import parcel as _parcel
-
-                _parcel.import_pickler()
-            try:
-                parcel = _parcel.pack(self._model)  # seconds, handing over (``_submit``)
-            except BaseException:
-                self._release_parcel()
-                raise
-            with self._lock:
-                if self._parcel is None:
-                    self._parcel = parcel
-        return parcel
-
-    def _release_parcel(self) -> None:
-        with self._lock:
-            self._packing_users -= 1
-            if self._packing_users <= 0:
-                self._packing_users = 0
-                self._parcel = None
-
     def _finish(self, entry: _Entry, job: ExportJob, done: cf.Future[Any]) -> None:
         """Load what the worker built and switch the signature to it (in a lane's
         thread), or record why there is none. Whatever goes wrong here fails the
         signature: nothing is left compiling for ever."""
-        self._release_parcel()
+        self._packed.release()
         try:
             self._settle(entry, job, done)
         except BaseException as exc:
