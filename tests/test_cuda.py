@@ -240,7 +240,9 @@ async def test_a_killed_compile_takes_cicc_and_ptxas_with_it(how):
     because its last waiter went away, leaves none of them running."""
     marker = f"AIOCOMPILE_SLOW_{uuid.uuid4().hex}"  # in nvcc's command line
     flags = (f"-D{marker}",)
-    sched = aiocompile.Scheduler(config=NATIVE.with_changes(workers=1, cancel_running="kill"))
+    # Not niced: the test's other processes (a busy CI machine's) would leave a worker
+    # 10 steps nicer too little CPU to reach ptxas before its timeout.
+    sched = aiocompile.Scheduler(config=NATIVE.with_changes(workers=1, cancel_running="kill", worker_nice=0))
     found = {}
 
     async def watch():
@@ -252,7 +254,7 @@ async def test_a_killed_compile_takes_cicc_and_ptxas_with_it(how):
                 group.start_soon(watch)
                 if how == "timeout":
                     # ptxas alone takes minutes on this source; the timeout leaves the worker's
-                    # start and cicc (3 s alone) time to reach it on a busy machine too.
+                    # start and cicc (3 s alone, 5 s beside two busy loops) time to reach it.
                     with pytest.raises(aiocompile.JobTimeout):
                         await sched.compile_cuda(SLOW_CUDA, arch="sm_90", flags=flags, timeout=20)
                 else:
