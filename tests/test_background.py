@@ -717,6 +717,21 @@ def test_on_a_gpu_the_serving_thread_makes_the_convolutions_plans_before_the_swi
     _served_compiled_after_priming(sched, monkeypatch, "cuda")
 
 
+def _primes_made(monkeypatch) -> list[int]:
+    """The threads that make the primes from now on, one entry per prime made."""
+    from aiocompile._torch import thread_plans
+
+    made: list[int] = []
+    real_prime = thread_plans.Prime.__call__
+
+    def noted(prime):
+        made.append(threading.get_ident())
+        real_prime(prime)
+
+    monkeypatch.setattr(thread_plans.Prime, "__call__", noted)
+    return made
+
+
 @pytest.mark.usefixtures("fresh_inductor")
 async def test_in_an_event_loop_the_plans_are_made_between_calls_not_inside_them(sched, monkeypatch):
     """Calls made from a loop's task: each call after the switch returns without making a
@@ -728,14 +743,7 @@ async def test_in_an_event_loop_the_plans_are_made_between_calls_not_inside_them
 
     real = thread_plans.recording
     monkeypatch.setattr(thread_plans, "recording", lambda device_type="cuda": real("cpu"))
-    made: list[int] = []
-    real_prime = thread_plans.Prime.__call__
-
-    def noted(prime):
-        made.append(threading.get_ident())
-        real_prime(prime)
-
-    monkeypatch.setattr(thread_plans.Prime, "__call__", noted)
+    made = _primes_made(monkeypatch)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3, padding=1),
                                 torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 1), torch.nn.ReLU(),
@@ -772,16 +780,9 @@ async def test_in_an_event_loop_the_plans_are_made_between_calls_not_inside_them
 
 
 def _served_compiled_after_priming(sched, monkeypatch, device: str) -> None:
-    from aiocompile._torch import loading, thread_plans
+    from aiocompile._torch import loading
 
-    made: list[int] = []
-    real_prime = thread_plans.Prime.__call__
-
-    def noted(prime):
-        made.append(threading.get_ident())
-        real_prime(prime)
-
-    monkeypatch.setattr(thread_plans.Prime, "__call__", noted)
+    made = _primes_made(monkeypatch)
     recorded: list[int] = []
     first_call = loading.first_call
     monkeypatch.setattr(loading, "first_call",
