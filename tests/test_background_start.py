@@ -232,19 +232,25 @@ async def test_warm_refuses_a_device_it_does_not_know():
         await aiotorch.warm(0)
 
 
-# The Python form's load is prepared in this process (``_torch/ahead.py``) once a worker of
-# the scheduler the wrapper made has ended its warm-up (whose imports wrote the bytecode
-# that modules installed without any then read here), not at the constructor.
+# The Python form's load is prepared in this process (``_torch/ahead.py``), not at the
+# constructor: where the installation has the bytecode of what it imports, as soon as the
+# scheduler the wrapper made exists (beside its fork server's start, rather than beside the
+# worker's compile); where it has none, once a worker of that scheduler has ended its
+# warm-up (whose imports wrote the bytecode that such modules then read here). For a model
+# on the CPU it makes Inductor's vector-ISA check too, which the load's kernels need.
 AHEAD_SCRIPT = textwrap.dedent('''
     import json
+    import sys
     import time
 
     import torch
 
     import background_models
     import aiocompile.torch as aiotorch
-    from aiocompile._torch import ahead
+    from aiocompile._torch import ahead, warming
 
+    installed = sys.argv[2] == "installed"
+    warming._load_bytecode_installed = lambda: installed
     started = []
     real_start = ahead.Ahead.start
 
@@ -271,19 +277,48 @@ AHEAD_SCRIPT = textwrap.dedent('''
     while not ahead.GRAPH_LOAD.started and time.time() < deadline:
         time.sleep(0.01)
     ahead.GRAPH_LOAD.wait(240)
+    while not ended and time.time() < deadline:
+        time.sleep(0.01)
+    from torch._inductor import cpu_vec_isa
+
+    isa_known = cpu_vec_isa.valid_vec_isa_list.cache_info().currsize
     compiled.close()
     print(json.dumps({"at_constructor": at_constructor, "at_scheduler": at_scheduler, "started": started,
                       "first_warm_up_ended": min(ended) if ended else None,
-                      "made": ahead.GRAPH_LOAD.seconds is not None}))
+                      "made": ahead.GRAPH_LOAD.seconds is not None, "isa_known": isa_known}))
 ''')
 
 
 @pytest.mark.timeout(TIMEOUT)
-def test_the_python_forms_load_is_prepared_once_a_worker_has_warmed_up(tmp_path):
-    answer = _serve(tmp_path, AHEAD_SCRIPT, "asyncio")
-    assert answer["at_constructor"] is False and answer["at_scheduler"] is False
+@pytest.mark.parametrize("bytecode", ["installed", "missing"])
+def test_the_python_forms_load_is_prepared_with_the_fork_server_or_once_a_worker_has_warmed_up(tmp_path, bytecode):
+    answer = _serve(tmp_path, AHEAD_SCRIPT, "asyncio", bytecode)
+    assert answer["at_constructor"] is False
     assert answer["started"] and answer["first_warm_up_ended"] is not None
-    # The event's time is taken as the warm-up's answer is settled, a moment after the
-    # future whose end starts the preparation; the warm-up itself took seconds.
-    assert answer["started"][0] >= answer["first_warm_up_ended"] - 0.05
+    if bytecode == "installed":
+        assert answer["at_scheduler"] is True
+        # The warm-up ends once the fork server has imported torch and Inductor: seconds.
+        assert answer["started"][0] < answer["first_warm_up_ended"]
+    else:
+        assert answer["at_scheduler"] is False
+        # The event's time is taken as the warm-up's answer is settled, a moment after the
+        # future whose end starts the preparation; the warm-up itself took seconds.
+        assert answer["started"][0] >= answer["first_warm_up_ended"] - 0.05
     assert answer["made"] is True
+    assert answer["isa_known"] == 1  # the check made, its answer kept for the load
+
+
+def test_whether_the_loads_bytecode_is_installed_is_read_where_python_reads_it(tmp_path, monkeypatch):
+    import importlib.util
+    import os
+
+    from aiocompile._torch import warming
+
+    source = os.path.join(os.path.dirname(torch.__file__), "_inductor", "compile_fx.py")
+    assert warming._load_bytecode_installed() is os.path.exists(importlib.util.cache_from_source(source))
+    monkeypatch.setattr(sys, "pycache_prefix", str(tmp_path / "pycache"))  # where Python would look then
+    assert warming._load_bytecode_installed() is False
+    target = importlib.util.cache_from_source(source)
+    os.makedirs(os.path.dirname(target))
+    open(target, "wb").close()
+    assert warming._load_bytecode_installed() is True

@@ -1,7 +1,8 @@
 """Inductor's CPU vector-ISA check made ahead (``aiocompile._torch.isa``): by a process of
 its own, whose builds are Inductor's own, found by the check in another process, which then
-builds nothing; and by a background scheduler's fork server, whose workers then build and
-load no test program at all."""
+builds nothing; by a background scheduler's fork server, whose workers then build and load
+no test program at all; and by the serving process, for a CPU model's Python-form load, its
+builds nicer than the serving process and under ``SCHED_IDLE``."""
 
 from __future__ import annotations
 
@@ -32,7 +33,10 @@ def noted_gxx(tmp_path):
     bin_dir.mkdir()
     notes = tmp_path / "builds.txt"
     wrapper = bin_dir / "g++"
-    wrapper.write_text(f'#!/bin/sh\ncase " $* " in *" -o "*) echo "$*" >> {notes} ;; esac\nexec {real} "$@"\n')
+    # Each noted build starts with the build's niceness and scheduling policy (fields 19
+    # and 41 of /proc/PID/stat; the wrapper's name holds no space).
+    note = f'echo "$(cut -d" " -f19,41 /proc/$$/stat) $*" >> {notes}'
+    wrapper.write_text(f'#!/bin/sh\ncase " $* " in *" -o "*) {note} ;; esac\nexec {real} "$@"\n')
     wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
     return bin_dir, notes
 
@@ -124,3 +128,36 @@ try:
 finally:
     sched.close(grace=0)
 """
+
+
+AHEAD_CHECK = """
+import torch
+from aiocompile._torch import ahead
+
+ahead.start("python", "cpu")
+ahead.GRAPH_LOAD.wait(240)
+from torch._inductor import cpu_vec_isa
+print(cpu_vec_isa.valid_vec_isa_list.cache_info().currsize)
+"""
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.skipif(sys.platform != "linux", reason="Inductor's x86 check reads Linux's CPU flags")
+def test_a_cpu_models_python_form_load_makes_the_check_ahead_its_builds_nicer_and_idle(check_env):
+    env, notes = check_env
+    run = subprocess.run([sys.executable, "-c", AHEAD_CHECK], env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip().splitlines()[-1] == "1"  # the answer, kept for the load
+    builds = notes.read_text().splitlines() if notes.exists() else []
+    if not builds:
+        pytest.skip("this CPU claims no vector instruction set Inductor builds a test program for")
+    nicer = min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)
+    for build in builds:
+        nice, policy = build.split()[:2]
+        assert int(nice) >= nicer and int(policy) == os.SCHED_IDLE, build
+
+    notes.unlink()
+    check = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert check.returncode == 0, check.stderr[-3000:]
+    assert check.stdout.strip() not in ("", "INVALID_VEC_ISA")
+    assert not notes.exists(), notes.read_text()  # Inductor's own programs: found, none built again

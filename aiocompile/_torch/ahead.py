@@ -2,7 +2,8 @@
 
 Loading a compiled version of the Python form here needs things a process makes once and
 keeps: the modules that load its artifact and Triton's backend hash (:mod:`.graph`,
-seconds of CPU, most of it holding the interpreter lock). Made by the load itself, they
+seconds of CPU, most of it holding the interpreter lock), and for a model on the CPU
+Inductor's vector-ISA check (seconds of a C++ compiler's). Made by the load itself, they
 would add to the time until compiled and hold the lock in pieces long enough to be seen in
 the eager calls' latency. A package needs nothing made ahead: :mod:`.aoti` loads it with
 torch's C++ loader alone.
@@ -91,19 +92,36 @@ class Ahead:
         return True
 
 
-def _prepare_graph_load() -> None:
-    from aiocompile._torch import graph  # imported here: the constructor imports this module
+_FOR_CPU = threading.Event()
+"""Set once a model on the CPU is to be loaded in the Python form: the load's imports then
+make Inductor's vector-ISA check too."""
 
-    graph.prepare()
+
+def _prepare_graph_load() -> None:
+    from aiocompile._torch import graph, isa  # imported here: the constructor imports this module
+
+    graph.prepare((lambda: isa.Check(nice=isa.BUILD_NICE, idle=_builds_idle())) if _FOR_CPU.is_set() else None)
+
+
+def _builds_idle() -> bool:
+    """Whether the ISA check's builds run under ``SCHED_IDLE``: as the workers of a
+    scheduler made for a model on the CPU do (``warming``), unless the environment says."""
+    from aiocompile._base.config import SchedulerConfig, named_in_env
+
+    return SchedulerConfig.from_env().worker_idle if "worker_idle" in named_in_env() else True
 
 
 GRAPH_LOAD = Ahead("graph-load", _prepare_graph_load)
-"""The modules a Python-form load imports, and Triton's backend hash."""
+"""The modules a Python-form load imports, Triton's backend hash, and for a model on the
+CPU Inductor's vector-ISA check (:func:`.graph.prepare`)."""
 
 
-def start(form: str) -> None:
-    """Begin what loading ``form`` here needs (``"python"``; a package needs nothing)."""
+def start(form: str, device: str | None = None) -> None:
+    """Begin what loading ``form`` here, for a model on ``device``, needs (``"python"``;
+    a package needs nothing)."""
     if form == "python":
+        if device == "cpu":
+            _FOR_CPU.set()
         GRAPH_LOAD.start()
 
 

@@ -260,7 +260,7 @@ class BackgroundCompiled:
         if form != self._prepared:
             # Inputs on another device than the model's: what this form's load needs,
             # made while the worker compiles.
-            ahead.start(form)
+            ahead.start(form, "cpu" if device_index < 0 else "cuda")
 
     def _inductor_configs(self) -> dict[str, Any]:
         """Inductor's settings for the compiles (in a lane's thread: a mode's settings are
@@ -553,17 +553,17 @@ def compile_in_background(
     form = choices.form_for(artifact)
     # What loading the compiled version will need here is made ahead (a server wraps its
     # model at start-up), not beside the first compile's eager calls: the Python form's
-    # imports hold the interpreter lock for seconds. For a scheduler of its own, once its
-    # fork server has started (where a cold first compile begins: the imports, competing
-    # for the lock, made the scheduler's own a second slower) and a worker has imported
-    # the same modules (``warming.scheduler_for``).
+    # imports hold the interpreter lock for seconds. For a scheduler of its own, once it is
+    # made (the imports, competing for the lock, made its making a second slower) and, where
+    # the installation lacks their bytecode, a worker has imported the same modules
+    # (``warming.scheduler_for``).
     if scheduler is None:
         chosen, owned = warming.scheduler_for(device, form, prepare_load=not disable)
     else:
         chosen = cf.Future()
         chosen.set_result(scheduler)
         if not disable:
-            ahead.start(form)
+            ahead.start(form, device)
     return BackgroundCompiled(model, mode=mode, options=dict(options or {}), scheduler=chosen, owns_scheduler=owned,
                               strict=strict, timeout=timeout, disabled=disable, max_signatures=max_signatures,
                               artifact=artifact, prepared=None if disable else form)

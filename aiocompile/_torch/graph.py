@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -189,18 +189,34 @@ def load(artifact: bytes, plan: Plan, tensors: dict[str, Any],
     return GraphRunner(compiled, plan, tensors)
 
 
-def prepare() -> None:
+def prepare(isa_check: Callable[[], Any] | None = None) -> None:
     """Import what a load needs and make Triton's backend hash (building its driver's
-    launcher module), so that the load itself has little left to do here."""
+    launcher module), so that the load itself has little left to do here.
+
+    With ``isa_check`` (for a model on the CPU, whose kernels' cache keys hold the answer of
+    Inductor's vector-ISA check): it starts the check (an :class:`.isa.Check`) as soon as
+    what the check imports is imported, so that its test programs are built while the
+    rest is imported, and the check is made before this returns."""
     import importlib
 
     from aiocompile._torch import cia
 
-    # One of them walks torch's CompositeImplicitAutograd operators once per namespace of
-    # torch.ops, each walk milliseconds of C calls that cannot stand aside (``cia``).
-    with cia.in_pieces():
-        for name in LOAD_MODULES:
-            importlib.import_module(name)
+    check = None
+    try:
+        # One of them walks torch's CompositeImplicitAutograd operators once per namespace of
+        # torch.ops, each walk milliseconds of C calls that cannot stand aside (``cia``).
+        with cia.in_pieces():
+            if isa_check is not None:
+                importlib.import_module("torch._inductor.codecache")  # what the check's own code imports
+                try:
+                    check = isa_check()
+                except Exception:  # noqa: BLE001 - the load makes the check itself, as without this
+                    check = None
+            for name in LOAD_MODULES:
+                importlib.import_module(name)
+    finally:
+        if check is not None:
+            check.finish()
     from torch.utils._triton import has_triton
 
     if has_triton():

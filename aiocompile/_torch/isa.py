@@ -21,8 +21,13 @@ Two ways ahead of it, the check's own code throughout (the answer is Inductor's)
   process and in its scheduler's workers, which then find the programs built (waiting on
   the builds' locks) and only load each.
 
-The serving process of a background compile never needs the answer, and imports nothing
-for it: it loads packages with torch's C++ loader (:mod:`.aoti`).
+The serving process of a background compile needs the answer only to load a CPU model's
+Python form, whose kernels' cache keys hold it: it makes the check ahead, from the moment
+the model is wrapped, with a :class:`Check` whose builds run as the pool's processes do
+(nicer, ``SCHED_IDLE``), while it imports the rest of what the load needs
+(``ahead.GRAPH_LOAD``). It has torch imported already, so its builds begin seconds before
+a new fork server's could, which then finds them built or being built. A package needs no
+answer here: torch's C++ loader loads it (:mod:`.aoti`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ import os
 import subprocess
 import sys
 import threading
+
+from aiocompile._pool.procs import lower_priority
 
 _logger = logging.getLogger("aiocompile")
 
@@ -66,23 +73,29 @@ def _reap(builds: subprocess.Popen[bytes]) -> None:
 class Check:
     """Inductor's check, started by the constructor: each instruction set this CPU claims
     in a thread of its own (its test programs built at once, by Inductor's own test of
-    each); :meth:`finish` waits for them and makes the check itself, which then finds
-    every answer made."""
+    each), ``nice`` steps nicer than the caller and with ``idle`` under ``SCHED_IDLE``, as
+    a pool's processes (``procs.lower_priority``); :meth:`finish` waits for them and makes
+    the check itself, which then finds every answer made."""
 
-    def __init__(self) -> None:
+    def __init__(self, nice: int = 0, idle: bool = False) -> None:
         from torch._inductor import cpu_vec_isa
 
         self._cpu_vec_isa = cpu_vec_isa
         claimed = cpu_vec_isa.x86_isa_checker() if hasattr(cpu_vec_isa, "x86_isa_checker") else []
         candidates = [isa for isa in cpu_vec_isa.supported_vec_isa_list
                       if all(flag in claimed for flag in str(isa).split())]
-        self.threads = [threading.Thread(target=self._test, args=(isa,), name=f"aiocompile-isa-{isa}", daemon=True)
+        self.threads = [threading.Thread(target=self._test, args=(isa, nice, idle), name=f"aiocompile-isa-{isa}",
+                                         daemon=True)
                         for isa in candidates]
         for thread in self.threads:
             thread.start()
 
     @staticmethod
-    def _test(isa: object) -> None:
+    def _test(isa: object, nice: int, idle: bool) -> None:
+        if nice or idle:
+            # This thread's own priority on Linux (its Python steps are a few), and its
+            # children's: the compiler and the loads of the test programs.
+            lower_priority(threading.get_native_id(), nice, idle)
         try:
             bool(isa)  # Inductor's own test of it: the build and the load its check makes; kept
         except Exception as exc:  # noqa: BLE001 - the check meets it again, and answers

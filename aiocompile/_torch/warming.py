@@ -66,12 +66,16 @@ def scheduler_for(device: str = "cpu", form: str = "package", *,
     Inductor's vector-ISA check before it forks them: :mod:`.isa`).
 
     With ``prepare_load``, what loading ``form`` here needs is made ahead (:mod:`.ahead`):
-    at once where the scheduler exists; for a new one, once a worker's warm-up has ended.
-    Its imports are mostly the workers' own, and those have written the bytecode of the
-    modules installed without any (:mod:`aiocompile._base.bytecode`), which this process
-    then reads rather than compiling each module's source, holding the interpreter lock
-    (on a GPU host's first start, loop stalls of 119 to 143 ms). The load needs them only
-    when the compile has ended, seconds after that."""
+    at once where the scheduler exists; for a new one, once it is made (its fork server
+    starting) where the installation has the bytecode of what the load imports, else once a
+    worker's warm-up has ended. Its imports are mostly the workers' own, and those have
+    written the bytecode of the modules installed without any
+    (:mod:`aiocompile._base.bytecode`), which this process then reads rather than compiling
+    each module's source, holding the interpreter lock (on a GPU host's first start, loop
+    stalls of 119 to 143 ms). With the bytecode installed there is nothing to wait for, and
+    beside the fork server's start the imports take CPU time the compile, which the first
+    compiled answer waits for, would otherwise share with them (on 2 CPUs its compile took
+    7.7 s beside them, 3.8 to 4.3 s after them)."""
     from aiocompile._torch.installation import STATE
 
     found: cf.Future[Scheduler] = cf.Future()
@@ -81,7 +85,7 @@ def scheduler_for(device: str = "cpu", form: str = "package", *,
             isa.start_builds()  # its workers make the check in their first compile, and find them built
         found.set_result(installation.current_scheduler())
         if prepare_load:
-            ahead.start(form)
+            ahead.start(form, device)
         return found, False
     shared = _WARMED.current()
     if shared is not None:
@@ -90,22 +94,45 @@ def scheduler_for(device: str = "cpu", form: str = "package", *,
         shared.port.warm_workers(export.warm_up, (device, form))  # workers that are gone: started again
         found.set_result(shared)
         if prepare_load:
-            ahead.start(form)
+            ahead.start(form, device)
         return found, False
 
     def make() -> Scheduler:
         with collector.imports_settled(), threads.imports_yielding():
             scheduler, warming = _new_scheduler(device, form)
         if prepare_load:
-            for future in warming:  # the first to end starts it (a no-op after that)
-                future.add_done_callback(lambda _: ahead.start(form))
-            if not warming:
-                ahead.start(form)
+            if warming and not _load_bytecode_installed():
+                for future in warming:  # the first to end starts it (a no-op after that)
+                    future.add_done_callback(lambda _: ahead.start(form, device))
+            else:
+                ahead.start(form, device)
         return scheduler
 
     # Not a daemon: an interpreter that exits meanwhile waits for it (then closes it). A
     # scheduler that cannot be made fails the compiles that need it.
     return threads.start(make, "aiocompile-start"), True
+
+
+def _load_bytecode_installed() -> bool:
+    """Whether the installation has the bytecode of what a load imports beside its sources
+    (Inductor's ``compile_fx`` standing for the rest). Then the load's imports begin with
+    the fork server's start rather than after a worker's warm-up: they read what is there
+    and only share the CPUs with the fork server's imports, while the worker's compile,
+    which the serving process waits for, would otherwise share them with the imports.
+    Without it, they wait for the workers, whose imports write aiocompile's bytecode for
+    this process to read (``scheduler_for``)."""
+    import importlib.util
+    import sys
+
+    torch = sys.modules.get("torch")
+    where = getattr(torch, "__file__", None)
+    if not where:
+        return False
+    try:
+        beside = importlib.util.cache_from_source(os.path.join(os.path.dirname(where), "_inductor", "compile_fx.py"))
+    except (NotImplementedError, ValueError):
+        return False
+    return os.path.exists(beside)
 
 
 def _new_scheduler(device: str, form: str, pay_ahead: bool = False,
@@ -232,7 +259,7 @@ async def warm(device: str = "cpu") -> Scheduler:
         with collector.imports_settled(), threads.imports_yielding():
             import torch  # noqa: F401 - seconds of import, here in a thread rather than the loop
 
-            ahead.start(form)
+            ahead.start(form, device)
             return _shared(device, form, library_modules())
 
     # A thread of aiocompile's rather than anyio's: its first moment is without the GIL,
