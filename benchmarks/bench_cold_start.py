@@ -400,7 +400,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--ways", default=",".join(WAYS))
     parser.add_argument("--artifact", default="auto", choices=("auto", "package", "python"),
-                        help="compile_in_background's artifact= (auto: a package on the CPU, the Python form on a GPU)")
+                        help="compile_in_background's artifact= (auto: the Python form, on the CPU and on a GPU)")
     parser.add_argument("--stall-stacks", type=float, default=0.0, metavar="MS",
                         help="print every thread's Python stack whenever the loop's ticker is this many ms late "
                              "(a thread of the benchmark's looks every millisecond), for the longest stalls")
