@@ -233,11 +233,12 @@ async def test_warm_refuses_a_device_it_does_not_know():
 
 
 # The Python form's load is prepared in this process (``_torch/ahead.py``), not at the
-# constructor: where the installation has the bytecode of what it imports, as soon as the
-# scheduler the wrapper made exists (beside its fork server's start, rather than beside the
-# worker's compile); where it has none, once a worker of that scheduler has ended its
-# warm-up (whose imports wrote the bytecode that such modules then read here). For a model
-# on the CPU it makes Inductor's vector-ISA check too, which the load's kernels need.
+# constructor: for a model on the CPU whose installation has the bytecode of what it
+# imports, as soon as the scheduler the wrapper made exists (beside its fork server's start,
+# rather than beside the worker's compile); else once a worker of that scheduler has ended
+# its warm-up (whose imports wrote the bytecode that modules installed without any then
+# read here). For a model on the CPU it makes Inductor's vector-ISA check too, which the
+# load's kernels need.
 AHEAD_SCRIPT = textwrap.dedent('''
     import json
     import sys

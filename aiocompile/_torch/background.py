@@ -554,9 +554,9 @@ def compile_in_background(
     # What loading the compiled version will need here is made ahead (a server wraps its
     # model at start-up), not beside the first compile's eager calls: the Python form's
     # imports hold the interpreter lock for seconds. For a scheduler of its own, once it is
-    # made (the imports, competing for the lock, made its making a second slower) and, where
-    # the installation lacks their bytecode, a worker has imported the same modules
-    # (``warming.scheduler_for``).
+    # made (the imports, competing for the lock, made its making a second slower) and, but
+    # for a CPU model whose installation has their bytecode, a worker has imported the same
+    # modules (``warming.scheduler_for``).
     if scheduler is None:
         chosen, owned = warming.scheduler_for(device, form, prepare_load=not disable)
     else:

@@ -66,16 +66,17 @@ def scheduler_for(device: str = "cpu", form: str = "package", *,
     Inductor's vector-ISA check before it forks them: :mod:`.isa`).
 
     With ``prepare_load``, what loading ``form`` here needs is made ahead (:mod:`.ahead`):
-    at once where the scheduler exists; for a new one, once it is made (its fork server
-    starting) where the installation has the bytecode of what the load imports, else once a
-    worker's warm-up has ended. Its imports are mostly the workers' own, and those have
-    written the bytecode of the modules installed without any
-    (:mod:`aiocompile._base.bytecode`), which this process then reads rather than compiling
-    each module's source, holding the interpreter lock (on a GPU host's first start, loop
-    stalls of 119 to 143 ms). With the bytecode installed there is nothing to wait for, and
-    beside the fork server's start the imports take CPU time the compile, which the first
-    compiled answer waits for, would otherwise share with them (on 2 CPUs its compile took
-    7.7 s beside them, 3.8 to 4.3 s after them)."""
+    at once where the scheduler exists; for a new one, once a worker's warm-up has ended.
+    Its imports are mostly the workers' own, and those have written the bytecode of the
+    modules installed without any (:mod:`aiocompile._base.bytecode`), which this process
+    then reads rather than compiling each module's source, holding the interpreter lock
+    (on a GPU host's first start, loop stalls of 119 to 143 ms). For a model on the CPU
+    where the installation has that bytecode, there is nothing to wait for, and the
+    imports begin once the scheduler is made, beside its fork server's start: after the
+    warm-up they took CPU time from the compile the first compiled answer waits for (on 2
+    CPUs it took 7.7 s beside them, 3.8 to 4.4 s after them). On a GPU host the compile has
+    CPUs to spare, and imports begun that early ran beside the first call's submission
+    (GPT-2's loop held 10.1 to 11.2 ms in four of five runs, against 9.0 and 10.0 ms)."""
     from aiocompile._torch.installation import STATE
 
     found: cf.Future[Scheduler] = cf.Future()
@@ -101,7 +102,7 @@ def scheduler_for(device: str = "cpu", form: str = "package", *,
         with collector.imports_settled(), threads.imports_yielding():
             scheduler, warming = _new_scheduler(device, form)
         if prepare_load:
-            if warming and not _load_bytecode_installed():
+            if warming and not (device == "cpu" and _load_bytecode_installed()):
                 for future in warming:  # the first to end starts it (a no-op after that)
                     future.add_done_callback(lambda _: ahead.start(form, device))
             else:
@@ -115,12 +116,9 @@ def scheduler_for(device: str = "cpu", form: str = "package", *,
 
 def _load_bytecode_installed() -> bool:
     """Whether the installation has the bytecode of what a load imports beside its sources
-    (Inductor's ``compile_fx`` standing for the rest). Then the load's imports begin with
-    the fork server's start rather than after a worker's warm-up: they read what is there
-    and only share the CPUs with the fork server's imports, while the worker's compile,
-    which the serving process waits for, would otherwise share them with the imports.
-    Without it, they wait for the workers, whose imports write aiocompile's bytecode for
-    this process to read (``scheduler_for``)."""
+    (Inductor's ``compile_fx`` standing for the rest), where Python looks for it (a
+    ``sys.pycache_prefix`` included): then a CPU model's load imports need not wait for the
+    workers' (``scheduler_for``)."""
     import importlib.util
     import sys
 
