@@ -38,8 +38,6 @@ import subprocess
 import sys
 import threading
 
-from aiocompile._pool.procs import lower_priority
-
 _logger = logging.getLogger("aiocompile")
 
 BUILD_TIMEOUT = 600.0
@@ -93,6 +91,10 @@ class Check:
     @staticmethod
     def _test(isa: object, nice: int, idle: bool) -> None:
         if nice or idle:
+            # Imported here: ``import aiocompile.torch`` imports this module, and none of
+            # the pool's.
+            from aiocompile._pool.procs import lower_priority
+
             # This thread's own priority on Linux (its Python steps are a few), and its
             # children's: the compiler and the loads of the test programs.
             lower_priority(threading.get_native_id(), nice, idle)
