@@ -292,7 +292,9 @@ def test_the_loop_looks_for_an_answer_no_longer_than_its_linger_and_reads_it_whe
 
 async def test_a_run_that_takes_long_holds_the_loop_no_longer_than_the_linger():
     """A job's answer that takes long to come is not waited for in the loop: the loop's
-    longest tick while it runs stays far under the job's time."""
+    longest tick while it runs stays far under the job's time (a second; half of it allowed
+    for what else a loaded machine's test process meets, a full garbage collection of a
+    process with torch imported among them: 124 ms once beside the other test process)."""
     gaps: list[float] = []
     done = anyio.Event()
 
@@ -309,9 +311,9 @@ async def test_a_run_that_takes_long_holds_the_loop_no_longer_than_the_linger():
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(ticker)
             await anyio.sleep(0.01)
-            assert await sched.run(sleep_then, 0.3, "late") == "late"
+            assert await sched.run(sleep_then, 1.0, "late") == "late"
             done.set()
-    assert max(gaps) < 0.1, max(gaps)
+    assert max(gaps) < 0.5, max(gaps)
 
 
 async def test_runs_back_to_back_let_the_loop_go_now_and_then():
