@@ -238,7 +238,8 @@ async def test_warm_refuses_a_device_it_does_not_know():
 # rather than beside the worker's compile); else once a worker of that scheduler has ended
 # its warm-up (whose imports wrote the bytecode that modules installed without any then
 # read here). For a model on the CPU it makes Inductor's vector-ISA check too, which the
-# load's kernels need.
+# load's kernels need, and imports past what the check needs only once a worker has warmed
+# up.
 AHEAD_SCRIPT = textwrap.dedent('''
     import json
     import sys
@@ -260,6 +261,14 @@ AHEAD_SCRIPT = textwrap.dedent('''
         real_start(self)
 
     ahead.Ahead.start = noting_start
+    rest = []
+    real_rest = ahead._await_rest
+
+    def noting_rest():
+        real_rest()
+        rest.append(time.time())
+
+    ahead._await_rest = noting_rest
     ended = []
 
     def note(event):
@@ -286,7 +295,7 @@ AHEAD_SCRIPT = textwrap.dedent('''
     compiled.close()
     print(json.dumps({"at_constructor": at_constructor, "at_scheduler": at_scheduler, "started": started,
                       "first_warm_up_ended": min(ended) if ended else None,
-                      "made": ahead.GRAPH_LOAD.seconds is not None, "isa_known": isa_known}))
+                      "made": ahead.GRAPH_LOAD.seconds is not None, "isa_known": isa_known, "rest": rest}))
 ''')
 
 
@@ -307,6 +316,9 @@ def test_the_python_forms_load_is_prepared_with_the_fork_server_or_once_a_worker
         assert answer["started"][0] >= answer["first_warm_up_ended"] - 0.05
     assert answer["made"] is True
     assert answer["isa_known"] == 1  # the check made, its answer kept for the load
+    # Past what the check needs, the imports wait for the fork server's start (a worker's
+    # warm-up ended): the first compile waits for that, the load's imports only later.
+    assert len(answer["rest"]) == 1 and answer["rest"][0] >= answer["first_warm_up_ended"] - 0.05
 
 
 def test_whether_the_loads_bytecode_is_installed_is_read_where_python_reads_it(tmp_path, monkeypatch):

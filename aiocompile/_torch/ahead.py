@@ -20,7 +20,7 @@ import concurrent.futures as cf
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from aiocompile._base import aside, collector, threads
@@ -97,10 +97,27 @@ _FOR_CPU = threading.Event()
 make Inductor's vector-ISA check too."""
 
 
+_REST_AFTER: list[cf.Future[Any]] = []
+"""Futures (the workers' warm-ups of a scheduler being made) the first of which to end lets
+a CPU model's load imports go on past what the ISA check needs (:func:`start`)."""
+
+REST_WAIT = 120.0
+"""Seconds those imports wait for them at most."""
+
+
 def _prepare_graph_load() -> None:
     from aiocompile._torch import graph, isa  # imported here: the constructor imports this module
 
-    graph.prepare((lambda: isa.Check(nice=isa.BUILD_NICE, idle=_builds_idle())) if _FOR_CPU.is_set() else None)
+    if _FOR_CPU.is_set():
+        graph.prepare(lambda: isa.Check(nice=isa.BUILD_NICE, idle=_builds_idle()), _await_rest)
+    else:
+        graph.prepare()
+
+
+def _await_rest() -> None:
+    futures = list(_REST_AFTER)
+    if futures:
+        cf.wait(futures, timeout=REST_WAIT, return_when=cf.FIRST_COMPLETED)
 
 
 def _builds_idle() -> bool:
@@ -116,11 +133,17 @@ GRAPH_LOAD = Ahead("graph-load", _prepare_graph_load)
 CPU Inductor's vector-ISA check (:func:`.graph.prepare`)."""
 
 
-def start(form: str, device: str | None = None) -> None:
+def start(form: str, device: str | None = None, rest_after: Sequence[cf.Future[Any]] = ()) -> None:
     """Begin what loading ``form`` here, for a model on ``device``, needs (``"python"``;
-    a package needs nothing)."""
+    a package needs nothing).
+
+    ``rest_after``: for a model on the CPU, futures the first of which to end lets the
+    imports go on once the ISA check's builds have begun (a scheduler's warm-ups: its fork
+    server, which the first compile waits for, imports torch and Inductor meanwhile, and
+    the rest of these imports, which only the load needs, would take CPU time from it)."""
     if form == "python":
         if device == "cpu":
+            _REST_AFTER.extend(rest_after)
             _FOR_CPU.set()
         GRAPH_LOAD.start()
 

@@ -189,29 +189,34 @@ def load(artifact: bytes, plan: Plan, tensors: dict[str, Any],
     return GraphRunner(compiled, plan, tensors)
 
 
-def prepare(isa_check: Callable[[], Any] | None = None) -> None:
+def prepare(isa_check: Callable[[], Any] | None = None, before_rest: Callable[[], None] | None = None) -> None:
     """Import what a load needs and make Triton's backend hash (building its driver's
     launcher module), so that the load itself has little left to do here.
 
     With ``isa_check`` (for a model on the CPU, whose kernels' cache keys hold the answer of
     Inductor's vector-ISA check): it starts the check (an :class:`.isa.Check`) as soon as
     what the check imports is imported, so that its test programs are built while the
-    rest is imported, and the check is made before this returns."""
+    rest is imported, and the check is made before this returns; ``before_rest`` is called
+    (and may wait) between the check's start and the rest of the imports."""
     import importlib
 
     from aiocompile._torch import cia
 
     check = None
     try:
-        # One of them walks torch's CompositeImplicitAutograd operators once per namespace of
-        # torch.ops, each walk milliseconds of C calls that cannot stand aside (``cia``).
-        with cia.in_pieces():
-            if isa_check is not None:
+        if isa_check is not None:
+            # One of them walks torch's CompositeImplicitAutograd operators once per
+            # namespace of torch.ops, each walk milliseconds of C calls that cannot stand
+            # aside (``cia``).
+            with cia.in_pieces():
                 importlib.import_module("torch._inductor.codecache")  # what the check's own code imports
-                try:
-                    check = isa_check()
-                except Exception:  # noqa: BLE001 - the load makes the check itself, as without this
-                    check = None
+            try:
+                check = isa_check()
+            except Exception:  # noqa: BLE001 - the load makes the check itself, as without this
+                check = None
+            if before_rest is not None:
+                before_rest()
+        with cia.in_pieces():
             for name in LOAD_MODULES:
                 importlib.import_module(name)
     finally:

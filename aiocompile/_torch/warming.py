@@ -74,7 +74,9 @@ def scheduler_for(device: str = "cpu", form: str = "package", *,
     where the installation has that bytecode, there is nothing to wait for, and the
     imports begin once the scheduler is made, beside its fork server's start: after the
     warm-up they took CPU time from the compile the first compiled answer waits for (on 2
-    CPUs it took 7.7 s beside them, 3.8 to 4.4 s after them). On a GPU host the compile has
+    CPUs it took 7.7 s beside them, 3.8 to 4.4 s after them); past what Inductor's ISA check
+    needs, they wait for the first warm-up's end, leaving the fork server's imports the
+    CPUs (``ahead.start``'s ``rest_after``). On a GPU host the compile has
     CPUs to spare, and imports begun that early ran beside the first call's submission
     (GPT-2's loop held 10.1 to 11.2 ms in four of five runs, against 9.0 and 10.0 ms)."""
     from aiocompile._torch.installation import STATE
@@ -106,7 +108,7 @@ def scheduler_for(device: str = "cpu", form: str = "package", *,
                 for future in warming:  # the first to end starts it (a no-op after that)
                     future.add_done_callback(lambda _: ahead.start(form, device))
             else:
-                ahead.start(form, device)
+                ahead.start(form, device, rest_after=warming)
         return scheduler
 
     # Not a daemon: an interpreter that exits meanwhile waits for it (then closes it). A
