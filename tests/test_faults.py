@@ -224,10 +224,19 @@ async def test_cancelling_the_only_waiter_of_a_running_job_keeps_its_result(tmp_
     sched = aiocompile.Scheduler(config=NO_PRELOAD)
     marker = tmp_path / "ran"
     try:
-        with anyio.move_on_after(0.3):
-            await sched.run(jobs.mark_then_sleep, str(marker), 1.0, "value", key="k")
+        async with anyio.create_task_group() as group:
+            async def only_waiter() -> None:
+                await sched.run(jobs.mark_then_sleep, str(marker), 2.0, "value", key="k")
+
+            group.start_soon(only_waiter)
+            # Cancelled once the job runs (its mark written), not while it waits for a worker
+            # to start: a queued job whose only waiter leaves is dropped, not kept.
+            with anyio.fail_after(60):
+                while not marker.exists():
+                    await anyio.sleep(0.01)
+            group.cancel_scope.cancel()
         with anyio.fail_after(60):
-            assert await sched.run(jobs.mark_then_sleep, str(marker), 1.0, "value", key="k") == "value"
+            assert await sched.run(jobs.mark_then_sleep, str(marker), 2.0, "value", key="k") == "value"
         assert len(marker.read_text().split()) == 1, "the job must have run once, for both callers"
         stats = sched.statistics()
         assert stats.cancelled == 1 and stats.cache_hits + stats.joined == 1 and stats.compiled == 0
