@@ -122,10 +122,11 @@ def _await_rest() -> None:
 
 def _builds_idle() -> bool:
     """Whether the ISA check's builds run under ``SCHED_IDLE``: as the workers of a
-    scheduler made for a model on the CPU do (``warming``), unless the environment says."""
-    from aiocompile._base.config import SchedulerConfig, named_in_env
+    scheduler made for a model on the CPU do (``choices.worker_idle``)."""
+    from aiocompile._base.config import SchedulerConfig
+    from aiocompile._torch import choices
 
-    return SchedulerConfig.from_env().worker_idle if "worker_idle" in named_in_env() else True
+    return choices.worker_idle("cpu", SchedulerConfig.from_env().worker_idle)
 
 
 GRAPH_LOAD = Ahead("graph-load", _prepare_graph_load)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["ARTIFACTS", "MODES", "check_options", "form_for", "inductor_configs", "model_device"]
+__all__ = ["ARTIFACTS", "MODES", "check_options", "form_for", "inductor_configs", "model_device", "worker_idle"]
 
 MODES = (None, "default", "max-autotune", "max-autotune-no-cudagraphs")
 """``mode=`` values: Inductor's own settings for the mode, less CUDA graphs (the compiled
@@ -21,6 +21,15 @@ def form_for(artifact: str) -> str:
     """What ``artifact`` asks the worker to build: ``"auto"`` is the Python form, what
     ``torch.compile`` runs, on a GPU and on the CPU."""
     return "python" if artifact == "auto" else artifact
+
+
+def worker_idle(device: str, configured: bool) -> bool:
+    """Whether a background compile's processes for a model on ``device`` run under
+    ``SCHED_IDLE``: ``configured`` (the scheduler configuration's ``worker_idle``) where the
+    environment names it, else for the CPU only, whose eager calls share the CPUs with them."""
+    from aiocompile._base.config import named_in_env
+
+    return configured if "worker_idle" in named_in_env() else device == "cpu"
 
 
 def model_device(model: Any) -> str:

@@ -17,7 +17,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from aiocompile._base import bridge, collector, threads
-from aiocompile._torch import ahead, isa
+from aiocompile._torch import ahead, choices, isa
 
 if TYPE_CHECKING:
     # Imported where a scheduler is made: ``aiocompile.torch.warm`` is looked up in a
@@ -141,7 +141,7 @@ def _new_scheduler(device: str, form: str, pay_ahead: bool = False,
     (``export.warm_up``; with ``pay_ahead``, the rest of a first compile's start-up too,
     ``libraries`` imported)."""
     from aiocompile._base import bytecode
-    from aiocompile._base.config import SchedulerConfig, named_in_env
+    from aiocompile._base.config import SchedulerConfig
     from aiocompile._core.scheduler import Scheduler
     from aiocompile._torch import export
     from aiocompile.backends.inductor._worker import PRELOAD, PRELOAD_PACKAGES
@@ -163,7 +163,7 @@ def _new_scheduler(device: str, form: str, pay_ahead: bool = False,
     # unless the environment says otherwise. Not for a GPU: there the eager calls wait for
     # the GPU the worker shares, not for a CPU, and a worker that ends holds the GPU driver
     # for a moment (an eager call on a GPU host took 36 ms while the workers exited).
-    idle = config.worker_idle if "worker_idle" in named_in_env() else device == "cpu"
+    idle = choices.worker_idle(device, config.worker_idle)
     scheduler = Scheduler(config=config.with_changes(preload=(*config.preload, *ours), worker_idle=idle,
                                                      workers=min(config.workers, MAX_OWN_WORKERS)))
     return scheduler, scheduler.port.warm_workers(export.warm_up, (device, form, pay_ahead, libraries))
