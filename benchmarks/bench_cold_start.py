@@ -30,6 +30,9 @@ The ``server`` way pays the start-up first with the public ``await
 aiocompile.torch.warm(device)`` (its time printed), and starts the clock after it: when
 compiled answers began, against stock's first call.
 
+Each way's process leaves torch's intra-op thread count as torch sets it (one per core), as a
+program that sets none does; ``--threads N`` sets N in every way.
+
 Models: ``conv1d`` (a conv1d + MLP, batch 8 x 4 x 32), ``convnet`` (a small conv net with
 an MLP head, batch 8 x 3 x 64 x 64), ``gpt2`` and ``llama`` (Hugging Face's, built from
 small configs with random weights: 4 layers, width 256, batch 4 x 128 tokens, the logits
@@ -37,7 +40,7 @@ as output; ``pip install transformers``).
 
     python benchmarks/bench_cold_start.py [--model conv1d] [--device cpu|cuda] [--repeat 1]
         [--pause 0.005] [--ways stock,background,server] [--artifact auto|package|python]
-        [--stall-stacks MS] [--slow-call-stacks MS] [--long-calls MS]
+        [--stall-stacks MS] [--slow-call-stacks MS] [--long-calls MS] [--threads N]
 """
 
 from __future__ import annotations
@@ -122,7 +125,9 @@ def child(way: str, pause: float, model_name: str, device: str, artifact: str, s
 
     import torch
 
-    torch.set_num_threads(1)
+    threads = int(os.environ.get("BENCH_TORCH_THREADS", "0"))
+    if threads:
+        torch.set_num_threads(threads)
     model, x = build(model_name, device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     collections: list[tuple[float, float]] = []  # (length, began at, from the program's start)
@@ -419,8 +424,14 @@ def main() -> None:
                              "own, read by every way (PYTHONPYCACHEPREFIX): as pip leaves an install, for machines "
                              "whose packages have none and that may not write it (PYTHONDONTWRITEBYTECODE), where "
                              "every import compiles its module's source, holding the interpreter lock")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch.set_num_threads(N) in every way's process before the model is built; 0 "
+                             "(default) leaves torch's own count, as a program that sets none has it (one thread "
+                             "per core, which spin a while between the eager calls)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if not args.child:
+        os.environ["BENCH_TORCH_THREADS"] = str(args.threads)
     if args.thread_times and not os.path.isdir(f"/proc/{os.getpid()}/task"):
         parser.error("--thread-times reads /proc/PID/task (Linux)")
     if args.child:
@@ -456,7 +467,8 @@ def main() -> None:
     unknown = sorted(set(ways) - set(WAYS))
     if unknown or "stock" not in ways:
         raise SystemExit(f"--ways takes stock and any of {', '.join(WAYS[1:])}; got {args.ways!r}")
-    print(f"model {args.model} on {args.device}, artifact={args.artifact}")
+    print(f"model {args.model} on {args.device}, artifact={args.artifact}, torch threads "
+          f"{args.threads or 'as torch sets them'}")
     for round_ in range(args.repeat):
         folder = os.environ["AIOCOMPILE_BYTECODE_DIR"]
         files = sum(len(names) for _, _, names in os.walk(folder)) if os.path.isdir(folder) else 0

@@ -111,3 +111,16 @@ def keyed_inputs(seed: int = 0) -> tuple[tuple, dict]:
     generator = torch.Generator().manual_seed(seed)
     return ((torch.randn(4, 16, generator=generator), 3),
             {"gate": torch.randn(4, 16, generator=generator), "bias": torch.randn(2, generator=generator)})
+
+
+class NotesThreads(MLP):
+    """An MLP whose eager calls note torch's intra-op thread count they ran with (a Python
+    side effect the compiled version leaves out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(torch.get_num_threads())
+        return super().forward(x)

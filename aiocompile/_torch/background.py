@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from aiocompile._base import aside, bridge, collector, threads
 from aiocompile._torch import ahead, choices, loading, warming
+from aiocompile._torch.eager_threads import EagerThreads
+from aiocompile._torch.eager_threads import check as check_eager_threads
 from aiocompile._torch.packed import PackedModel
 from aiocompile._torch.states import TRANSITIONS, BackgroundStatus, ShapeStatus, _Entry, describe
 from aiocompile.errors import CompileError, JobTimeout, SchedulerClosed, WorkerCrashed
@@ -60,7 +62,7 @@ class BackgroundCompiled:
     def __init__(self, model: Any, *, mode: str | None, options: Mapping[str, Any],
                  scheduler: cf.Future[Scheduler], owns_scheduler: bool, strict: bool, timeout: float | None,
                  disabled: bool, max_signatures: int = 8, artifact: str = "auto",
-                 prepared: str | None = None) -> None:
+                 prepared: str | None = None, eager_threads: int | str | None = "auto") -> None:
         import torch
 
         self._model = model
@@ -84,6 +86,7 @@ class BackgroundCompiled:
         self._needs_grad: bool | None = None
         self._packed = PackedModel(model)
         self._closing: threading.Thread | None = None
+        self._eager = EagerThreads(torch, eager_threads, choices.model_device(model))
 
     @property
     def model(self) -> Any:
@@ -111,12 +114,12 @@ class BackgroundCompiled:
         key = self._key(args, kwargs)
         if key is None:
             self._unkeyed_calls += 1
-            return self._model(*args, **kwargs)
+            return self._eager.call(self._model, args, kwargs)
         entry = self._entries.get(key)
         if entry is None:
             # A signature met for the first time: this call is answered first, and only
             # then is its compile started (whose packing would compete with the call).
-            out = self._model(*args, **kwargs)
+            out = self._eager.call(self._model, args, kwargs, starts=not self._disabled)
             entry = self._begin(key, args, kwargs)
             if entry is None:
                 self._unkeyed_calls += 1
@@ -127,7 +130,7 @@ class BackgroundCompiled:
         if runner is not None and entry.primes:
             # What the compiled version's first call would make in this thread, one piece
             # per call, this call answered eagerly (``thread_plans``).
-            out = self._model(*args, **kwargs)
+            out = self._eager.call(self._model, args, kwargs)
             entry.eager_calls += 1
             entry.primes.make_one()
             return out
@@ -142,7 +145,7 @@ class BackgroundCompiled:
                 entry.compiled_calls += 1
                 return out
         entry.eager_calls += 1
-        return self._model(*args, **kwargs)
+        return self._eager.call(self._model, args, kwargs)
 
     def _key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
         """The call's signature as a dict key, or None when an input is neither a plain
@@ -203,6 +206,7 @@ class BackgroundCompiled:
             entry.error = RuntimeError("disable=True: compiling is switched off")
             entry.done.set_result(None)
             return entry
+        self._eager.began(entry.done)
         # Packing copies every weight: in a thread, never in the caller's.
         _LANE.submit(lambda: self._submit(entry, args, kwargs))
         return entry
@@ -470,6 +474,7 @@ def compile_in_background(
     timeout: float | None = None,
     max_signatures: int = 8,
     artifact: str = "auto",
+    eager_threads: int | str | None = "auto",
 ) -> BackgroundCompiled:
     """``model`` (a ``torch.nn.Module``), answering every call at once: eagerly until a
     compiled version for the call's inputs (their shapes, strides, dtypes, devices) is
@@ -499,7 +504,13 @@ def compile_in_background(
       all the same, ``ShapeStatus.form_reason`` says why); ``"auto"`` (default): the
       Python form, on a GPU (where a package's C++ build costs several times the whole
       compile) and on the CPU (where it costs the compile about three times), its load's
-      imports made in a thread that stands aside for the calls (``docs/torch.md``).
+      imports made in a thread that stands aside for the calls (``docs/torch.md``);
+    - ``eager_threads``: torch's intra-op threads an eager call gets while one of the
+      model's compiles runs (the calling thread's count is put back after each call).
+      ``"auto"`` (default): for a model on the CPU whose calling thread would run as many
+      threads as the process has CPUs, one fewer (at least one): between calls those
+      threads spin, and would leave the compile, which runs behind them, no CPU. A number:
+      at most that many. None: torch's count, always.
 
     The whole compile (``torch.export``, Inductor's lowering and compile, a trial
     run) happens in a worker process; this process only packs the model, loads the
@@ -546,6 +557,7 @@ def compile_in_background(
         raise TypeError(f"artifact must be a str, got {artifact!r} ({type(artifact).__name__})")
     if artifact not in choices.ARTIFACTS:
         raise ValueError(f"artifact must be one of {', '.join(map(repr, choices.ARTIFACTS))}, got {artifact!r}")
+    check_eager_threads(eager_threads)
     if options:
         choices.check_options(options)
     owned = False
@@ -566,7 +578,7 @@ def compile_in_background(
             ahead.start(form, device)
     return BackgroundCompiled(model, mode=mode, options=dict(options or {}), scheduler=chosen, owns_scheduler=owned,
                               strict=strict, timeout=timeout, disabled=disable, max_signatures=max_signatures,
-                              artifact=artifact, prepared=None if disable else form)
+                              artifact=artifact, prepared=None if disable else form, eager_threads=eager_threads)
 
 
 def _torch() -> Any:
