@@ -2,10 +2,12 @@
 its own, whose builds are Inductor's own, found by the check in another process, which then
 builds nothing; by a background scheduler's fork server, whose workers then build and load
 no test program at all; and by the serving process, for a CPU model's Python-form load, its
-builds nicer than the serving process and under ``SCHED_IDLE``."""
+builds nicer than the serving process and under ``SCHED_IDLE``, its scheduler's fork server
+then leaving the check to it."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
@@ -34,8 +36,9 @@ def noted_gxx(tmp_path):
     notes = tmp_path / "builds.txt"
     wrapper = bin_dir / "g++"
     # Each noted build starts with the build's niceness and scheduling policy (fields 19
-    # and 41 of /proc/PID/stat; the wrapper's name holds no space).
-    note = f'echo "$(cut -d" " -f19,41 /proc/$$/stat) $*" >> {notes}'
+    # and 41 of /proc/PID/stat; the wrapper's name holds no space), then the pid of the
+    # process that started it.
+    note = f'echo "$(cut -d" " -f19,41 /proc/$$/stat) $PPID $*" >> {notes}'
     wrapper.write_text(f'#!/bin/sh\ncase " $* " in *" -o "*) {note} ;; esac\nexec {real} "$@"\n')
     wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
     return bin_dir, notes
@@ -161,3 +164,66 @@ def test_a_cpu_models_python_form_load_makes_the_check_ahead_its_builds_nicer_an
     assert check.returncode == 0, check.stderr[-3000:]
     assert check.stdout.strip() not in ("", "INVALID_VEC_ISA")
     assert not notes.exists(), notes.read_text()  # Inductor's own programs: found, none built again
+
+
+# A server's background compile of a CPU model in the Python form, from its start: the load
+# makes the check in this process (at once where the installation has the load's bytecode;
+# else after a warm-up), and the scheduler's fork server either leaves it to this process
+# or makes it before it forks.
+SERVED = """
+import asyncio, json, os, sys
+import torch
+import background_models
+import aiocompile.torch as aiotorch
+from aiocompile._torch import export, warming
+
+warming._load_bytecode_installed = lambda: sys.argv[1] == "installed"
+model, x = background_models.make_mlp()
+
+
+async def main():
+    compiled = aiotorch.compile_in_background(model, artifact="python")
+    with torch.no_grad():
+        expected = model(x)
+        compiled(x)
+        shape = await compiled.ready(x)
+        out = compiled(x)
+    scheduler = compiled.scheduler
+    fork_server = await scheduler.run(os.getppid)
+    preload = list(scheduler.config.preload)
+    await compiled.aclose()
+    print(json.dumps({"state": shape.state, "error": shape.error, "here": os.getpid(), "fork_server": fork_server,
+                      "equal": bool(torch.allclose(out, expected, rtol=1e-4, atol=1e-5)),
+                      "leaves_it": export.PRELOAD_IMPORTS in preload, "makes_it": export.PRELOAD in preload}))
+
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.skipif(sys.platform != "linux", reason="Inductor's x86 check reads Linux's CPU flags")
+@pytest.mark.parametrize("bytecode", ["installed", "missing"])
+def test_a_fork_server_leaves_the_check_to_a_serving_process_that_makes_it_from_the_start(check_env, bytecode):
+    env, notes = check_env
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(env, PYTHONPATH=f"{env['PYTHONPATH']}{os.pathsep}{tests}")
+    run = subprocess.run([sys.executable, "-c", SERVED, bytecode], env=env, capture_output=True, text=True,
+                         timeout=TIMEOUT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    answer = json.loads(run.stdout.strip().splitlines()[-1])
+    assert answer["state"] == "compiled" and answer["equal"] is True, answer["error"]
+    assert (answer["leaves_it"], answer["makes_it"]) == ((True, False) if bytecode == "installed" else (False, True))
+    started_by = [int(build.split()[2]) for build in notes.read_text().splitlines()] if notes.exists() else []
+    by_fork_server = started_by.count(answer["fork_server"])
+    if bytecode == "installed":
+        # The check's programs were built here; the worker's compile found them.
+        assert by_fork_server == 0
+    else:
+        fresh = subprocess.run([sys.executable, "-c", "from torch._inductor import cpu_vec_isa as c; "
+                                "print(len([i for i in c.supported_vec_isa_list if all(f in c.x86_isa_checker() "
+                                "for f in str(i).split())]))"], env=env, capture_output=True, text=True,
+                               timeout=TIMEOUT)
+        if fresh.stdout.strip() == "0":
+            pytest.skip("this CPU claims no vector instruction set Inductor builds a test program for")
+        assert by_fork_server > 0  # made before it forked

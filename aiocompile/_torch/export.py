@@ -59,6 +59,20 @@ models on the CPU (after Inductor's own, ``aiocompile.torch.PRELOAD``; ``warming
 not for a GPU)."""
 
 
+PRELOAD_IMPORTS = "aiocompile._torch.export:import_in_fork_server"
+"""The same, less the vector-ISA check: for a fork server whose serving process makes that
+check from the start (``warming``), whose workers' compiles find its test programs built or
+being built, and only load each. The check's builds take seconds (one ``cc1plus``), and a
+fork server that waited for them held back the first compile, whose lowering and export
+come before it needs the answer."""
+
+
+def import_in_fork_server() -> None:
+    """Preload hook: import what a background compile needs, once, in the fork server
+    (:func:`prepare_fork_server` without the check)."""
+    _import_modules([])
+
+
 def prepare_fork_server() -> None:
     """Preload hook: import what a background compile needs, once, in the fork server, so
     that every worker forked from it starts with it (each worker importing it itself made
@@ -69,29 +83,33 @@ def prepare_fork_server() -> None:
     The fork server must be single-threaded when it forks: the check's threads are joined
     before this returns, and an import that starts a thread of its own stops the imports
     there, reported as a preload problem (workers import the rest in their warm-up)."""
-    import importlib
-    import sys
-
     check: isa.Check | None = None
     if os.environ.get("TORCHINDUCTOR_VEC_ISA_OK") is None:
         try:
             check = isa.Check()
         except Exception as exc:  # noqa: BLE001 - the compiles make the check themselves, as without this
             _logger.debug("Inductor's vector-ISA check could not be started ahead: %s: %s", type(exc).__name__, exc)
-    ours = check.threads if check is not None else []
     try:
-        for name in _MODULES:
-            if name in sys.modules:
-                continue
-            before = _threads(ours)
-            importlib.import_module(name)
-            after = _threads(ours)
-            if before is not None and after is not None and after > before:
-                raise RuntimeError(f"importing {name} started {after - before} thread(s) in the fork server; "
-                                   "workers import the rest themselves")
+        _import_modules(check.threads if check is not None else [])
     finally:
         if check is not None:
             check.finish()
+
+
+def _import_modules(ours: list[threading.Thread]) -> None:
+    """Import ``_MODULES``; one that starts a thread (not one of ``ours``) stops them there."""
+    import importlib
+    import sys
+
+    for name in _MODULES:
+        if name in sys.modules:
+            continue
+        before = _threads(ours)
+        importlib.import_module(name)
+        after = _threads(ours)
+        if before is not None and after is not None and after > before:
+            raise RuntimeError(f"importing {name} started {after - before} thread(s) in the fork server; "
+                               "workers import the rest themselves")
 
 
 def _threads(ours: list[threading.Thread]) -> int | None:

@@ -101,10 +101,14 @@ def scheduler_for(device: str = "cpu", form: str = "package", *,
         return found, False
 
     def make() -> Scheduler:
+        # A CPU model's Python-form load makes Inductor's vector-ISA check here, begun at
+        # once where the installation has the load's bytecode: then its fork server leaves
+        # the check to it (``export.PRELOAD_IMPORTS``).
+        early = prepare_load and device == "cpu" and form == "python" and _load_bytecode_installed()
         with collector.imports_settled(), threads.imports_yielding():
-            scheduler, warming = _new_scheduler(device, form)
+            scheduler, warming = _new_scheduler(device, form, isa_here=early)
         if prepare_load:
-            if warming and not (device == "cpu" and _load_bytecode_installed()):
+            if warming and not early:
                 for future in warming:  # the first to end starts it (a no-op after that)
                     future.add_done_callback(lambda _: ahead.start(form, device))
             else:
@@ -135,11 +139,12 @@ def _load_bytecode_installed() -> bool:
     return os.path.exists(beside)
 
 
-def _new_scheduler(device: str, form: str, pay_ahead: bool = False,
-                   libraries: tuple[str, ...] = ()) -> tuple[Scheduler, list[cf.Future[Any]]]:
+def _new_scheduler(device: str, form: str, pay_ahead: bool = False, libraries: tuple[str, ...] = (),
+                   isa_here: bool = False) -> tuple[Scheduler, list[cf.Future[Any]]]:
     """A scheduler of aiocompile's for background compiles, and its workers' warm-ups
     (``export.warm_up``; with ``pay_ahead``, the rest of a first compile's start-up too,
-    ``libraries`` imported)."""
+    ``libraries`` imported). ``isa_here``: this process makes Inductor's vector-ISA check
+    from now on, and the fork server leaves it to it."""
     from aiocompile._base import bytecode
     from aiocompile._base.config import SchedulerConfig
     from aiocompile._core.scheduler import Scheduler
@@ -150,14 +155,18 @@ def _new_scheduler(device: str, form: str, pay_ahead: bool = False,
     # compiled by processes started now.
     bytecode.prepare(PRELOAD_PACKAGES)
     # For a model on the CPU, the fork server makes Inductor's vector-ISA check itself
-    # (``export.prepare_fork_server``): no process of its own builds the test programs.
+    # (``export.prepare_fork_server``) before it forks, unless this process makes it from
+    # now on (``isa_here``): then its workers' compiles find the test programs built or
+    # being built (waiting on the builds' file locks only when they need the answer, after
+    # the export and part of the lowering), rather than the first compile waiting for
+    # them in the fork server (on 2 CPUs, its start took 1.5 to 3 s longer for them).
     config = SchedulerConfig.from_env()
     # Modules beyond Inductor's own preload only for models on the CPU: on a machine with a
     # GPU, a fork server that preloaded them forked workers that could not use it ("Cannot
     # re-initialize CUDA in forked subprocess"; importing them alone leaves CUDA
     # uninitialised, so what marks the forks is not known); workers for a GPU import them in
     # their warm-up.
-    ours = (PRELOAD, export.PRELOAD) if device == "cpu" else (PRELOAD,)
+    ours = (PRELOAD, export.PRELOAD_IMPORTS if isa_here else export.PRELOAD) if device == "cpu" else (PRELOAD,)
     # Nobody waits on these compiles: for a model on the CPU, whose eager calls share the
     # CPUs with them, they take only the CPU time the serving process leaves (``SCHED_IDLE``),
     # unless the environment says otherwise. Not for a GPU: there the eager calls wait for
