@@ -197,7 +197,27 @@ def prepare(isa_check: Callable[[], Any] | None = None, before_rest: Callable[[]
     Inductor's vector-ISA check): it starts the check (an :class:`.isa.Check`) as soon as
     what the check imports is imported, so that its test programs are built while the
     rest is imported, and the check is made before this returns; ``before_rest`` is called
-    (and may wait) between the check's start and the rest of the imports."""
+    (and may wait) between the check's start and the rest of the imports.
+
+    Inductor's kernel templates made at import are read as a worker compiled them
+    (:mod:`aiocompile._base.templates`): each compile here would hold the lock throughout."""
+    from aiocompile._base import templates
+
+    templates.install()
+    with templates.reading():
+        _import_for_load(isa_check, before_rest)
+    from torch.utils._triton import has_triton
+
+    if has_triton():
+        from torch.utils._triton import triton_hash_with_backend
+
+        triton_hash_with_backend()
+    from torch._inductor.codecache import torch_key
+
+    torch_key()
+
+
+def _import_for_load(isa_check: Callable[[], Any] | None, before_rest: Callable[[], None] | None) -> None:
     import importlib
 
     from aiocompile._torch import cia
@@ -222,12 +242,3 @@ def prepare(isa_check: Callable[[], Any] | None = None, before_rest: Callable[[]
     finally:
         if check is not None:
             check.finish()
-    from torch.utils._triton import has_triton
-
-    if has_triton():
-        from torch.utils._triton import triton_hash_with_backend
-
-        triton_hash_with_backend()
-    from torch._inductor.codecache import torch_key
-
-    torch_key()
