@@ -55,7 +55,7 @@ def install(everywhere: bool = False) -> bool:
         _state["everywhere"] = _state["everywhere"] or everywhere
         if _state["original"] is None:
             _state["original"] = jinja2.Environment._compile
-            jinja2.Environment._compile = _compile
+            setattr(jinja2.Environment, "_compile", _compile)  # noqa: B010 - Jinja's hook, replaced on its class
     return True
 
 
