@@ -104,3 +104,34 @@ def test_eager_calls_while_compiling_run_with_the_threads_asked_and_give_the_cal
     compiled(x)  # records autograd history: eager, no compile running
     assert torch.get_num_threads() == callers
     assert model.seen == [while_compiling] * 6 + [callers]
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.usefixtures("callers_threads")
+def test_calls_that_start_no_compile_keep_the_callers_threads(sched, tmp_path, monkeypatch):
+    if not _openmp(torch):
+        pytest.skip("torch's threads here are not OpenMP's: their count is not the calling thread's own")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    torch.set_num_threads(2)
+    # A wrapper made with disable=True compiles nothing: every call keeps the caller's.
+    model = background_models.NotesThreads().eval()
+    disabled = aiotorch.compile_in_background(model, scheduler=sched, eager_threads=1, disable=True)
+    with torch.no_grad():
+        for rows in (1, 2, 3):
+            disabled(torch.randn(rows, 16))
+    assert model.seen == [2, 2, 2]
+
+    # Past max_signatures a new signature starts nothing either: once the one compile has
+    # ended (here it fails: no such compiler), those calls keep the caller's too.
+    model = background_models.NotesThreads().eval()
+    broken = {"cpp.cxx": (None, str(tmp_path / "no-such-g++"))}
+    compiled = aiotorch.compile_in_background(model, scheduler=sched, eager_threads=1, max_signatures=1,
+                                              options=broken)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        compiled(x)  # starts the one compile
+    assert asyncio.run(compiled.ready(x)).state == "failed"
+    with torch.no_grad():
+        for rows in (1, 2, 3):
+            compiled(torch.randn(rows, 16))
+    assert model.seen == [1, 2, 2, 2]

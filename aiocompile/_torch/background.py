@@ -119,7 +119,8 @@ class BackgroundCompiled:
         if entry is None:
             # A signature met for the first time: this call is answered first, and only
             # then is its compile started (whose packing would compete with the call).
-            out = self._eager.call(self._model, args, kwargs, starts=not self._disabled)
+            starts = not self._disabled and len(self._entries) < self._max_signatures
+            out = self._eager.call(self._model, args, kwargs, starts=starts)
             entry = self._begin(key, args, kwargs)
             if entry is None:
                 self._unkeyed_calls += 1
