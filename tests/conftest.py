@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import inspect
+import logging
 import os
 import shutil
 import stat
@@ -31,6 +32,27 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 # Repro bundles of failed compiles go to the default root under $XDG_CACHE_HOME: keep the
 # tests' out of the user's own cache directory.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="aiocompile-tests-cache-")
+
+
+def _hold_loggings_lock_while_capture_begins() -> None:
+    """pytest's log capture walks ``logging``'s table of loggers, without the lock that
+    guards it, as each test phase begins (``catching_logs.__enter__``, pytest 9.2). A module
+    imported meanwhile in another thread adds its logger, and the phase fails with
+    "dictionary changed size during iteration": aiocompile imports in threads of its own
+    (a load's imports, Inductor's settings) that go on after the test that started them.
+    The walk is made here holding that lock, which ``logging.getLogger`` takes too."""
+    from _pytest import logging as capture
+
+    enter = capture.catching_logs.__enter__
+
+    def locked_enter(self):
+        with logging._lock:
+            return enter(self)
+
+    capture.catching_logs.__enter__ = locked_enter
+
+
+_hold_loggings_lock_while_capture_begins()
 
 try:
     import pytest_asyncio  # noqa: F401
