@@ -25,14 +25,13 @@ import hashlib
 import importlib.util
 import marshal
 import os
-import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import CodeType
 from typing import Any
 
-from aiocompile._base import bytecode
+from aiocompile._base import bytecode, pyc
 
 __all__ = ["install", "reading"]
 
@@ -89,21 +88,5 @@ def _compile(environment: Any, source: str, filename: str) -> CodeType:
     except (OSError, ValueError, EOFError, TypeError):
         pass
     code = original(environment, source, filename)
-    _write(path, code)
+    pyc.write(path, marshal.dumps(code))  # whole or not at all
     return code
-
-
-def _write(path: str, code: CodeType) -> None:
-    """Written whole or not at all (a reader never sees half a file)."""
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        handle, temporary = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".template-")
-        try:
-            with os.fdopen(handle, "wb") as file:
-                file.write(marshal.dumps(code))
-            os.replace(temporary, path)
-        except BaseException:
-            os.unlink(temporary)
-            raise
-    except OSError:
-        pass  # no cache this time: the template was compiled all the same

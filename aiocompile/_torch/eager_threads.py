@@ -93,11 +93,6 @@ class EagerThreads:
         self._running = 0
         self._lock = threading.Lock()
 
-    @property
-    def running(self) -> int:
-        """How many of the wrapper's compiles have not ended."""
-        return self._running
-
     def began(self, done: Any) -> None:
         """A compile began; ``done`` (a future) resolves when it ends."""
         if self._setting is None:
