@@ -163,9 +163,12 @@ def _new_scheduler(device: str, form: str, pay_ahead: bool = False, libraries: t
     config = SchedulerConfig.from_env()
     # Modules beyond Inductor's own preload only for models on the CPU: on a machine with a
     # GPU, a fork server that preloaded them forked workers that could not use it ("Cannot
-    # re-initialize CUDA in forked subprocess"; importing them alone leaves CUDA
-    # uninitialised, so what marks the forks is not known); workers for a GPU import them in
-    # their warm-up.
+    # re-initialize CUDA in forked subprocess"): importing ``compile_fx`` asks
+    # ``torch.cuda.is_available()``, whose CUDA-runtime count marks every later fork, CUDA
+    # itself uninitialised. Workers for a GPU import them in their warm-up. (With
+    # ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` the count is NVML's and the forks could use the GPU,
+    # but the driver's thread is then left in the fork server, and its imports would only
+    # move there: a first compile waits for the same imports, one after another.)
     ours = (PRELOAD, export.PRELOAD_IMPORTS if isa_here else export.PRELOAD) if device == "cpu" else (PRELOAD,)
     # Nobody waits on these compiles: for a model on the CPU, whose eager calls share the
     # CPUs with them, they take only the CPU time the serving process leaves (``SCHED_IDLE``),
