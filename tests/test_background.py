@@ -500,6 +500,61 @@ def test_on_a_gpu_a_model_run_eagerly_first_is_served_compiled(sched, artifact, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_a_call_is_over_for_aiocompiles_threads_once_its_kernels_are_done(sched):
+    """While a thread of aiocompile's runs Python beside the calls (inside
+    ``handing_over``, as a load's imports do), a call on a GPU is over for it only once
+    the call's kernels are done: its caller's wait for them then takes the interpreter
+    lock back at once. With no such thread, nothing is put off."""
+    import time
+
+    from aiocompile._base import aside, threads
+
+    # Kernels that run for milliseconds after the call has returned.
+    model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(8)]).cuda().eval()
+    x = torch.randn(4096, 4096, device="cuda")
+    compiled = aiotorch.compile_in_background(model, scheduler=sched, disable=True)
+    with torch.no_grad():
+        expected = model(x)
+        torch.cuda.synchronize()
+        assert wait_until(lambda: not aside.busy(), timeout=120)  # another test's threads
+        out = compiled(x)
+        assert aside.serving() == 0
+        torch.testing.assert_close(out, expected)
+
+        stop = threading.Event()
+        turns: list[float] = []
+
+        def beside() -> None:
+            with threads.handing_over():
+                while not stop.is_set():
+                    turns.append(time.perf_counter())
+                    time.sleep(0.0005)
+
+        helper = threading.Thread(target=beside)
+        helper.start()
+        try:
+            assert wait_until(lambda: len(turns) > 5)
+            out = compiled(x)
+            returned = time.perf_counter()
+            assert aside.serving() == 1, "the call's end was not put off for its kernels"
+            torch.cuda.synchronize()
+            synchronised = time.perf_counter()
+            assert wait_until(lambda: aside.serving() == 0, timeout=1)
+            torch.testing.assert_close(out, expected)
+            # The kernels ran for milliseconds; the helper stood aside throughout (within
+            # the bound standing aside has).
+            print(f"kernels done {1e3 * (synchronised - returned):.1f} ms after the call returned")
+            if synchronised - returned < aside.STAND_ASIDE_MAX - 0.002:
+                assert not [at for at in turns if returned + 0.001 < at < synchronised - 0.001]
+        finally:
+            stop.set()
+            helper.join(5)
+        assert wait_until(lambda: not aside.busy(), timeout=120)
+        compiled.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.usefixtures("fresh_inductor")
 @pytest.mark.timeout(TIMEOUT)
 @pytest.mark.parametrize("start", ["own", "warmed"])

@@ -9,6 +9,7 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+from conftest import wait_until
 
 from aiocompile._base import aside, threads
 
@@ -225,6 +226,74 @@ def test_a_thread_standing_aside_sleeps_until_the_call_ends_rather_than_looking(
         assert woken <= 2, f"the thread standing aside woke {woken} times in 12 ms"
         time.sleep(0.02)
         assert len(progress) > count  # woken once the call ended
+
+
+class LeftRunning:
+    """What a served call left running (as a CUDA event recorded after its kernels): its
+    ``synchronize()`` waits, without the interpreter lock, until ``done`` is set, and
+    raises ``fails`` then, if given."""
+
+    def __init__(self, fails: Exception | None = None) -> None:
+        self.done = threading.Event()
+        self.fails = fails
+        self.waited = threading.Event()
+
+    def synchronize(self) -> None:
+        self.waited.set()
+        self.done.wait(10)
+        if self.fails is not None:
+            raise self.fails
+
+
+@pytest.mark.parametrize("fails", [None, RuntimeError("an illegal memory access was encountered")])
+def test_a_calls_end_put_off_until_what_it_left_running_is_done_keeps_the_threads_aside(fails):
+    """``serve_end(until)`` returns at once; the attached threads go on standing aside
+    until ``until.synchronize()`` returns (raising or not), then the call is over."""
+    import time
+
+    with busy_inside_handing_over() as (progress, _):
+        assert aside.busy() and aside.serving() == 0
+        left = LeftRunning(fails)
+        aside.serve_begin()
+        time.sleep(0.003)  # the helper's next call comes and it stands aside
+        began = time.perf_counter()
+        aside.serve_end(left)
+        assert time.perf_counter() - began < 0.002  # the caller goes on at once
+        assert left.waited.wait(1)
+        count = len(progress)
+        time.sleep(0.01)  # within STAND_ASIDE_MAX
+        assert aside.serving() == 1 and len(progress) == count  # still aside
+        left.done.set()
+        assert wait_until(lambda: aside.serving() == 0, timeout=1)
+        time.sleep(0.01)
+        assert len(progress) > count  # going again
+
+
+def test_a_calls_end_put_off_for_what_never_ends_stands_the_threads_aside_for_a_bounded_time():
+    import time
+
+    with busy_inside_handing_over() as (progress, _):
+        left = LeftRunning()
+        aside.serve_begin()
+        time.sleep(0.003)
+        began = time.perf_counter()
+        aside.serve_end(left)
+        try:
+            time.sleep(0.2)
+            during = [at for at in progress if at >= began]
+            assert during, "the helper stood aside past STAND_ASIDE_MAX"
+            assert min(during) - began < aside.STAND_ASIDE_MAX + 0.05
+            assert aside.serving() == 1
+        finally:
+            left.done.set()
+        assert wait_until(lambda: aside.serving() == 0, timeout=1)
+
+
+def test_nothing_is_attached_once_the_threads_inside_handing_over_have_left():
+    with busy_inside_handing_over():
+        assert aside.busy()
+    # (Another test's threads in this process, such as a load's imports, may still run.)
+    assert wait_until(lambda: not aside.busy(), timeout=120)
 
 
 def test_calls_served_back_to_back_leave_a_thread_inside_handing_over_half_of_the_time():

@@ -11,6 +11,12 @@ times a call. Standing aside leaves the lock free for the whole call, bounded:
 module's import lock), and ``STAND_ASIDE_SHARE`` of every ``STAND_ASIDE_WINDOW`` (calls
 served back to back would otherwise leave it no time at all).
 
+A call on a GPU returns once its kernels are queued, and its caller waits for them next
+(``.item()``, ``.cpu()``, a synchronisation), letting the lock go; were the call's end the
+end of standing aside, that wait would take the lock back from a thread that had gone on
+meanwhile. So such a call's end may be put off until its kernels are done
+(:func:`serve_end`'s ``until``), by a thread of its own that waits without the lock.
+
 How a thread learns of its Python calls: a trace function of its own (``sys.settrace``),
 except on Python 3.12, where a trace function makes every line of the traced thread cost
 more: importing a module of a few thousand lines (``html.entities``) took 150 to 250 ms,
@@ -26,8 +32,9 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["PATIENT_SHARE", "STAND_ASIDE_MAX", "STAND_ASIDE_SHARE", "STAND_ASIDE_WINDOW", "attach",
-           "attached", "before_holding", "detach", "hurried", "patient", "serve_begin", "serve_end"]
+__all__ = ["AFTER_DONE", "PATIENT_SHARE", "STAND_ASIDE_MAX", "STAND_ASIDE_SHARE", "STAND_ASIDE_WINDOW", "attach",
+           "attached", "before_holding", "busy", "detach", "hurried", "patient", "serve_begin", "serve_end",
+           "serving"]
 
 
 class _Serving:
@@ -49,6 +56,8 @@ class _Serving:
         # the interpreter lock and without waking until the run of calls ends.
         self.idle = threading.Event()
         self.idle.set()
+        # How many threads are attached (``attach``): none, and nothing stands aside.
+        self.attached = 0
 
 
 _SERVING = _Serving()
@@ -84,11 +93,82 @@ def serve_begin() -> None:
         _SERVING.calls += 1
 
 
-def serve_end() -> None:
+def serve_end(until: Any = None) -> None:
+    """The call served in this thread (:func:`serve_begin`) has returned.
+
+    ``until``: what it left running, for its caller to wait for next, such as a CUDA event
+    recorded after its kernels: an object whose ``synchronize()`` waits for it without the
+    interpreter lock. The call is then over for the attached threads only once that is
+    done, and ``AFTER_DONE`` after, in a thread of aiocompile's (``aiocompile-served``);
+    the caller goes on at once."""
+    if until is not None and _PENDING.put(until):
+        return
+    _end()
+
+
+def _end() -> None:
     with _SERVING.lock:
         _SERVING.calls -= 1
         if _SERVING.calls == 0:
             _SERVING.idle.set()
+
+
+def serving() -> int:
+    """How many calls are being served now (their ends put off included)."""
+    return _SERVING.calls
+
+
+def busy() -> bool:
+    """Whether any thread stands aside for the calls served now (:func:`attach`): what is
+    worth a caller's extra work to stand them aside longer (``serve_end``'s ``until``)."""
+    return _SERVING.attached > 0
+
+
+AFTER_DONE = 0.0005
+"""Seconds a call's end is put off past what it left running (``serve_end``'s ``until``):
+the caller's own wait for it, woken at the same moment, takes the interpreter lock first."""
+
+
+class _Pending:
+    """The calls whose end waits for what they left running, in order, and the daemon
+    thread that ends each once that is done (started with the first)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.ready = threading.Condition(self.lock)
+        self.queue: list[Any] = []
+        self.thread: threading.Thread | None = None
+
+    def put(self, until: Any) -> bool:
+        """Queue ``until``; False where no thread could be started (the caller ends the
+        call itself)."""
+        with self.lock:
+            if self.thread is None:
+                thread = threading.Thread(target=self._run, name="aiocompile-served", daemon=True)
+                try:
+                    thread.start()
+                except RuntimeError:  # the interpreter is shutting down
+                    return False
+                self.thread = thread
+            self.queue.append(until)
+            self.ready.notify()
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self.lock:
+                while not self.queue:
+                    self.ready.wait()
+                until = self.queue.pop(0)
+            try:
+                until.synchronize()
+            except Exception:  # noqa: BLE001 - the caller's own wait meets it; the call ends all the same
+                pass
+            time.sleep(AFTER_DONE)
+            _end()
+
+
+_PENDING = _Pending()
 
 
 def patient() -> None:
@@ -211,10 +291,14 @@ def attach() -> bool:
     what this returned); False where it cannot (another trace function of this thread's,
     such as a debugger's or coverage's, or no free monitoring tool id)."""
     if _MONITORING is not None:
-        return _MONITORING.attach()
-    if sys.gettrace() is not None:
+        if not _MONITORING.attach():
+            return False
+    elif sys.gettrace() is not None:
         return False
-    sys.settrace(_on_call)
+    else:
+        sys.settrace(_on_call)
+    with _SERVING.lock:
+        _SERVING.attached += 1
     return True
 
 
@@ -225,3 +309,5 @@ def detach(attached: bool) -> None:
         _MONITORING.detach()
     elif sys.gettrace() is _on_call:
         sys.settrace(None)
+    with _SERVING.lock:
+        _SERVING.attached -= 1

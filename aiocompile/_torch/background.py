@@ -86,7 +86,9 @@ class BackgroundCompiled:
         self._needs_grad: bool | None = None
         self._packed = PackedModel(model)
         self._closing: threading.Thread | None = None
-        self._eager = EagerThreads(torch, eager_threads, choices.model_device(model))
+        device = choices.model_device(model)
+        self._gpu = device == "cuda"
+        self._eager = EagerThreads(torch, eager_threads, device)
 
     @property
     def model(self) -> Any:
@@ -103,12 +105,29 @@ class BackgroundCompiled:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # aiocompile's own threads in this process (the load's imports, the packing, the
-        # load) stand aside while the call runs (``aside.serve_begin``).
+        # load) stand aside while the call runs (``aside.serve_begin``), and on a GPU until
+        # its kernels are done: the caller's wait for them then takes the interpreter lock
+        # back at once, not from one of those threads.
         aside.serve_begin()
+        until = None
         try:
-            return self._answer(args, kwargs)
+            out = self._answer(args, kwargs)
+            if self._gpu and aside.busy():
+                until = self._kernels_done()
+            return out
         finally:
-            aside.serve_end()
+            aside.serve_end(until)
+
+    def _kernels_done(self) -> Any:
+        """A CUDA event recorded after the call's kernels, on the calling thread's current
+        stream; waiting for it sleeps rather than spins (``blocking``). None where it
+        cannot be made."""
+        try:
+            event = self._torch.cuda.Event(blocking=True)
+            event.record()
+        except Exception:  # noqa: BLE001 - the call's end is then not put off
+            return None
+        return event
 
     def _answer(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         key = self._key(args, kwargs)
