@@ -107,6 +107,49 @@ def test_the_constructor_and_first_call_import_no_compiler_and_wait_for_no_worke
         assert answer["final"] == "compiled" and answer["inductor_here"] == []
 
 
+# A program that ends while its compile is still starting: the wrapper closed (which returns
+# at once), then the interpreter exits, and its scheduler's close ends the compile there.
+EXIT_SCRIPT = textwrap.dedent('''
+    import sys
+
+    import anyio
+    import torch
+
+    import background_models
+    import aiocompile.torch as aiotorch
+
+    model, x = background_models.make_mlp()
+
+
+    async def serve():
+        compiled = aiotorch.compile_in_background(model)
+        with torch.no_grad():
+            for _ in range(100):  # its job submitted meanwhile, its workers still starting
+                compiled(x)
+                await anyio.sleep(0.01)
+        print("state", compiled.state(x))
+        compiled.close()
+
+
+    anyio.run(serve, backend=sys.argv[1])
+''')
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_program_that_ends_while_compiling_exits_quietly(tmp_path, backend):
+    pytest.importorskip(backend)
+    script = tmp_path / "serve.py"
+    script.write_text(EXIT_SCRIPT)
+    tests = str(__import__("pathlib").Path(__file__).parent)
+    run = subprocess.run([sys.executable, str(script), backend], capture_output=True, text=True, timeout=TIMEOUT,
+                         env=subprocess_env(PYTHONPATH=f"{subprocess_env()['PYTHONPATH']}:{tests}",
+                                            TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor")))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == "state compiling"
+    assert "Traceback" not in run.stderr and "exception calling callback" not in run.stderr, run.stderr[-3000:]
+
+
 @pytest.fixture
 def unstartable(tmp_path, monkeypatch):
     """A scheduler whose fork server dies while it starts (a preload that exits)."""

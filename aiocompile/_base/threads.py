@@ -47,7 +47,19 @@ class Lane:
         self._pid = -1
 
     def submit(self, fn: Callable[[], T]) -> cf.Future[T]:
-        return self._get().submit(_then_yield, fn)
+        """``fn()`` in one of the lane's threads; in the calling thread where none can
+        take it (the interpreter is exiting: its thread pools take no new work), so that
+        work handed over then, such as a compile's end met while its scheduler closes at
+        exit, is done all the same."""
+        try:
+            return self._get().submit(_then_yield, fn)
+        except RuntimeError:
+            future: cf.Future[T] = cf.Future()
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - the future's waiter meets it
+                future.set_exception(exc)
+            return future
 
     async def run(self, fn: Callable[[], T]) -> T:
         """``fn()`` in one of the lane's threads, awaited without holding the loop.
