@@ -86,6 +86,16 @@ def fail_in_preload():
     raise RuntimeError("this preload hook is broken")
 
 
+def slow_preload():
+    """A preload hook that takes minutes (as torch's and Inductor's imports can, on a busy
+    machine), noting its pid in $AIOCOMPILE_TEST_PRELOAD_PID first."""
+    import time
+
+    with open(os.environ["AIOCOMPILE_TEST_PRELOAD_PID"], "w") as note:
+        note.write(str(os.getpid()))
+    time.sleep(600)
+
+
 def mark_then_sleep(path, seconds, value=None):
     """Append this worker's pid to ``path`` (so a test can see that the job ran, and
     where), then sleep and return ``value``."""

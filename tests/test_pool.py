@@ -277,6 +277,32 @@ def test_a_fork_server_that_cannot_start_fails_jobs_instead_of_hanging():
             future.result(timeout=120)
 
 
+@pytest.mark.parametrize("queued", ["job", "prepare"])
+def test_a_close_with_nothing_left_to_run_stops_a_fork_server_still_starting(tmp_path, monkeypatch, caplog, queued):
+    """Closing with the queue cancelled (as a scheduler's close does, and the interpreter's
+    exit) does not wait for a fork server's preload: it is stopped, with what it started,
+    and the queued job fails with ``SchedulerClosed``. Quietly: no warning."""
+    note = tmp_path / "preload.pid"
+    monkeypatch.setenv("AIOCOMPILE_TEST_PRELOAD_PID", str(note))
+    pool = WorkerPool(1, preload=("jobs:slow_preload",))
+    with caplog.at_level("WARNING", logger="aiocompile"):
+        if queued == "job":
+            future = pool.submit(jobs.echo, 1)
+        else:
+            pool.start()
+        assert wait_until(note.exists, timeout=120), "the fork server's preload never began"
+        preloading = int(note.read_text())
+        began = time.monotonic()
+        pool.shutdown(wait=True, cancel_futures=True)
+        took = time.monotonic() - began
+    assert took < 30, f"the close waited {took:.1f} s for the fork server's preload"
+    assert wait_until(lambda: not alive([preloading]), timeout=10)
+    if queued == "job":
+        with pytest.raises(aiocompile.SchedulerClosed):
+            future.result(timeout=10)
+    assert "could not prepare" not in caplog.text and "could not start" not in caplog.text
+
+
 def test_a_broken_preload_is_reported_and_workers_still_run(caplog):
     with caplog.at_level("WARNING", logger="aiocompile"):
         with WorkerPool(1, preload=("jobs:fail_in_preload",)) as pool:

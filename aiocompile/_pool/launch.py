@@ -107,6 +107,10 @@ class Launcher(Protocol):
 
     def on_readable(self) -> None: ...
 
+    def interrupt(self) -> None:
+        """From another thread, when the pool closes with nothing left to start: a start
+        under way (a fork server's preload) gives up at once, and none begins."""
+
     def close(self) -> None: ...
 
     def forget(self) -> None:
@@ -196,6 +200,10 @@ class ZygoteLauncher:
         self._request_ids = 0
         self._generation = 0
         self.problems: list[str] = []
+        # Set from another thread (``interrupt``): the fork server still starting, whose
+        # ready message the launching thread waits for; and whether to start none.
+        self._starting: subprocess.Popen[bytes] | None = None
+        self._interrupted = False
 
     # -- the zygote itself ---------------------------------------------------------------
 
@@ -203,6 +211,8 @@ class ZygoteLauncher:
         if self._ctrl is not None and self._proc is not None and self._proc.poll() is None:
             return self._ctrl
         self._stop_zygote()
+        if self._interrupted:
+            raise LauncherError("the pool is closing: no worker fork server is started")
         self._generation += 1
         self._exits.clear()
         self._forked.clear()
@@ -228,16 +238,24 @@ class ZygoteLauncher:
         self._ctrl = parent
         parent.send(encode_control(Init(list(sys.path), os.getcwd(), self._preload)))
         deadline = time.monotonic() + self._start_timeout
-        while True:
-            message = self._recv(deadline)
-            if message is None:
-                tail = self._zygote_output()
-                self._stop_zygote()
-                raise LauncherError(f"the worker fork server did not start:\n{tail}")
-            if isinstance(message, ZygoteReady):
-                self.problems = list(message.problems)
-                return parent
-            self._note(message)
+        self._starting = self._proc
+        try:
+            if self._interrupted:  # between the check above and now
+                kill_group(self._proc.pid)
+            while True:
+                message = self._recv(deadline)
+                if message is None:
+                    tail = self._zygote_output()
+                    self._stop_zygote()
+                    if self._interrupted:
+                        raise LauncherError("the pool closed while its worker fork server started")
+                    raise LauncherError(f"the worker fork server did not start:\n{tail}")
+                if isinstance(message, ZygoteReady):
+                    self.problems = list(message.problems)
+                    return parent
+                self._note(message)
+        finally:
+            self._starting = None
 
     def _zygote_output(self) -> str:
         if self._output_fd is None:
@@ -356,6 +374,14 @@ class ZygoteLauncher:
         if message is not None:
             self._note(message)
 
+    def interrupt(self) -> None:
+        self._interrupted = True
+        starting = self._starting
+        if starting is not None:
+            # Its preload (seconds of imports, and for a model on the CPU a C++ build, all
+            # in its group) ends here; the launching thread reads the end of its socket.
+            kill_group(starting.pid)
+
     def close(self) -> None:
         self._stop_zygote()
 
@@ -383,6 +409,9 @@ class _DirectChildren:
 
     def on_readable(self) -> None:
         pass
+
+    def interrupt(self) -> None:
+        pass  # a launch starts a process and returns: there is nothing to wait for
 
 
 class SpawnLauncher(_DirectChildren):

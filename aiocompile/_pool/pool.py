@@ -221,6 +221,10 @@ class WorkerPool(cf.Executor):
             roster.closed = True
             if first:
                 roster.commands.append(Shutdown(cancel_futures, grace))
+        if first and cancel_futures:
+            # Nothing queued will run: a fork server still starting (seconds of imports) is
+            # not waited for, and a program that ends meanwhile exits at once.
+            self._supervisor.interrupt_start()
         self._supervisor.close(wait)
 
     def forget_after_fork(self) -> None:

@@ -60,6 +60,7 @@ class Supervisor:
         self._thread: threading.Thread | None = None
         # The thread's own:
         self._launcher: Launcher | None = None
+        self._interrupted = False  # interrupt_start(): the pool closes, nothing queued to run
         self._start_failures = 0
         self._retry_start_at: float | None = None
         self._reported_problems: set[str] = set()
@@ -287,14 +288,25 @@ class Supervisor:
         """The launcher, made on first use (it may start a fork server)."""
         if self._launcher is None:
             self._launcher = make_launcher(self._start_method, self._preload, self.worker_nice, self.worker_idle)
+            if self._interrupted:
+                self._launcher.interrupt()
         return self._launcher
+
+    def interrupt_start(self) -> None:
+        """From the closing thread, when nothing queued is to run: a start of workers under
+        way gives up at once, and none begins (``Launcher.interrupt``)."""
+        self._interrupted = True
+        launcher = self._launcher
+        if launcher is not None:
+            launcher.interrupt()
 
     def _prepare_launcher(self) -> None:
         try:
             self._the_launcher().prepare()
         except (LauncherError, OSError) as exc:
-            # Not fatal here: the first launch tries again and reports.
-            logger.warning("aiocompile could not prepare its workers: %s", exc)
+            # Not fatal here: the first launch tries again and reports (none after a close).
+            if not self._interrupted:
+                logger.warning("aiocompile could not prepare its workers: %s", exc)
 
     def _launch_worker(self) -> bool:
         try:
