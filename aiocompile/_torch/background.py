@@ -27,7 +27,8 @@ import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from aiocompile._base import aside, bridge, collector, threads
+# checks with this module (the program's line), not by a constructor in the caller's loop.
+from aiocompile._base import aside, bridge, checks, collector, threads
 from aiocompile._torch import ahead, choices, loading, warming
 from aiocompile._torch.eager_threads import EagerThreads
 from aiocompile._torch.eager_threads import check as check_eager_threads
@@ -538,8 +539,6 @@ def compile_in_background(
     or compiled, a worker that crashes, a compile that times out: the signature stays
     eager, its error (and its repro bundle's directory) in ``status()``.
     """
-    from aiocompile._base import checks
-
     torch = _torch()
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")

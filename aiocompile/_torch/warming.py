@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiocompile._base import bridge, collector, threads
 from aiocompile._torch import ahead, choices, isa
+from aiocompile._torch.installation import STATE  # here, not by a constructor in the caller's loop
 
 if TYPE_CHECKING:
     # Imported where a scheduler is made: ``aiocompile.torch.warm`` is looked up in a
@@ -79,7 +80,6 @@ def scheduler_for(device: str = "cpu", form: str = "package", *,
     CPUs (``ahead.start``'s ``rest_after``). On a GPU host the compile has
     CPUs to spare, and imports begun that early ran beside the first call's submission
     (GPT-2's loop held 10.1 to 11.2 ms in four of five runs, against 9.0 and 10.0 ms)."""
-    from aiocompile._torch.installation import STATE
 
     found: cf.Future[Scheduler] = cf.Future()
     installation = STATE.current
@@ -185,7 +185,6 @@ def _shared(device: str, form: str, libraries: tuple[str, ...]) -> tuple[Schedul
     """The scheduler background compiles will use, made if need be, and its workers'
     warm-ups (in a thread: making a scheduler imports the pool's modules)."""
     from aiocompile._torch import export
-    from aiocompile._torch.installation import STATE
 
     installation = STATE.current
     if installation is not None:
