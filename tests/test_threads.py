@@ -289,6 +289,17 @@ def test_a_calls_end_put_off_for_what_never_ends_stands_the_threads_aside_for_a_
         assert wait_until(lambda: aside.serving() == 0, timeout=1)
 
 
+def test_many_calls_whose_ends_are_put_off_all_end_once_what_they_left_is_done():
+    lefts = [LeftRunning() for _ in range(500)]
+    for left in lefts:
+        aside.serve_begin()
+        aside.serve_end(left)
+    assert aside.serving() == 500
+    for left in lefts:
+        left.done.set()
+    assert wait_until(lambda: aside.serving() == 0, timeout=10)
+
+
 def test_nothing_is_attached_once_the_threads_inside_handing_over_have_left():
     with busy_inside_handing_over():
         assert aside.busy()
