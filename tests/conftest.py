@@ -207,6 +207,35 @@ def alive(pids) -> set[int]:
     return found
 
 
+@contextlib.contextmanager
+def busy_inside_handing_over():
+    """A thread inside aiocompile's ``threads.handing_over`` (as a load's imports are),
+    noting the time at each turn of its loop (a Python call each turn: where it stands
+    aside), running by the time the block begins; yields (those times, the thread)."""
+    import threading
+
+    from aiocompile._base import threads
+
+    progress: list[float] = []
+    stop = threading.Event()
+
+    def busy() -> None:
+        with threads.handing_over():
+            while not stop.is_set():
+                progress.append(time.perf_counter())
+                time.sleep(0.0005)
+
+    helper = threading.Thread(target=busy)
+    helper.start()
+    try:
+        time.sleep(0.05)
+        assert progress, "the helper never ran"
+        yield progress, helper
+    finally:
+        stop.set()
+        helper.join(5)
+
+
 def wait_until(predicate, timeout=10.0, interval=0.02) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import subprocess_env, wait_until
+from conftest import busy_inside_handing_over, subprocess_env, wait_until
 
 import aiocompile
 
@@ -507,7 +507,7 @@ def test_on_a_gpu_a_call_is_over_for_aiocompiles_threads_once_its_kernels_are_do
     lock back at once. With no such thread, nothing is put off."""
     import time
 
-    from aiocompile._base import aside, threads
+    from aiocompile._base import aside
 
     # Kernels that run for milliseconds after the call has returned.
     model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(8)]).cuda().eval()
@@ -521,19 +521,7 @@ def test_on_a_gpu_a_call_is_over_for_aiocompiles_threads_once_its_kernels_are_do
         assert aside.serving() == 0
         torch.testing.assert_close(out, expected)
 
-        stop = threading.Event()
-        turns: list[float] = []
-
-        def beside() -> None:
-            with threads.handing_over():
-                while not stop.is_set():
-                    turns.append(time.perf_counter())
-                    time.sleep(0.0005)
-
-        helper = threading.Thread(target=beside)
-        helper.start()
-        try:
-            assert wait_until(lambda: len(turns) > 5)
+        with busy_inside_handing_over() as (turns, _):
             out = compiled(x)
             returned = time.perf_counter()
             assert aside.serving() == 1, "the call's end was not put off for its kernels"
@@ -546,9 +534,6 @@ def test_on_a_gpu_a_call_is_over_for_aiocompiles_threads_once_its_kernels_are_do
             print(f"kernels done {1e3 * (synchronised - returned):.1f} ms after the call returned")
             if synchronised - returned < aside.STAND_ASIDE_MAX - 0.002:
                 assert not [at for at in turns if returned + 0.001 < at < synchronised - 0.001]
-        finally:
-            stop.set()
-            helper.join(5)
         assert wait_until(lambda: not aside.busy(), timeout=120)
         compiled.close()
 

@@ -3,13 +3,11 @@ have the GIL between modules."""
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import threading
-from collections.abc import Iterator
 
 import pytest
-from conftest import wait_until
+from conftest import busy_inside_handing_over, wait_until
 
 from aiocompile._base import aside, threads
 
@@ -139,32 +137,6 @@ def test_handing_over_lowers_the_switch_interval_while_any_block_runs_and_puts_i
     finally:
         leave.set()
         sys.setswitchinterval(before)
-
-
-@contextlib.contextmanager
-def busy_inside_handing_over() -> Iterator[tuple[list[float], threading.Thread]]:
-    """A thread inside ``handing_over`` noting the time at each turn of its loop (a Python
-    call each turn: where it stands aside), running by the time the block begins."""
-    import time
-
-    progress: list[float] = []
-    stop = threading.Event()
-
-    def busy() -> None:
-        with threads.handing_over():
-            while not stop.is_set():
-                progress.append(time.perf_counter())
-                time.sleep(0.0005)
-
-    helper = threading.Thread(target=busy)
-    helper.start()
-    try:
-        time.sleep(0.05)
-        assert progress, "the helper never ran"
-        yield progress, helper
-    finally:
-        stop.set()
-        helper.join(5)
 
 
 def test_a_thread_inside_handing_over_stands_aside_while_a_call_is_served_and_for_a_bounded_time():
