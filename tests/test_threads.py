@@ -224,18 +224,20 @@ def test_a_calls_end_put_off_until_what_it_left_running_is_done_keeps_the_thread
     import time
 
     with busy_inside_handing_over() as (progress, _):
-        assert aside.busy() and aside.serving() == 0
+        assert aside.busy() and wait_until(lambda: aside.serving() == 0)
         left = LeftRunning(fails)
         aside.serve_begin()
-        time.sleep(0.003)  # the helper's next call comes and it stands aside
-        began = time.perf_counter()
-        aside.serve_end(left)
-        assert time.perf_counter() - began < 0.002  # the caller goes on at once
-        assert left.waited.wait(1)
-        count = len(progress)
-        time.sleep(0.01)  # within STAND_ASIDE_MAX
-        assert aside.serving() == 1 and len(progress) == count  # still aside
-        left.done.set()
+        try:
+            time.sleep(0.003)  # the helper's next call comes and it stands aside
+            # The caller goes on at once: were serve_end to wait for ``left``, which only
+            # this thread sets done below, it would never return.
+            aside.serve_end(left)
+            assert left.waited.wait(1)
+            count = len(progress)
+            time.sleep(0.01)  # within STAND_ASIDE_MAX
+            assert aside.serving() == 1 and len(progress) == count  # still aside
+        finally:
+            left.done.set()
         assert wait_until(lambda: aside.serving() == 0, timeout=1)
         time.sleep(0.01)
         assert len(progress) > count  # going again
@@ -245,6 +247,7 @@ def test_a_calls_end_put_off_for_what_never_ends_stands_the_threads_aside_for_a_
     import time
 
     with busy_inside_handing_over() as (progress, _):
+        assert wait_until(lambda: aside.serving() == 0)
         left = LeftRunning()
         aside.serve_begin()
         time.sleep(0.003)
@@ -262,13 +265,16 @@ def test_a_calls_end_put_off_for_what_never_ends_stands_the_threads_aside_for_a_
 
 
 def test_many_calls_whose_ends_are_put_off_all_end_once_what_they_left_is_done():
+    assert wait_until(lambda: aside.serving() == 0)
     lefts = [LeftRunning() for _ in range(500)]
-    for left in lefts:
-        aside.serve_begin()
-        aside.serve_end(left)
-    assert aside.serving() == 500
-    for left in lefts:
-        left.done.set()
+    try:
+        for left in lefts:
+            aside.serve_begin()
+            aside.serve_end(left)
+        assert aside.serving() == 500
+    finally:
+        for left in lefts:
+            left.done.set()
     assert wait_until(lambda: aside.serving() == 0, timeout=10)
 
 
