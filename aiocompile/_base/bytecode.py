@@ -43,7 +43,8 @@ from typing import Any
 
 from aiocompile._base import aside, paths, pyc
 
-__all__ = ["CachedSourceLoader", "PackageImports", "directory", "find_spec_after", "install_for_process", "prepare"]
+__all__ = ["CachedSourceLoader", "PackageImports", "directory", "find_spec_after", "install_for_process", "prepare",
+           "seed"]
 
 _OFF = ("off", "0", "false", "no", "none")
 
@@ -60,15 +61,31 @@ def directory() -> str | None:
     return paths.user_cache("bytecode")
 
 
+_SEEDS: dict[str, dict[str, Any]] = {}
+
+
+def seed(name: str, **values: Any) -> None:
+    """Names put in module ``name``'s namespace before its code runs, when aiocompile's
+    threads or processes import it (through a :class:`CachedSourceLoader`): a name its
+    code looks up there before the builtins (``generated`` gives ``exec`` so)."""
+    _SEEDS.setdefault(name, {}).update(values)
+
+
 class CachedSourceLoader(importlib.machinery.SourceFileLoader):
     """Python's loader for a module's source, but where the module has no bytecode file
     beside it (where Python itself would look) and Python will write none there (it may
     not, ``PYTHONDONTWRITEBYTECODE``, or cannot), the code comes from ``root``'s copy,
-    written there by the first process that compiled it."""
+    written there by the first process that compiled it. A module :func:`seed` names
+    gets its names first."""
 
     def __init__(self, fullname: str, path: str, root: str) -> None:
         super().__init__(fullname, path)
         self.root = root
+
+    def exec_module(self, module: Any) -> None:
+        for key, value in _SEEDS.get(module.__name__, {}).items():
+            module.__dict__.setdefault(key, value)
+        super().exec_module(module)
 
     def get_code(self, fullname: str) -> CodeType | None:
         source_path = self.get_filename(fullname)

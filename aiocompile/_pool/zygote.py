@@ -28,7 +28,7 @@ import sys
 import traceback
 from typing import NoReturn
 
-from aiocompile._base import bytecode
+from aiocompile._base import bytecode, generated
 from aiocompile._pool.preload import Preload
 from aiocompile._pool.procs import kill_group, kill_leftovers, set_parent_death_signal
 from aiocompile._pool.protocol import (
@@ -180,6 +180,8 @@ def main(ctrl_fd: int) -> None:
     from aiocompile._pool import child  # noqa: F401
 
     loaded = Preload(preload)
+    # The code its preload's imports generated and compiled, kept for the processes after.
+    generated.flush()
     ctrl.send(encode_control(ZygoteReady(os.getpid(), loaded.problems)))
     _Zygote(ctrl, loaded).run()
 

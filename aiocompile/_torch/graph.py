@@ -199,13 +199,15 @@ def prepare(isa_check: Callable[[], Any] | None = None, before_rest: Callable[[]
     rest is imported, and the check is made before this returns; ``before_rest`` is called
     (and may wait) between the check's start and the rest of the imports.
 
-    Inductor's kernel templates made at import are read as a worker compiled them
-    (:mod:`aiocompile._base.templates`): each compile here would hold the lock throughout."""
-    from aiocompile._base import templates
+    The code Inductor's modules generate as they are imported (kernel templates,
+    dataclasses' methods, its operators' handlers) is read as a worker compiled it
+    (:mod:`aiocompile._base.generated`): each compile here would hold the lock throughout."""
+    from aiocompile._base import generated
 
-    templates.install()
-    with templates.reading():
+    generated.install()
+    with generated.reading():
         _import_for_load(isa_check, before_rest)
+    generated.flush()
     from torch.utils._triton import has_triton
 
     if has_triton():

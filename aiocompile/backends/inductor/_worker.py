@@ -68,11 +68,12 @@ def prepare_process() -> None:
         os.environ[name] = "1"
     import importlib
 
-    from aiocompile._base import templates
+    from aiocompile._base import generated
 
-    # Inductor's kernel templates made at import are compiled once for all of aiocompile's
-    # processes: the serving process's imports for a load read them (``templates``).
-    templates.install(everywhere=True)
+    # The code torch's modules generate at import (Inductor's kernel templates, dataclasses'
+    # methods) is compiled once for all of aiocompile's processes: the serving process's
+    # imports for a load read it (``generated``).
+    generated.install(everywhere=True)
 
     before = _threads()
     for name in _TORCH_MODULES:
