@@ -308,8 +308,9 @@ AHEAD_SCRIPT = textwrap.dedent('''
     real_rest = ahead._await_rest
 
     def noting_rest():
-        real_rest()
+        went_on = real_rest()
         rest.append(time.time())
+        return went_on
 
     ahead._await_rest = noting_rest
     ended = []
@@ -362,6 +363,46 @@ def test_the_python_forms_load_is_prepared_with_the_fork_server_or_once_a_worker
     # Past what the check needs, the imports wait for the fork server's start (a worker's
     # warm-up ended): the first compile waits for that, the load's imports only later.
     assert len(answer["rest"]) == 1 and answer["rest"][0] >= answer["first_warm_up_ended"] - 0.05
+
+
+# A wrapper closed right after its first call, while its fork server starts: its warm-ups
+# are cancelled, no compile will come, and the load's imports stop after the ISA check.
+CLOSED_SCRIPT = textwrap.dedent('''
+    import json
+    import sys
+
+    import torch
+
+    import background_models
+    import aiocompile.torch as aiotorch
+    from aiocompile._torch import ahead
+
+    went_on = []
+    real_rest = ahead._await_rest
+
+    def noting_rest():
+        went_on.append(real_rest())
+        return went_on[-1]
+
+    ahead._await_rest = noting_rest
+    model, x = background_models.make_mlp()
+    compiled = aiotorch.compile_in_background(model, artifact="python")
+    with torch.no_grad():
+        compiled(x)
+    compiled.scheduler  # made in a thread: this waits for it, the workers still starting
+    compiled.close()
+    ahead.GRAPH_LOAD.wait(240)
+    print(json.dumps({"went_on": went_on, "lowering": "torch._inductor.lowering" in sys.modules,
+                      "codecache": "torch._inductor.codecache" in sys.modules, "state": compiled.state(x)}))
+''')
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_a_wrapper_closed_before_its_workers_start_leaves_the_rest_of_the_loads_imports_undone(tmp_path):
+    answer = _serve(tmp_path, CLOSED_SCRIPT, "asyncio")
+    assert answer["went_on"] == [False]
+    assert answer["codecache"] is True  # what the ISA check needs, imported before
+    assert answer["lowering"] is False
 
 
 def test_whether_the_loads_bytecode_is_installed_is_read_where_python_reads_it(tmp_path, monkeypatch):

@@ -114,10 +114,16 @@ def _prepare_graph_load() -> None:
         graph.prepare()
 
 
-def _await_rest() -> None:
+def _await_rest() -> bool:
+    """Wait for the first warm-up to end; False when every one ended without a worker
+    (cancelled: the scheduler closed before its workers started; or failed): no compile
+    will come from it, and the rest of the imports, made while the program may be ending,
+    are left to a load that needs them."""
     futures = list(_REST_AFTER)
-    if futures:
-        cf.wait(futures, timeout=REST_WAIT, return_when=cf.FIRST_COMPLETED)
+    if not futures:
+        return True
+    cf.wait(futures, timeout=REST_WAIT, return_when=cf.FIRST_COMPLETED)
+    return not all(future.done() and (future.cancelled() or future.exception() is not None) for future in futures)
 
 
 def _builds_idle() -> bool:

@@ -189,7 +189,7 @@ def load(artifact: bytes, plan: Plan, tensors: dict[str, Any],
     return GraphRunner(compiled, plan, tensors)
 
 
-def prepare(isa_check: Callable[[], Any] | None = None, before_rest: Callable[[], None] | None = None) -> None:
+def prepare(isa_check: Callable[[], Any] | None = None, before_rest: Callable[[], bool] | None = None) -> None:
     """Import what a load needs and make Triton's backend hash (building its driver's
     launcher module), so that the load itself has little left to do here.
 
@@ -197,7 +197,8 @@ def prepare(isa_check: Callable[[], Any] | None = None, before_rest: Callable[[]
     Inductor's vector-ISA check): it starts the check (an :class:`.isa.Check`) as soon as
     what the check imports is imported, so that its test programs are built while the
     rest is imported, and the check is made before this returns; ``before_rest`` is called
-    (and may wait) between the check's start and the rest of the imports.
+    (and may wait) between the check's start and the rest of the imports, which are made
+    only if it returns True.
 
     The code Inductor's modules generate as they are imported (kernel templates,
     dataclasses' methods, its operators' handlers) is read as a worker compiled it
@@ -206,8 +207,10 @@ def prepare(isa_check: Callable[[], Any] | None = None, before_rest: Callable[[]
 
     generated.install()
     with generated.reading():
-        _import_for_load(isa_check, before_rest)
+        rest = _import_for_load(isa_check, before_rest)
     generated.flush()
+    if not rest:
+        return
     from torch.utils._triton import has_triton
 
     if has_triton():
@@ -219,7 +222,7 @@ def prepare(isa_check: Callable[[], Any] | None = None, before_rest: Callable[[]
     torch_key()
 
 
-def _import_for_load(isa_check: Callable[[], Any] | None, before_rest: Callable[[], None] | None) -> None:
+def _import_for_load(isa_check: Callable[[], Any] | None, before_rest: Callable[[], bool] | None) -> bool:
     import importlib
 
     from aiocompile._torch import cia
@@ -236,11 +239,12 @@ def _import_for_load(isa_check: Callable[[], Any] | None, before_rest: Callable[
                 check = isa_check()
             except Exception:  # noqa: BLE001 - the load makes the check itself, as without this
                 check = None
-            if before_rest is not None:
-                before_rest()
+            if before_rest is not None and not before_rest():
+                return False
         with cia.in_pieces():
             for name in LOAD_MODULES:
                 importlib.import_module(name)
+        return True
     finally:
         if check is not None:
             check.finish()
