@@ -109,6 +109,29 @@ def test_a_lane_runs_work_in_its_own_threads():
     assert names and all(name.startswith("aiocompile-test-lane") for name in names)
 
 
+def test_a_prestarted_lane_hands_the_first_work_to_its_waiting_thread_and_starts_none():
+    lane = threads.Lane("aiocompile-test-prestarted", 2)
+    done = threading.Event()
+    threading.Thread(target=lambda: (lane.prestart(), done.set())).start()  # as aiocompile's own thread does
+    assert done.wait(10)
+    # Its thread, having run the start's no-op, waits for work (the executor counts it idle).
+    idle = lane._get()._idle_semaphore
+    wait_until(lambda: idle._value > 0)
+    started = []
+    real_start = threading.Thread.start
+
+    def noting_start(thread):
+        started.append(thread.name)
+        real_start(thread)
+
+    threading.Thread.start = noting_start  # type: ignore[method-assign]
+    try:
+        assert lane.submit(lambda: threading.current_thread().name).result(10).startswith("aiocompile-test-prestarted")
+    finally:
+        threading.Thread.start = real_start  # type: ignore[method-assign]
+    assert started == []
+
+
 def test_handing_over_lowers_the_switch_interval_while_any_block_runs_and_puts_it_back():
     before = sys.getswitchinterval()
     inside = threading.Event()

@@ -61,6 +61,13 @@ class Lane:
                 future.set_exception(exc)
             return future
 
+    def prestart(self) -> None:
+        """Start a thread of the lane now, where none is (called from a thread of
+        aiocompile's): a first :meth:`submit` from an event loop's thread then hands its
+        work to a thread waiting for it, rather than starting one and waiting for it to
+        start (1 ms in a quiet process, 10 ms on 2 busy CPUs)."""
+        self.submit(_nothing)
+
     async def run(self, fn: Callable[[], T]) -> T:
         """``fn()`` in one of the lane's threads, awaited without holding the loop.
 
@@ -98,6 +105,10 @@ def start(fn: Callable[[], T], name: str, *, daemon: bool = False) -> cf.Future[
 
     threading.Thread(target=run, name=name, daemon=daemon).start()
     return future
+
+
+def _nothing() -> None:
+    return None
 
 
 def _let_the_starter_go() -> None:
