@@ -319,3 +319,17 @@ def test_a_large_source_no_pack_holds_runs_in_pieces_in_the_serving_process_as_w
             space = {}
             generated.exec_(text, space)
         assert space["op7"](Handler(), 1, 2) == ("op7", (1, 2))
+
+
+def test_each_piece_offers_to_stand_aside_for_a_call_being_served(monkeypatch):
+    """Compiling pieces is a loop of C calls, with no Python call at which an attached
+    thread learns that a call is being served: before each piece it asks
+    (``aside.before_holding``)."""
+    from aiocompile._base import aside, generated
+
+    asked = []
+    monkeypatch.setattr(aside, "before_holding", lambda: asked.append(1))
+    source = "".join(f"def op{n}(self, a):\n    return self._default('op{n}', (a,), {{}})\n\n" for n in range(100))
+    assert len(source) > generated.PIECES_FROM
+    pieces = generated._pieces(source, 0)
+    assert pieces is not None and len(asked) == len(pieces) == 100

@@ -166,6 +166,9 @@ def _pieces(source: str, flags: int) -> list[CodeType] | None:
     line = 0
     for begin, end in zip(starts, [*starts[1:], len(source)]):
         piece = source[begin:end]
+        # Only C calls in this loop: no Python call at which an attached thread would
+        # learn that a call is being served, and stand aside.
+        aside.before_holding()
         try:
             pieces.append(compile("\n" * line + piece, "<string>", "exec", flags, True))
         except SyntaxError:
