@@ -208,10 +208,11 @@ def alive(pids) -> set[int]:
 
 
 @contextlib.contextmanager
-def busy_inside_handing_over():
+def busy_inside_handing_over(calls_per_turn: int = 0):
     """A thread inside aiocompile's ``threads.handing_over`` (as a load's imports are),
     noting the time at each turn of its loop (a Python call each turn: where it stands
-    aside), running by the time the block begins; yields (those times, the thread)."""
+    aside; ``calls_per_turn`` more, as a unit of work such as an import makes many),
+    running by the time the block begins; yields (those times, the thread)."""
     import threading
 
     from aiocompile._base import threads
@@ -219,9 +220,14 @@ def busy_inside_handing_over():
     progress: list[float] = []
     stop = threading.Event()
 
+    def step() -> None:
+        pass
+
     def busy() -> None:
         with threads.handing_over():
             while not stop.is_set():
+                for _ in range(calls_per_turn):
+                    step()
                 progress.append(time.perf_counter())
                 time.sleep(0.0005)
 

@@ -314,24 +314,8 @@ def test_calls_served_back_to_back_leave_a_thread_inside_handing_over_half_of_th
     ``STAND_ASIDE_SHARE`` of each ``STAND_ASIDE_WINDOW``."""
     import time
 
-    progress: list[float] = []
-    stop = threading.Event()
-
-    def step() -> None:
-        pass
-
-    def busy() -> None:
-        with threads.handing_over():
-            while not stop.is_set():
-                for _ in range(50):  # a unit of work is many Python calls, as an import is
-                    step()
-                progress.append(time.perf_counter())
-                time.sleep(0.0005)
-
-    helper = threading.Thread(target=busy)
-    helper.start()
-    try:
-        time.sleep(0.05)
+    # A unit of work is many Python calls, as an import is.
+    with busy_inside_handing_over(calls_per_turn=50) as (progress, _):
         began = time.perf_counter()
         while time.perf_counter() - began < 0.4:
             aside.serve_begin()
@@ -340,9 +324,6 @@ def test_calls_served_back_to_back_leave_a_thread_inside_handing_over_half_of_th
             finally:
                 aside.serve_end()
         ended = time.perf_counter()
-    finally:
-        stop.set()
-        helper.join(5)
     during = [at for at in progress if began <= at <= ended]
     # Running, it appends about every 0.6 ms: at least a quarter of 0.4 s of it.
     assert len(during) >= 0.4 * 0.25 / 0.0006, len(during)
