@@ -10,7 +10,7 @@ file holds, each ``compile()`` one C call that holds the interpreter lock throug
   internal hook that can be overridden to hook a different compile method in").
 - **``exec`` of generated source**: ``dataclasses`` writes each dataclass's ``__init__``,
   ``__repr__``, ``__eq__``... as source and ``exec``\\ s it: 2,826 compiles in the serving
-  process's imports for a load, 270 to 340 ms in all in a quiet process.
+  process's imports for a load, 273 to 344 ms in all in a quiet process.
   ``torch._inductor.ops_handler`` writes one method per operator into one source at its
   import (8.4 ms quiet, 12 ms on a loaded machine), ``torch._inductor.utils`` one function
   per cached method, ``mpmath`` its arithmetic. Each looks ``exec`` up in its module's
@@ -227,7 +227,8 @@ class Packs:
     pack written meanwhile); past ``MAX_PACKS`` a flush writes them all as one.
 
     One file per process rather than one per code: a load's imports make 2,800 compiles,
-    and a file each cost the fork server that writes them 0.4 s on 2 CPUs."""
+    and writing a file each took 683 ms against 290 ms for compiling them alone (one
+    process, 2 CPUs), time a fork server's start would add."""
 
     MAX_PACKS = 8
 
