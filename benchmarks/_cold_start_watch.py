@@ -1,7 +1,9 @@
 """What ran beside a slow eager call or a stalled loop, for ``bench_cold_start.py``'s
 diagnostics: every thread's stacks (:class:`StallSampler`, which needs the interpreter
 lock to look), each thread's time on a CPU read from ``/proc`` by a process of its own
-(:class:`ThreadTimes`, which takes nothing from the measured process), and long C calls
+(:class:`ThreadTimes`, which takes nothing from the measured process), where the CPUs
+went until compiled answers came, this process's threads and every process it started
+(:class:`ProcessTimes`, read the same way), and long C calls
 (:func:`long_calls`, which slows the threads it watches). Times are seconds since
 ``origin`` (the benchmark program's start, ``time.perf_counter``)."""
 
@@ -13,7 +15,7 @@ import sys
 import tempfile
 import time
 
-__all__ = ["StallSampler", "ThreadTimes", "long_calls"]
+__all__ = ["ProcessTimes", "StallSampler", "ThreadTimes", "long_calls"]
 
 
 def long_calls(threshold: float, found: list[tuple[float, float, str, str]], origin: float) -> None:
@@ -223,3 +225,133 @@ class ThreadTimes:
             lines.append(f"{began - self.origin:6.2f} s, {length * 1e3:.2f} ms: on a CPU (ms): "
                          + ", ".join(sorted(parts)))
         return lines
+
+
+_TREE_SIDECAR = """
+import os, signal, sys, time
+pid, out, me = int(sys.argv[1]), sys.argv[2], os.getpid()
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+tick = os.sysconf("SC_CLK_TCK")
+rows, named = [], set()
+try:
+    while os.path.exists(f"/proc/{pid}") and len(rows) < 4_000_000:
+        now = time.monotonic()
+        parents = {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == me:
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            fields = stat[stat.rfind(")") + 2:].split()
+            parents[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick, stat)
+        tree, todo = set(), [pid]
+        while todo:
+            one = todo.pop()
+            tree.add(one)
+            todo.extend(child for child, (parent, _, _) in parents.items() if parent == one and child not in tree)
+        for one in tree:
+            if one not in parents:
+                continue
+            parent, cpu, stat = parents[one]
+            if one not in named:
+                try:
+                    with open(f"/proc/{one}/cmdline", "rb") as f:
+                        line = " ".join(f.read().replace(b"\\0", b" ").decode("utf-8", "replace").split())
+                except OSError:
+                    line = ""
+                comm = stat[stat.find("(") + 1:stat.rfind(")")]
+                rows.append(f"N {one} {parent} {comm} {line[:200]}")
+                named.add(one)
+            rows.append(f"P {now:.6f} {one} {cpu:.2f}")
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    rows.append(f"T {now:.6f} {tid} {f.read().split()[0]}")
+            except OSError:
+                continue
+        time.sleep(0.05)
+finally:
+    with open(out, "w") as f:
+        f.write("\\n".join(rows))
+"""
+
+COMPILERS = frozenset({"cc1plus", "cc1", "as", "ld", "collect2", "g++", "gcc", "c++", "cc", "nvcc", "ptxas",
+                       "cicc", "fatbinary", "nvlink", "clang", "clang++", "lld", "ld.lld"})
+"""The commands counted as compilers (a ``comm`` of ``/proc``)."""
+
+
+class ProcessTimes:
+    """Where the CPUs went from the program's start until a moment (compiled answers): this
+    process's threads (by their ``threading`` names, the loop's thread as ``LOOP``) and
+    every process it started, directly or not, by what each is (aiocompile's fork server,
+    its workers, compilers, other processes), and what was left idle. Read every 50 ms by a
+    process of its own from ``/proc`` (Linux): a process that lived less than that, or the
+    last 50 ms of one, can be missed, so the compilers' share is a little low."""
+
+    def __init__(self, origin: float) -> None:
+        import threading
+
+        self.origin = origin
+        handle, self.path = tempfile.mkstemp(prefix="bench-process-times-")
+        os.close(handle)
+        self.names: dict[int, str] = {threading.main_thread().native_id: "LOOP"}  # type: ignore[dict-item]
+        self.process = subprocess.Popen([sys.executable, "-c", _TREE_SIDECAR, str(os.getpid()), self.path])
+
+    def note_names(self) -> None:
+        import threading
+
+        for thread in threading.enumerate():
+            if thread.native_id is not None and thread.native_id not in self.names:
+                self.names[thread.native_id] = thread.name
+
+    def report(self, until: float) -> list[str]:
+        """Where the CPUs went from the program's start until ``until`` (perf_counter
+        seconds): one line for this process's threads, one for the processes it started."""
+        self.process.terminate()
+        self.process.wait(10)
+        kinds: dict[int, tuple[int, str, str]] = {}
+        cpu: dict[int, float] = {}
+        threads: dict[int, float] = {}
+        with open(self.path) as rows:
+            for row in rows:
+                parts = row.rstrip("\n").split(" ", 4)
+                if parts[0] == "N":
+                    kinds[int(parts[1])] = (int(parts[2]), parts[3], parts[4] if len(parts) > 4 else "")
+                elif float(parts[1]) <= until:
+                    if parts[0] == "P":
+                        cpu[int(parts[2])] = float(parts[3])
+                    else:
+                        threads[int(parts[2])] = int(parts[3]) / 1e9
+        os.unlink(self.path)
+        me = os.getpid()
+
+        def kind(pid: int) -> str:
+            parent, comm, line = kinds.get(pid, (0, "", ""))
+            if comm in COMPILERS:
+                return "compilers"
+            if "aiocompile._pool.zygote" in line:
+                return "workers" if "aiocompile._pool.zygote" in kinds.get(parent, (0, "", ""))[2] else "fork server"
+            return "other processes"
+
+        by_kind: dict[str, list[float]] = {}
+        for pid, seconds in cpu.items():
+            if pid != me:
+                by_kind.setdefault(kind(pid), []).append(seconds)
+        by_thread: dict[str, float] = {}
+        for tid, seconds in threads.items():
+            name = self.names.get(tid, "other threads")
+            by_thread[name] = by_thread.get(name, 0.0) + seconds
+        span = until - self.origin
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        used = sum(threads.values()) + sum(sum(values) for values in by_kind.values())
+        mine = ", ".join(f"{name} {seconds:.1f}" for name, seconds in
+                         sorted(by_thread.items(), key=lambda item: -item[1]) if seconds >= 0.05)
+        started = ", ".join(f"{name} {sum(values):.1f} ({len(values)})" for name, values in
+                            sorted(by_kind.items(), key=lambda item: -sum(item[1])))
+        return [f"CPU seconds in the first {span:.1f} s ({cpus} CPUs, {cpus * span:.1f} CPU-s): used {used:.1f}, "
+                f"left idle {max(0.0, cpus * span - used):.1f}",
+                f"this process {sum(threads.values()):.1f}: {mine}",
+                f"processes it started (how many): {started or 'none'}"]

@@ -119,7 +119,9 @@ def build(name: str, device: str) -> tuple:
 
 
 def child(way: str, pause: float, model_name: str, device: str, artifact: str, stall_stacks: float,
-          long_calls: float = 0.0, call_stacks: float = 0.0, thread_times: bool = False) -> dict:
+          long_calls: float = 0.0, call_stacks: float = 0.0, thread_times: bool = False,
+          process_times: bool = False) -> dict:
+    processes = watch.ProcessTimes(T0) if process_times else None
     import asyncio
     import gc
 
@@ -157,8 +159,10 @@ def child(way: str, pause: float, model_name: str, device: str, artifact: str, s
                 now = time.perf_counter()
                 if sampler is not None:
                     sampler.beat = now
-                if times is not None and len(gaps) % 20 == 0:
-                    times.note_names()
+                if len(gaps) % 20 == 0:
+                    for noting in (times, processes):
+                        if noting is not None:
+                            noting.note_names()
                 gaps.append(now - last - 0.001)
                 if now - last - 0.001 > 0.01:
                     stalls.append((now - last - 0.001, last - T0))
@@ -355,6 +359,8 @@ def child(way: str, pause: float, model_name: str, device: str, artifact: str, s
         if times is not None:
             slowest = sorted(range(len(latencies)), key=latencies.__getitem__)[-SLOWEST_CALLS * 2:]
             result["thread_times"] = times.report([(began_at[i] + T0, latencies[i]) for i in sorted(slowest)])
+        if processes is not None:
+            result["process_times"] = processes.report(clock + result["compiled_from_s"])
         if long_calls:
             result["long_calls"] = [f"{began:.2f} s: {length * 1e3:.0f} ms in {thread}: {what}"
                                     for began, length, thread, what in sorted(calls)[:60]]
@@ -377,13 +383,15 @@ many as were made while compiling, at least ``ALONE_CALLS`` and at most ``ALONE_
 
 
 def measure(way: str, pause: float, model: str, device: str, artifact: str, stall_stacks: float,
-            long_calls: float, call_stacks: float = 0.0, thread_times: bool = False) -> dict:
+            long_calls: float, call_stacks: float = 0.0, thread_times: bool = False,
+            process_times: bool = False) -> dict:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="bench-inductor-"),
                TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="bench-triton-"))
     run = subprocess.run([sys.executable, __file__, "--child", way, "--pause", str(pause), "--model", model,
                           "--device", device, "--artifact", artifact, "--stall-stacks", str(stall_stacks),
                           "--long-calls", str(long_calls), "--slow-call-stacks", str(call_stacks)]
-                         + (["--thread-times"] if thread_times else []),
+                         + (["--thread-times"] if thread_times else [])
+                         + (["--process-times"] if process_times else []),
                          capture_output=True, text=True, env=env, timeout=900)
     if run.returncode != 0:
         raise RuntimeError(f"{way} failed:\n{run.stderr[-3000:]}")
@@ -419,6 +427,11 @@ def main() -> None:
     parser.add_argument("--thread-times", action="store_true",
                         help="for the slowest eager calls while compiling, how long each thread of the process "
                              "was on a CPU during the call (read by a process of its own from /proc, Linux)")
+    parser.add_argument("--process-times", action="store_true",
+                        help="where the CPUs went from the program's start until compiled answers: the CPU time "
+                             "of each of the process's threads and of every process it started (fork server, "
+                             "workers, compilers, others), and what was left idle (read every 50 ms by a process "
+                             "of its own from /proc, Linux)")
     parser.add_argument("--bytecode", action="store_true",
                         help="first compile the bytecode of every installed package into a directory of the run's "
                              "own, read by every way (PYTHONPYCACHEPREFIX): as pip leaves an install, for machines "
@@ -432,11 +445,11 @@ def main() -> None:
     args = parser.parse_args()
     if not args.child:
         os.environ["BENCH_TORCH_THREADS"] = str(args.threads)
-    if args.thread_times and not os.path.isdir(f"/proc/{os.getpid()}/task"):
-        parser.error("--thread-times reads /proc/PID/task (Linux)")
+    if (args.thread_times or args.process_times) and not os.path.isdir(f"/proc/{os.getpid()}/task"):
+        parser.error("--thread-times and --process-times read /proc (Linux)")
     if args.child:
         print(json.dumps(child(args.child, args.pause, args.model, args.device, args.artifact, args.stall_stacks,
-                               args.long_calls, args.slow_call_stacks, args.thread_times)))
+                               args.long_calls, args.slow_call_stacks, args.thread_times, args.process_times)))
         return
     # As an installed package has it: aiocompile's modules compiled to bytecode (where
     # PYTHONDONTWRITEBYTECODE is set, each import would compile the source, holding the
@@ -474,16 +487,19 @@ def main() -> None:
         files = sum(len(names) for _, _, names in os.walk(folder)) if os.path.isdir(folder) else 0
         print(f"round {round_ + 1}: aiocompile's bytecode directory {folder} holds {files} files")
         runs = {way: measure(way, args.pause, args.model, args.device, args.artifact, args.stall_stacks,
-                             args.long_calls, args.slow_call_stacks, args.thread_times)
+                             args.long_calls, args.slow_call_stacks, args.thread_times, args.process_times)
                 for way in ways}
         for result in runs.values():
             timeline = result.pop("timeline", ())
             stall_stacks = result.pop("stall_stacks", "")
             long = result.pop("long_calls", ())
             thread_times = result.pop("thread_times", ())
+            process_times = result.pop("process_times", ())
             slowest = result.pop("slowest_calls", ())
             print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in result.items()}))
             for line in timeline:
+                print(f"  {result['way']}: {line}")
+            for line in process_times:
                 print(f"  {result['way']}: {line}")
             if slowest:
                 print(f"  {result['way']}: the slowest eager calls while compiling, when they began:",
