@@ -227,3 +227,66 @@ def test_a_fork_server_leaves_the_check_to_a_serving_process_that_makes_it_from_
         if fresh.stdout.strip() == "0":
             pytest.skip("this CPU claims no vector instruction set Inductor builds a test program for")
         assert by_fork_server > 0  # made before it forked
+
+
+LOADS = """
+import json, subprocess, sys
+loads = []
+real = subprocess.run
+
+def run(command, *args, **kwargs):
+    # Inductor's load of a test program: a fresh interpreter given the program to dlopen.
+    if isinstance(command, list) and command[:2] == [sys.executable, "-c"] and "LoadLibrary" in command[2]:
+        loads.append(command[2])
+    return real(command, *args, **kwargs)
+
+subprocess.run = run
+if sys.argv[1] == "remember":
+    from aiocompile._torch import isa
+    assert isa.remember_loads() and isa.remember_loads()  # once, however often asked
+from torch._inductor import cpu_vec_isa
+print(json.dumps({"valid": [str(one) for one in cpu_vec_isa.valid_vec_isa_list()], "loads": len(loads)}))
+"""
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.skipif(sys.platform != "linux", reason="Inductor's x86 check reads Linux's CPU flags")
+def test_a_test_program_that_loaded_is_not_loaded_again_until_it_changes(check_env, tmp_path):
+    from aiocompile._torch import isa
+
+    env, _ = check_env
+
+    def check(how: str) -> dict:
+        run = subprocess.run([sys.executable, "-c", LOADS, how], env=env, capture_output=True, text=True,
+                             timeout=TIMEOUT)
+        assert run.returncode == 0, run.stderr[-3000:]
+        return json.loads(run.stdout.strip().splitlines()[-1])
+
+    first = check("remember")  # builds each program and loads it once
+    if not first["valid"]:
+        pytest.skip("this CPU claims no vector instruction set Inductor builds a test program for")
+    assert first["loads"] == len(first["valid"])
+    markers = sorted((tmp_path / "inductor").rglob(f"*{isa.LOADED_SUFFIX}"))
+    assert len(markers) == len(first["valid"])
+    programs = [str(marker)[:-len(isa.LOADED_SUFFIX)] for marker in markers]
+
+    # Another of aiocompile's processes: the same answer, no program loaded.
+    assert check("remember") == {"valid": first["valid"], "loads": 0}
+    # Inductor's own check, where nothing is remembered, loads each as before.
+    assert check("stock") == {"valid": first["valid"], "loads": len(first["valid"])}
+
+    # A program built again (another time) is loaded again, and remembered anew.
+    for program in programs:
+        os.utime(program, ns=(os.stat(program).st_atime_ns, os.stat(program).st_mtime_ns + 10**9))
+    assert check("remember") == {"valid": first["valid"], "loads": len(first["valid"])}
+    assert check("remember")["loads"] == 0
+
+    # One that no longer loads fails the check, and nothing says it loaded.
+    remembered = {marker: marker.read_text() for marker in markers}
+    for program in programs:
+        with open(program, "wb") as broken:
+            broken.write(b"not a shared library")
+    broken_check = check("remember")
+    assert broken_check["valid"] == [] and broken_check["loads"] == len(first["valid"])
+    assert {marker: marker.read_text() for marker in markers} == remembered
+    assert check("remember")["loads"] == len(first["valid"])  # tried again each time

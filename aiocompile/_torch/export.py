@@ -69,8 +69,10 @@ come before it needs the answer."""
 
 def import_in_fork_server() -> None:
     """Preload hook: import what a background compile needs, once, in the fork server
-    (:func:`prepare_fork_server` without the check)."""
+    (:func:`prepare_fork_server` without the check); its workers' checks find the test
+    programs the serving process loaded remembered (``isa.remember_loads``)."""
     _import_modules([])
+    isa.remember_loads()
 
 
 def prepare_fork_server() -> None:

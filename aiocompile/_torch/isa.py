@@ -21,6 +21,13 @@ Two ways ahead of it, the check's own code throughout (the answer is Inductor's)
   process and in its scheduler's workers, which then find the programs built (waiting on
   the builds' locks) and only load each.
 
+Each instruction set's test, once its program is built, loads that program in a fresh
+interpreter (half a second, a process of its own), in every process that makes the check.
+In aiocompile's processes (:func:`remember_loads`) a load that succeeded is remembered
+beside the program, with the program's size and time and torch's build: a later check in
+another of them (a worker's compile, after the serving process's check) finds it and loads
+nothing. A program built again, or another torch, is loaded again.
+
 The serving process of a background compile needs the answer only to load a CPU model's
 Python form, whose kernels' cache keys hold it: it makes the check ahead, from the moment
 the model is wrapped, with a :class:`Check` whose builds run as the pool's processes do
@@ -68,6 +75,76 @@ def _reap(builds: subprocess.Popen[bytes]) -> None:
         builds.wait()
 
 
+LOADED_SUFFIX = ".aiocompile-loads"
+"""Beside a test program that loaded: what it was and which torch loaded it (:func:`remember_loads`)."""
+
+_remembering = threading.Lock()
+
+
+def remember_loads() -> bool:
+    """In this process (and the processes forked from it), each successful load of a test
+    program is remembered beside it, and a program remembered so is not loaded again
+    (Inductor's ``VecISA._probe_load``, wrapped once). False where this torch has no such
+    step (its check then loads each program, as without this)."""
+    from torch._inductor import cpu_vec_isa
+
+    vec_isa = getattr(cpu_vec_isa, "VecISA", None)
+    probe = getattr(vec_isa, "_probe_load", None)
+    if vec_isa is None or not callable(probe):
+        return False
+    with _remembering:
+        if getattr(probe, "_aiocompile_remembers", False):
+            return True
+
+        def _probe_load(self: object, output_path: str) -> bool:
+            stamp = _stamp(output_path)
+            marker = output_path + LOADED_SUFFIX
+            if stamp is not None and _read(marker) == stamp:
+                return True
+            loaded = bool(probe(self, output_path))
+            if loaded and stamp is not None:
+                _write(marker, stamp)
+            return loaded
+
+        _probe_load._aiocompile_remembers = True  # type: ignore[attr-defined]
+        vec_isa._probe_load = _probe_load
+    return True
+
+
+def _stamp(path: str) -> str | None:
+    """What a load of the program at ``path`` depends on: the program (its size and
+    modification time) and the torch whose libraries it links to."""
+    import torch
+
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return f"{stat.st_size} {stat.st_mtime_ns} {torch.__version__} {os.path.dirname(torch.__file__)}"
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as file:
+            return file.read()
+    except (OSError, ValueError):
+        return None
+
+
+def _write(path: str, text: str) -> None:
+    """Written whole or not at all (a reader never sees half of it)."""
+    temporary = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(temporary, "w", encoding="utf-8") as file:
+            file.write(text)
+        os.replace(temporary, path)
+    except OSError:
+        try:
+            os.unlink(temporary)
+        except OSError:
+            pass
+
+
 class Check:
     """Inductor's check, started by the constructor: each instruction set this CPU claims
     in a thread of its own (its test programs built at once, by Inductor's own test of
@@ -78,6 +155,7 @@ class Check:
     def __init__(self, nice: int = 0, idle: bool = False) -> None:
         from torch._inductor import cpu_vec_isa
 
+        remember_loads()
         self._cpu_vec_isa = cpu_vec_isa
         claimed = cpu_vec_isa.x86_isa_checker() if hasattr(cpu_vec_isa, "x86_isa_checker") else []
         candidates = [isa for isa in cpu_vec_isa.supported_vec_isa_list
