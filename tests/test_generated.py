@@ -167,6 +167,44 @@ def test_packs_past_the_most_are_written_as_one(tmp_path, folder, monkeypatch):
         assert space["value"] == n
 
 
+def test_reading_a_pack_unmarshals_its_index_and_then_only_the_code_asked_for(tmp_path, monkeypatch):
+    """A pack of many codes is read without one long C call: its index is unmarshalled, and
+    each code from its own slice when asked for (a whole pack unmarshalled at once held the
+    interpreter lock 4.5 ms for 2.5 MB)."""
+    from aiocompile._base import generated
+
+    folder = str(tmp_path / "bytecode" / "generated" / "x")
+    writer = generated.Packs(folder)
+    sources = {n.to_bytes(32, "little"): f"value = {n}\n" + "def f():\n    return 1\n" * 40 for n in range(300)}
+    for key, source in sources.items():
+        writer.add(key, compile(source, "<string>", "exec"))
+    writer.flush()
+    (pack,) = (tmp_path / "bytecode" / "generated" / "x").iterdir()
+    data = pack.read_bytes()
+    assert data.startswith(generated.Packs.PACK_MAGIC)
+
+    sizes: list[int] = []
+
+    class Counted:
+        @staticmethod
+        def loads(buffer):  # type: ignore[no-untyped-def]
+            sizes.append(len(buffer))
+            return __import__("marshal").loads(buffer)
+
+        dumps = staticmethod(__import__("marshal").dumps)
+
+    monkeypatch.setattr(generated, "marshal", Counted)
+    reader = generated.Packs(folder)
+    key = (123).to_bytes(32, "little")
+    space: dict = {}
+    exec(reader.get(key, "<string>"), space)
+    assert space["value"] == 123
+    index = int.from_bytes(data[len(generated.Packs.PACK_MAGIC):len(generated.Packs.PACK_MAGIC) + 4], "little")
+    assert sizes[0] == index and len(sizes) == 2  # the index, then the one code
+    assert max(sizes) < len(data) / 20
+    assert reader.get((300).to_bytes(32, "little"), "<string>") is None  # no such key
+
+
 def test_no_bytecode_directory_means_no_cache(tmp_path, folder):
     pytest.importorskip("jinja2")
     answer = _run(tmp_path, folder, "everywhere", directory="off")
