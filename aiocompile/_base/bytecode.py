@@ -41,7 +41,7 @@ from importlib.machinery import ModuleSpec
 from types import CodeType
 from typing import Any
 
-from aiocompile._base import aside, paths, pyc
+from aiocompile._base import aside, paths, pieces, pyc
 
 __all__ = ["CachedSourceLoader", "PackageImports", "directory", "find_spec_after", "install_for_process", "prepare",
            "seed"]
@@ -94,7 +94,7 @@ class CachedSourceLoader(importlib.machinery.SourceFileLoader):
         except NotImplementedError:  # an interpreter that keeps no bytecode
             return super().get_code(fullname)
         if os.path.exists(beside) or pyc.writes_beside(beside, sys.dont_write_bytecode):
-            return super().get_code(fullname)
+            return self._beside(fullname, source_path, beside)
         try:
             stat = os.stat(source_path)
         except OSError:
@@ -107,16 +107,82 @@ class CachedSourceLoader(importlib.machinery.SourceFileLoader):
         except OSError:
             data = b""
         if data[:16] == header:
+            if len(data) >= pieces.PIECES_FROM:
+                made = _in_pieces(ours, pieces.made_from(header, len(data)), source_path)
+                if made is not None:
+                    return made
             aside.before_holding()  # the read let the lock go; the unmarshalling holds it
             try:
                 code = marshal.loads(memoryview(data)[16:])
             except (EOFError, ValueError, TypeError):
                 code = None  # damaged: compiled again, and written again
             if isinstance(code, CodeType):
+                if len(data) >= pieces.PIECES_FROM:
+                    _keep_pieces(ours, pieces.made_from(header, len(data)), code)
                 return code
         code = self.source_to_code(self.get_data(source_path), source_path)
         pyc.write(ours, header + marshal.dumps(code))
         return code
+
+    def _beside(self, fullname: str, source_path: str, beside: str) -> CodeType | None:
+        """Python's own bytecode beside the source, loaded in pieces (:mod:`.pieces`) where it
+        is large, current and this thread stands aside for calls being served."""
+        try:
+            size = os.stat(beside).st_size
+            if size < pieces.PIECES_FROM:
+                return super().get_code(fullname)
+            header = pyc.header(os.stat(source_path))
+            with open(beside, "rb") as file:
+                current = file.read(16) == header
+        except OSError:
+            return super().get_code(fullname)
+        if not current:  # stale, or checked by hash: Python's own way
+            return super().get_code(fullname)
+        path = pyc.target(self.root, source_path, beside)
+        made = _in_pieces(path, pieces.made_from(header, size), source_path)
+        if made is not None:
+            return made
+        code = super().get_code(fullname)
+        if isinstance(code, CodeType):
+            _keep_pieces(path, pieces.made_from(header, size), code)
+        return code
+
+
+_PIECES_SUFFIX = ".pieces"
+
+
+def _in_pieces(target: str, made: bytes, source_path: str) -> CodeType | None:
+    """The module's code from its pieces beside ``target`` (our bytecode's path for it),
+    where this thread stands aside for calls being served (the serving process's), and the
+    pieces were made from this bytecode; else None."""
+    if not aside.attached():
+        return None
+    blobs = pieces.read(target + _PIECES_SUFFIX, made)
+    if blobs is None:
+        return None
+    try:
+        code = pieces.join(blobs, aside.before_holding)
+    except (ValueError, EOFError, TypeError, IndexError):
+        return None
+    import _imp
+
+    _imp._fix_co_filename(code, source_path)  # type: ignore[attr-defined]  # as Python's own loader does
+    return code
+
+
+def _keep_pieces(target: str, made: bytes, code: CodeType) -> None:
+    """Keep the module's code in pieces beside ``target`` for the next process, where this
+    thread would have read them (the serving process's, standing aside) and they are not
+    there already: only what the serving process needs is kept (a fork server's imports
+    would keep 132 modules, 29 MB, and split each as it starts)."""
+    if not aside.attached():
+        return
+    path = target + _PIECES_SUFFIX
+    if pieces.current(path, made):
+        return
+    blobs = pieces.split(code)
+    if blobs:
+        pieces.write(path, made, blobs)
 
 
 
