@@ -125,6 +125,35 @@ def test_a_closed_scheduler_is_refused_as_every_call_after_aclose_is():
         aiotorch.compile_in_background(model, scheduler=closed)
 
 
+@pytest.mark.timeout(TIMEOUT)
+async def test_close_in_an_event_loop_hands_the_workers_exits_to_a_started_thread():
+    """``close()`` called in an event loop's thread returns at once, its scheduler's close
+    made by one of the background lane's threads, already started (starting one made the
+    loop wait for it: 12 ms on 2 busy CPUs); ``aclose()`` waits for it."""
+    from aiocompile._torch import background
+
+    model, _ = background_models.make_mlp()
+    compiled = aiotorch.compile_in_background(model)  # its own scheduler, made in a thread
+    scheduler = compiled.scheduler  # waited for here: a test may hold its loop
+    # The thread that made it started the lane's first thread, which now waits for work.
+    assert wait_until(lambda: background._LANE._get()._idle_semaphore._value > 0, timeout=30)
+    started = []
+    real_start = threading.Thread.start
+
+    def noting_start(thread):
+        started.append(thread.name)
+        real_start(thread)
+
+    threading.Thread.start = noting_start  # type: ignore[method-assign]
+    try:
+        compiled.close()
+    finally:
+        threading.Thread.start = real_start  # type: ignore[method-assign]
+    assert started == []
+    await compiled.aclose()
+    assert scheduler.closed
+
+
 def test_mode_becomes_inductors_settings_without_cuda_graphs():
     configs = choices.inductor_configs(torch, "max-autotune", {})
     assert configs["max_autotune"] is True
