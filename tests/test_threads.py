@@ -3,11 +3,12 @@ have the GIL between modules."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import threading
 
 import pytest
-from conftest import busy_inside_handing_over, wait_until
+from conftest import busy_inside_handing_over, subprocess_env, wait_until
 
 from aiocompile._base import aside, threads
 
@@ -451,3 +452,33 @@ def test_before_holding_stands_an_attached_thread_aside_while_a_call_is_served()
         helper.join(5)
     assert went_on_at["loose"] < ended_at[0]
     assert went_on_at["attached"] >= ended_at[0]
+
+
+EXITS_ATTACHED = """
+import threading, time
+from aiocompile._base import aside, threads
+
+def busy():
+    with threads.imports_yielding():  # attached: stands aside for calls being served
+        started.set()
+        while True:
+            sum(range(10))  # Python calls, each one the hook sees
+
+started = threading.Event()
+threading.Thread(target=busy, daemon=True).start()
+started.wait(10)
+aside.serve_begin()  # a call being served, then over, as the program ends
+aside.serve_end()
+import logging
+logging.getLogger("exiting").addHandler(logging.StreamHandler())  # Python run as modules are cleared
+"""
+
+
+def test_a_program_that_exits_with_a_thread_still_standing_aside_prints_nothing():
+    """The hook that stands attached threads aside stays in place while one is attached;
+    as the interpreter exits, Python still runs (a daemon thread, the main thread clearing
+    modules) after the module's names are cleared, and the hook must not fail there."""
+    done = subprocess.run([sys.executable, "-c", EXITS_ATTACHED], capture_output=True, text=True, timeout=60,
+                          env=subprocess_env())
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""

@@ -30,6 +30,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["AFTER_DONE", "PATIENT_SHARE", "STAND_ASIDE_MAX", "STAND_ASIDE_SHARE", "STAND_ASIDE_WINDOW", "attach",
@@ -213,9 +214,11 @@ def _stand_aside() -> None:
     _SERVING.window_aside += waited
 
 
-def _on_call(frame: Any, event: str, arg: Any) -> None:
-    """The trace function of an attached thread (it traces nothing: None for each call)."""
-    if _SERVING.calls:
+def _on_call(frame: Any, event: str, arg: Any, _serving: _Serving = _SERVING) -> None:
+    """The trace function of an attached thread (it traces nothing: None for each call).
+    What it reads is bound here: as the interpreter exits, a daemon thread still attached
+    runs on while the module's names are cleared."""
+    if _serving.calls:
         _stand_aside()
     return None
 
@@ -261,9 +264,14 @@ class _Monitoring:
                 monitoring.free_tool_id(self.tool)
                 self.tool = None
 
-    def on_start(self, code: Any, offset: int) -> None:
+    def on_start(self, code: Any, offset: int, _serving: _Serving = _SERVING,
+                 _ident: Callable[[], int] = threading.get_ident) -> None:
         # Never sys.monitoring.DISABLE: that would turn the event off for every thread.
-        if _SERVING.calls and threading.get_ident() in self.threads:
+        # What it reads is bound here: the callback stays registered while a thread is
+        # attached, and as the interpreter exits (a daemon thread still attached) it runs
+        # while the module's names are cleared ("'NoneType' object has no attribute
+        # 'calls'", printed at exit for each Python call made then).
+        if _serving.calls and _ident() in self.threads:
             _stand_aside()
 
 
