@@ -109,7 +109,7 @@ def test_the_serving_process_keeps_the_pieces_of_what_it_loaded_whole_and_reads_
     (root / "bigpkg").mkdir(parents=True)
     (root / "bigpkg" / "__init__.py").write_text("")
     source = root / "bigpkg" / "big.py"
-    source.write_text(_large_source(200))
+    source.write_text(_large_source(400))
     compiled = py_compile.compile(str(source), doraise=True)  # Python's own bytecode, beside it
     assert os.path.getsize(compiled) >= pieces.PIECES_FROM
     cache = tmp_path / "bytecode"
@@ -137,7 +137,7 @@ def test_the_serving_process_keeps_the_pieces_of_what_it_loaded_whole_and_reads_
     assert served["file"] == whole["file"] == str(source)
 
     # Bytecode written again (another size): the pieces are stale, not read, and kept anew.
-    source.write_text(_large_source(201))
+    source.write_text(_large_source(401))
     py_compile.compile(str(source), doraise=True)
     assert run("serving")["joined"] == 0
     assert run("serving")["joined"] == 1
@@ -151,7 +151,7 @@ def test_aiocompiles_own_bytecode_of_a_large_module_is_read_in_pieces_too(tmp_pa
     root = tmp_path / "src"
     (root / "bigpkg").mkdir(parents=True)
     (root / "bigpkg" / "__init__.py").write_text("")
-    (root / "bigpkg" / "big.py").write_text(_large_source(200))
+    (root / "bigpkg" / "big.py").write_text(_large_source(400))
     cache = tmp_path / "bytecode"
     env = subprocess_env(AIOCOMPILE_BYTECODE_DIR=str(cache), PYTHONDONTWRITEBYTECODE="1")
     env["PYTHONPATH"] = os.pathsep.join((str(root), env["PYTHONPATH"]))
