@@ -170,20 +170,19 @@ finally:
 """
 
 
-class ThreadTimes:
-    """Each thread's time on a CPU and waiting for one, read every half millisecond by a
-    process of its own from ``/proc/PID/task/*/schedstat`` (Linux): that process takes
-    nothing from this one, not even the interpreter lock, so it sees what a sampler in
-    this process could not, what ran while an eager call was slow."""
+class _Sidecar:
+    """A process of its own that reads ``/proc`` for this one and writes what it read to a
+    file (``script``, given this process's pid and the file's path), and the names of this
+    process's threads by their native ids (the loop's thread as ``LOOP``)."""
 
-    def __init__(self, origin: float) -> None:
+    def __init__(self, origin: float, script: str, prefix: str) -> None:
         import threading
 
         self.origin = origin
-        handle, self.path = tempfile.mkstemp(prefix="bench-thread-times-")
+        handle, self.path = tempfile.mkstemp(prefix=prefix)
         os.close(handle)
         self.names: dict[int, str] = {threading.main_thread().native_id: "LOOP"}  # type: ignore[dict-item]
-        self.process = subprocess.Popen([sys.executable, "-c", _SIDECAR, str(os.getpid()), self.path])
+        self.process = subprocess.Popen([sys.executable, "-c", script, str(os.getpid()), self.path])
 
     def note_names(self) -> None:
         import threading
@@ -191,6 +190,16 @@ class ThreadTimes:
         for thread in threading.enumerate():
             if thread.native_id is not None and thread.native_id not in self.names:
                 self.names[thread.native_id] = thread.name
+
+
+class ThreadTimes(_Sidecar):
+    """Each thread's time on a CPU and waiting for one, read every half millisecond by a
+    process of its own from ``/proc/PID/task/*/schedstat`` (Linux): that process takes
+    nothing from this one, not even the interpreter lock, so it sees what a sampler in
+    this process could not, what ran while an eager call was slow."""
+
+    def __init__(self, origin: float) -> None:
+        super().__init__(origin, _SIDECAR, "bench-thread-times-")
 
     def report(self, calls: list[tuple[float, float]]) -> list[str]:
         """For each (began, length) call, perf_counter seconds: every thread that was on a
@@ -283,7 +292,7 @@ COMPILERS = frozenset({"cc1plus", "cc1", "as", "ld", "collect2", "g++", "gcc", "
 """The commands counted as compilers (a ``comm`` of ``/proc``)."""
 
 
-class ProcessTimes:
+class ProcessTimes(_Sidecar):
     """Where the CPUs went from the program's start until a moment (compiled answers): this
     process's threads (by their ``threading`` names, the loop's thread as ``LOOP``) and
     every process it started, directly or not, by what each is (aiocompile's fork server,
@@ -292,20 +301,7 @@ class ProcessTimes:
     last 50 ms of one, can be missed, so the compilers' share is a little low."""
 
     def __init__(self, origin: float) -> None:
-        import threading
-
-        self.origin = origin
-        handle, self.path = tempfile.mkstemp(prefix="bench-process-times-")
-        os.close(handle)
-        self.names: dict[int, str] = {threading.main_thread().native_id: "LOOP"}  # type: ignore[dict-item]
-        self.process = subprocess.Popen([sys.executable, "-c", _TREE_SIDECAR, str(os.getpid()), self.path])
-
-    def note_names(self) -> None:
-        import threading
-
-        for thread in threading.enumerate():
-            if thread.native_id is not None and thread.native_id not in self.names:
-                self.names[thread.native_id] = thread.name
+        super().__init__(origin, _TREE_SIDECAR, "bench-process-times-")
 
     def report(self, until: float) -> list[str]:
         """Where the CPUs went from the program's start until ``until`` (perf_counter

@@ -208,6 +208,26 @@ def alive(pids) -> set[int]:
 
 
 @contextlib.contextmanager
+def threads_started():
+    """The names of the threads started inside the block, in a list the block gets
+    (``threading.Thread.start`` noted, then put back)."""
+    import threading
+
+    started: list[str] = []
+    real_start = threading.Thread.start
+
+    def noting_start(thread):
+        started.append(thread.name)
+        real_start(thread)
+
+    threading.Thread.start = noting_start  # type: ignore[method-assign]
+    try:
+        yield started
+    finally:
+        threading.Thread.start = real_start  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
 def busy_inside_handing_over(calls_per_turn: int = 0):
     """A thread inside aiocompile's ``threads.handing_over`` (as a load's imports are),
     noting the time at each turn of its loop (a Python call each turn: where it stands

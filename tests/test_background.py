@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import busy_inside_handing_over, subprocess_env, wait_until
+from conftest import busy_inside_handing_over, subprocess_env, threads_started, wait_until
 
 import aiocompile
 
@@ -137,18 +137,8 @@ async def test_close_in_an_event_loop_hands_the_workers_exits_to_a_started_threa
     scheduler = compiled.scheduler  # waited for here: a test may hold its loop
     # The thread that made it started the lane's first thread, which now waits for work.
     assert wait_until(lambda: background._LANE._get()._idle_semaphore._value > 0, timeout=30)
-    started = []
-    real_start = threading.Thread.start
-
-    def noting_start(thread):
-        started.append(thread.name)
-        real_start(thread)
-
-    threading.Thread.start = noting_start  # type: ignore[method-assign]
-    try:
+    with threads_started() as started:
         compiled.close()
-    finally:
-        threading.Thread.start = real_start  # type: ignore[method-assign]
     assert started == []
     await compiled.aclose()
     assert scheduler.closed

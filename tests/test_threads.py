@@ -8,7 +8,7 @@ import sys
 import threading
 
 import pytest
-from conftest import busy_inside_handing_over, subprocess_env, wait_until
+from conftest import busy_inside_handing_over, subprocess_env, threads_started, wait_until
 
 from aiocompile._base import aside, threads
 
@@ -118,18 +118,8 @@ def test_a_prestarted_lane_hands_the_first_work_to_its_waiting_thread_and_starts
     # Its thread, having run the start's no-op, waits for work (the executor counts it idle).
     idle = lane._get()._idle_semaphore
     wait_until(lambda: idle._value > 0)
-    started = []
-    real_start = threading.Thread.start
-
-    def noting_start(thread):
-        started.append(thread.name)
-        real_start(thread)
-
-    threading.Thread.start = noting_start  # type: ignore[method-assign]
-    try:
+    with threads_started() as started:
         assert lane.submit(lambda: threading.current_thread().name).result(10).startswith("aiocompile-test-prestarted")
-    finally:
-        threading.Thread.start = real_start  # type: ignore[method-assign]
     assert started == []
 
 

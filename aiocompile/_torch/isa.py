@@ -45,6 +45,8 @@ import subprocess
 import sys
 import threading
 
+from aiocompile._base import pyc
+
 _logger = logging.getLogger("aiocompile")
 
 BUILD_TIMEOUT = 600.0
@@ -103,7 +105,7 @@ def remember_loads() -> bool:
                 return True
             loaded = bool(probe(self, output_path))
             if loaded and stamp is not None:
-                _write(marker, stamp)
+                pyc.write(marker, stamp.encode("utf-8"))  # whole or not at all
             return loaded
 
         _probe_load._aiocompile_remembers = True  # type: ignore[attr-defined]
@@ -129,20 +131,6 @@ def _read(path: str) -> str | None:
             return file.read()
     except (OSError, ValueError):
         return None
-
-
-def _write(path: str, text: str) -> None:
-    """Written whole or not at all (a reader never sees half of it)."""
-    temporary = f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(temporary, "w", encoding="utf-8") as file:
-            file.write(text)
-        os.replace(temporary, path)
-    except OSError:
-        try:
-            os.unlink(temporary)
-        except OSError:
-            pass
 
 
 class Check:
