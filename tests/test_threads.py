@@ -472,3 +472,34 @@ def test_a_program_that_exits_with_a_thread_still_standing_aside_prints_nothing(
                           env=subprocess_env())
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""
+
+
+def test_a_background_compiles_own_scheduler_thread_starts_the_lane_before_it_makes_the_scheduler(monkeypatch):
+    """The thread that makes a wrapper's own scheduler starts the background lane's first
+    thread before anything else: a first call made while the scheduler is being made (it
+    imports the pool's modules, long on busy CPUs) then starts no thread."""
+    torch = pytest.importorskip("torch")
+    from aiocompile._torch import background, warming
+
+    making = threading.Event()
+    release = threading.Event()
+    real_new = warming._new_scheduler
+
+    def slow_new(*args, **kwargs):
+        making.set()
+        assert release.wait(60)
+        return real_new(*args, **kwargs)
+
+    monkeypatch.setattr(warming, "_new_scheduler", slow_new)
+    lane = threads.Lane("aiocompile-test-background", 2)  # none of its threads started yet
+    monkeypatch.setattr(background, "_LANE", lane)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4)).eval()
+    compiled = background.compile_in_background(model, disable=True)
+    try:
+        assert making.wait(30)
+        idle = lane._get()._idle_semaphore
+        assert wait_until(lambda: idle._value > 0, timeout=30)  # started, waiting for work
+        assert not compiled._scheduler.done()  # and the scheduler not made yet
+    finally:
+        release.set()
+        compiled.close()

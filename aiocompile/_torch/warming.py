@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from aiocompile._base import bridge, collector, threads
@@ -55,8 +56,8 @@ class _Warmed:
 _WARMED = _Warmed()
 
 
-def scheduler_for(device: str = "cpu", form: str = "package", *,
-                  prepare_load: bool = True) -> tuple[cf.Future[Scheduler], bool]:
+def scheduler_for(device: str = "cpu", form: str = "package", *, prepare_load: bool = True,
+                  first: Callable[[], object] | None = None) -> tuple[cf.Future[Scheduler], bool]:
     """The scheduler a background compile without one goes to, as a future, and whether
     the caller owns it (then its ``close()`` closes it): ``install()``'s if installed; the
     one ``warm()`` made; else a new one, made in a thread of its own (making one imports
@@ -65,6 +66,9 @@ def scheduler_for(device: str = "cpu", form: str = "package", *,
     preloaded in its fork server, and its workers started at once, each importing what a
     compile needs (``export.warm_up``; for a model on the CPU, the fork server makes
     Inductor's vector-ISA check before it forks them: :mod:`.isa`).
+
+    ``first``: called first by the thread that makes a new scheduler (the background lane's
+    first thread started there, before the caller's first call could start it itself).
 
     With ``prepare_load``, what loading ``form`` here needs is made ahead (:mod:`.ahead`):
     at once where the scheduler exists; for a new one, once a worker's warm-up has ended.
@@ -101,6 +105,8 @@ def scheduler_for(device: str = "cpu", form: str = "package", *,
         return found, False
 
     def make() -> Scheduler:
+        if first is not None:
+            first()
         # A CPU model's Python-form load makes Inductor's vector-ISA check here, begun at
         # once where the installation has the load's bytecode: then its fork server leaves
         # the check to it (``export.PRELOAD_IMPORTS``).
