@@ -204,6 +204,15 @@ def test_reading_a_pack_unmarshals_its_index_and_then_only_the_code_asked_for(tm
     assert max(sizes) < len(data) / 20
     assert reader.get((300).to_bytes(32, "little"), "<string>") is None  # no such key
 
+    # Entries that are no (offset, length), or lie outside the codes, are read past.
+    monkeypatch.setattr(generated, "marshal", __import__("marshal"))
+    bad = generated.Packs._pack({b"k" * 32: b"x" * 4})
+    for where in ("no pair", (10**6, 5)):
+        head = __import__("marshal").dumps({b"k" * 32: where})
+        damaged = b"".join([generated.Packs.PACK_MAGIC, len(head).to_bytes(4, "little"), head, bad[-4:]])
+        (tmp_path / "bytecode" / "generated" / "x" / "damaged.pack").write_bytes(damaged)
+        assert generated.Packs(folder).get(b"k" * 32, "<string>") is None
+
 
 def test_no_bytecode_directory_means_no_cache(tmp_path, folder):
     pytest.importorskip("jinja2")

@@ -115,7 +115,8 @@ class CachedSourceLoader(importlib.machinery.SourceFileLoader):
         except OSError:
             data = b""
         if data[:16] == header:
-            if len(data) >= pieces.PIECES_FROM:
+            in_pieces = len(data) >= pieces.PIECES_FROM and aside.attached()
+            if in_pieces:
                 made = _in_pieces(ours, pieces.made_from(header, len(data)), source_path)
                 if made is not None:
                     return made
@@ -125,7 +126,7 @@ class CachedSourceLoader(importlib.machinery.SourceFileLoader):
             except (EOFError, ValueError, TypeError):
                 code = None  # damaged: compiled again, and written again
             if isinstance(code, CodeType):
-                if len(data) >= pieces.PIECES_FROM:
+                if in_pieces:
                     _keep_pieces(ours, pieces.made_from(header, len(data)), code)
                 return code
         code = self.source_to_code(self.get_data(source_path), source_path)
@@ -134,7 +135,10 @@ class CachedSourceLoader(importlib.machinery.SourceFileLoader):
 
     def _beside(self, fullname: str, source_path: str, beside: str) -> CodeType | None:
         """Python's own bytecode beside the source, loaded in pieces (:mod:`.pieces`) where it
-        is large, current and this thread stands aside for calls being served."""
+        is large, current and this thread stands aside for calls being served (only the
+        serving process's threads: a fork server's and a worker's imports are Python's)."""
+        if not aside.attached():
+            return super().get_code(fullname)
         try:
             size = os.stat(beside).st_size
             if size < pieces.PIECES_FROM:
@@ -161,10 +165,7 @@ _PIECES_SUFFIX = ".pieces"
 
 def _in_pieces(target: str, made: bytes, source_path: str) -> CodeType | None:
     """The module's code from its pieces beside ``target`` (our bytecode's path for it),
-    where this thread stands aside for calls being served (the serving process's), and the
-    pieces were made from this bytecode; else None."""
-    if not aside.attached():
-        return None
+    where they were made from this bytecode; else None."""
     blobs = pieces.read(target + _PIECES_SUFFIX, made)
     if blobs is None:
         return None
@@ -179,13 +180,11 @@ def _in_pieces(target: str, made: bytes, source_path: str) -> CodeType | None:
 
 
 def _keep_pieces(target: str, made: bytes, code: CodeType) -> None:
-    """Keep the module's code in pieces beside ``target`` for the next process, where this
-    thread would have read them (the serving process's, standing aside) and they are not
-    there already: only what the serving process needs is kept (with a floor of 96 KB a
-    fork server's imports would have kept 132 modules, 29 MB, splitting each as it starts;
-    a CPU model's load imports kept 96, 22 MB, and 27, 10 MB, at 256 KB)."""
-    if not aside.attached():
-        return
+    """Keep the module's code in pieces beside ``target`` for the next process, unless they
+    are there already. Called only where the pieces would have been read (the serving
+    process's standing-aside threads): only what the serving process needs is kept (with a
+    floor of 96 KB a fork server's imports would have kept 132 modules, 29 MB, splitting
+    each as it starts; a CPU model's load imports kept 96, 22 MB, and 27, 10 MB, at 256 KB)."""
     path = target + _PIECES_SUFFIX
     if pieces.current(path, made):
         return

@@ -90,10 +90,6 @@ class BackgroundCompiled:
         device = choices.model_device(model)
         self._gpu = device == "cuda"
         self._eager = EagerThreads(torch, eager_threads, device)
-        if not scheduler.done():
-            # The thread that makes the scheduler starts the lane's first thread too, so
-            # that the first call, which hands the packing to it, starts none.
-            scheduler.add_done_callback(lambda _: _LANE.prestart())
 
     @property
     def model(self) -> Any:
